@@ -1,0 +1,9 @@
+"""jaxserve: JAX-native reinforcement-learning environments for ML/LLM inference serving."""
+
+from jaxserve.core.types import GPUProfile, Trace, stack_profiles
+from jaxserve.envs import make, register, registered_envs
+from jaxserve.evaluation.replay import replay
+
+__all__ = ["GPUProfile", "Trace", "make", "register", "registered_envs", "replay",
+           "stack_profiles"]
+__version__ = "0.1.0"

@@ -1,0 +1,278 @@
+"""Arrival processes and token-length distributions, as pure functions of keys and pytrees.
+
+Arrivals: a Markov-modulated Poisson process (MMPP) with `K` phases. Poisson(rate) is the
+one-phase case, so one sampler serves both and `vmap` over rates needs no recompile.
+
+Token lengths: a mixture of request classes, each with lognormal prompt and output lengths
+(`sigma = 0` gives fixed lengths; two classes give the bimodal short/long mix), or an empirical
+table of `(prompt, output)` rows sampled uniformly. Which of the two is used is decided by the
+table's (static) length.
+
+The output-length *estimate* a policy sees is made here too: exact, noisy (lognormal
+multiplicative noise) or a size class (bucketed by `size_edges`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+ESTIMATE_EXACT, ESTIMATE_NOISY, ESTIMATE_CLASS = 0, 1, 2
+
+
+@struct.dataclass
+class ArrivalProcess:
+    """MMPP parameters.
+
+    Attributes:
+      rates: arrival rate in each phase (requests/s). `(K,)` float32.
+      switch: phase switching rates (1/s); `switch[i, j]` is the rate of moving from phase `i`
+        to `j`, the diagonal is ignored. `(K, K)` float32.
+    """
+
+    rates: jax.Array
+    switch: jax.Array
+
+    @property
+    def num_phases(self) -> int:
+        return int(self.rates.shape[-1])
+
+
+def poisson(rate: float) -> ArrivalProcess:
+    """Poisson arrivals at `rate` requests/s (a one-phase MMPP)."""
+    return ArrivalProcess(rates=jnp.asarray([rate], jnp.float32),
+                          switch=jnp.zeros((1, 1), jnp.float32))
+
+
+def mmpp(rates: Sequence[float], switch_rates) -> ArrivalProcess:
+    """MMPP with per-phase `rates` (req/s) and switching rates (1/s).
+
+    `switch_rates` is either a `(K, K)` matrix (diagonal ignored) or, for two phases, a pair
+    `(rate 0->1, rate 1->0)`.
+    """
+    rates = np.asarray(rates, np.float64)
+    sw = np.asarray(switch_rates, np.float64)
+    if sw.ndim == 1:
+        if rates.shape[0] != 2 or sw.shape[0] != 2:
+            raise ValueError("switch_rates as a pair needs exactly two phases")
+        sw = np.array([[0.0, sw[0]], [sw[1], 0.0]])
+    return ArrivalProcess(rates=jnp.asarray(rates, jnp.float32),
+                          switch=jnp.asarray(sw, jnp.float32))
+
+
+def stationary(proc: ArrivalProcess) -> jax.Array:
+    """Stationary phase probabilities of the MMPP's modulating chain, `(K,)`."""
+    k = proc.rates.shape[-1]
+    if k == 1:
+        return jnp.ones((1,), jnp.float32)
+    q = proc.switch * (1.0 - jnp.eye(k))
+    gen = q - jnp.diag(q.sum(-1))
+    # pi solves pi @ gen = 0 with sum(pi) = 1: replace one equation by the normalisation.
+    a = gen.T.at[-1].set(1.0)
+    b = jnp.zeros(k).at[-1].set(1.0)
+    return jnp.clip(jnp.linalg.solve(a, b), 0.0, 1.0)
+
+
+def mean_rate(proc: ArrivalProcess) -> jax.Array:
+    """Long-run mean arrival rate (req/s): phase rates weighted by the stationary law."""
+    return (stationary(proc) * proc.rates).sum(-1)
+
+
+def validate_arrivals(proc: ArrivalProcess, where: str = "arrivals") -> None:
+    """Raises ValueError naming the field for NaN/inf/negative rates or a bad shape."""
+    rates = np.asarray(proc.rates, np.float64)
+    sw = np.asarray(proc.switch, np.float64)
+    if rates.ndim != 1 or rates.shape[0] < 1:
+        raise ValueError(f"{where}.rates must be a 1-D array of phase rates, got {rates.shape}")
+    if sw.shape != (rates.shape[0], rates.shape[0]):
+        raise ValueError(f"{where}.switch must have shape {(rates.shape[0],) * 2}, got {sw.shape}")
+    for name, v in (("rates", rates), ("switch", sw)):
+        if not np.all(np.isfinite(v)):
+            raise ValueError(f"{where}.{name} must be finite, got {v}")
+        if np.any(v < 0):
+            raise ValueError(f"{where}.{name} must be >= 0, got {v}")
+    if not np.any(rates > 0):
+        raise ValueError(f"{where}.rates must have a positive phase rate, got {rates}")
+    if rates.shape[0] > 1:
+        off = sw * (1 - np.eye(rates.shape[0]))
+        if np.any((off.sum(-1) == 0) & (rates == 0)):
+            raise ValueError(f"{where}: a phase with rate 0 and no way out never yields arrivals")
+
+
+def sample_gap(key: jax.Array, phase: jax.Array, proc: ArrivalProcess):
+    """Time to the next arrival (s) and the phase it happens in.
+
+    Competing exponentials: in phase `j` the next event is an arrival with rate `rates[j]` or a
+    switch with rate `sum_k switch[j, k]`; switches are followed until an arrival occurs, so the
+    result is exact for the MMPP. One iteration for Poisson.
+
+    Args:
+      key: PRNG key.
+      phase: current phase, int32 scalar.
+      proc: MMPP parameters.
+
+    Returns:
+      (gap seconds float32, new phase int32).
+    """
+    k = proc.rates.shape[-1]
+    off = proc.switch * (1.0 - jnp.eye(k, dtype=jnp.float32))
+    out = off.sum(-1)
+
+    def cond(c):
+        return ~c[3]
+
+    def body(c):
+        key, t, ph, _ = c
+        key, k_t, k_what, k_to = jax.random.split(key, 4)
+        total = proc.rates[ph] + out[ph]
+        t = t + jax.random.exponential(k_t, dtype=jnp.float32) / total
+        is_arrival = jax.random.uniform(k_what) * total < proc.rates[ph]
+        nxt = jax.random.categorical(k_to, jnp.log(jnp.maximum(off[ph], 1e-30)))
+        nxt = jnp.where(out[ph] > 0, nxt, ph).astype(jnp.int32)
+        return key, t, jnp.where(is_arrival, ph, nxt), is_arrival
+
+    if k == 1:  # Poisson: no phase logic needed.
+        gap = jax.random.exponential(key, dtype=jnp.float32) / proc.rates[0]
+        return gap, phase
+    _, t, ph, _ = jax.lax.while_loop(
+        cond, body, (key, jnp.float32(0.0), phase.astype(jnp.int32), jnp.bool_(False)))
+    return t, ph
+
+
+def sample_phase(key: jax.Array, proc: ArrivalProcess) -> jax.Array:
+    """A phase drawn from the MMPP's stationary law (int32)."""
+    if proc.rates.shape[-1] == 1:
+        return jnp.int32(0)
+    logits = jnp.log(jnp.maximum(stationary(proc), 1e-12))
+    return jax.random.categorical(key, logits).astype(jnp.int32)
+
+
+@struct.dataclass
+class TokenDist:
+    """Distribution of (prompt, output) token lengths.
+
+    Attributes:
+      weights: class probabilities (need not be normalised). `(C,)`.
+      prompt_median, prompt_sigma: lognormal prompt length per class (tokens, log-space sd).
+      output_median, output_sigma: lognormal output length per class.
+      max_prompt, max_output: lengths are rounded and clipped to `[1, max]` (tokens).
+      table_prompt, table_output: empirical `(M,)` rows; when `M > 0` rows are drawn uniformly
+        from the table instead of from the classes.
+    """
+
+    weights: jax.Array
+    prompt_median: jax.Array
+    prompt_sigma: jax.Array
+    output_median: jax.Array
+    output_sigma: jax.Array
+    max_prompt: jax.Array
+    max_output: jax.Array
+    table_prompt: jax.Array
+    table_output: jax.Array
+
+
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def class_mixture(weights, prompt_median, prompt_sigma, output_median, output_sigma,
+                  max_prompt=32768, max_output=32768) -> TokenDist:
+    """A mixture of lognormal request classes (one entry per class in each argument)."""
+    w = np.atleast_1d(np.asarray(weights, np.float64))
+    args = [np.broadcast_to(np.asarray(a, np.float64), w.shape)
+            for a in (prompt_median, prompt_sigma, output_median, output_sigma)]
+    return TokenDist(_f32(w), *map(_f32, args), _f32(max_prompt), _f32(max_output),
+                     jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+
+
+def fixed_tokens(prompt: int, output: int) -> TokenDist:
+    """Every request has exactly `prompt` and `output` tokens."""
+    return class_mixture([1.0], [prompt], [0.0], [output], [0.0])
+
+
+def lognormal_tokens(prompt_median, prompt_sigma, output_median, output_sigma,
+                     max_prompt=32768, max_output=32768) -> TokenDist:
+    """Independent lognormal prompt and output lengths (tokens)."""
+    return class_mixture([1.0], [prompt_median], [prompt_sigma], [output_median],
+                         [output_sigma], max_prompt, max_output)
+
+
+def bimodal_tokens(long_frac=0.2, short=(256, 32), long=(1024, 512), sigma=0.3,
+                   max_prompt=32768, max_output=32768) -> TokenDist:
+    """Short/long mixture: a fraction `long_frac` of requests is long.
+
+    `short` and `long` are (prompt median, output median) in tokens; `sigma` the lognormal
+    spread of both classes.
+    """
+    return class_mixture([1 - long_frac, long_frac], [short[0], long[0]], [sigma, sigma],
+                         [short[1], long[1]], [sigma, sigma], max_prompt, max_output)
+
+
+def empirical_tokens(prompt_tokens, output_tokens) -> TokenDist:
+    """Rows `(prompt_tokens[i], output_tokens[i])` drawn uniformly (e.g. from a real trace)."""
+    p = np.asarray(prompt_tokens, np.float64)
+    o = np.asarray(output_tokens, np.float64)
+    if p.ndim != 1 or p.shape != o.shape or p.shape[0] == 0:
+        raise ValueError("empirical_tokens needs two 1-D arrays of equal, non-zero length")
+    if np.any(p < 1) or np.any(o < 1) or not np.all(np.isfinite(p + o)):
+        raise ValueError("empirical_tokens: token counts must be finite and >= 1")
+    return TokenDist(_f32([1.0]), _f32([p.mean()]), _f32([0.0]), _f32([o.mean()]), _f32([0.0]),
+                     _f32(p.max()), _f32(o.max()), _f32(p), _f32(o))
+
+
+def validate_tokens(dist: TokenDist, where: str = "tokens") -> None:
+    """Raises ValueError naming the field for invalid token-length parameters."""
+    for f in ("weights", "prompt_median", "prompt_sigma", "output_median", "output_sigma",
+              "max_prompt", "max_output"):
+        v = np.asarray(getattr(dist, f), np.float64)
+        if not np.all(np.isfinite(v)) or np.any(v < 0):
+            raise ValueError(f"{where}.{f} must be finite and >= 0, got {v}")
+    if not np.asarray(dist.weights).sum() > 0:
+        raise ValueError(f"{where}.weights must have a positive entry")
+    for f in ("prompt_median", "output_median", "max_prompt", "max_output"):
+        if np.any(np.asarray(getattr(dist, f)) < 1):
+            raise ValueError(f"{where}.{f} must be >= 1 token")
+
+
+def sample_tokens(key: jax.Array, dist: TokenDist):
+    """One request's (prompt, output) token lengths, float32 integers in `[1, max]`."""
+    if dist.table_prompt.shape[-1] > 0:
+        i = jax.random.randint(key, (), 0, dist.table_prompt.shape[-1])
+        return dist.table_prompt[i], dist.table_output[i]
+    k_c, k_p, k_o = jax.random.split(key, 3)
+    c = jax.random.categorical(k_c, jnp.log(jnp.maximum(dist.weights, 1e-30)))
+    zp, zo = jax.random.normal(k_p, dtype=jnp.float32), jax.random.normal(k_o, dtype=jnp.float32)
+    p = jnp.round(dist.prompt_median[c] * jnp.exp(dist.prompt_sigma[c] * zp))
+    o = jnp.round(dist.output_median[c] * jnp.exp(dist.output_sigma[c] * zo))
+    return jnp.clip(p, 1.0, dist.max_prompt), jnp.clip(o, 1.0, dist.max_output)
+
+
+def size_class(output, size_edges):
+    """Size class of an output length: the number of `size_edges` (tokens) it exceeds (int32)."""
+    return jnp.sum(output[..., None] > size_edges, axis=-1).astype(jnp.int32)
+
+
+def output_estimate(key: jax.Array, output, mode, noise_sigma, size_edges, size_values):
+    """The output-length estimate (tokens) a scheduler sees, and the size class.
+
+    Args:
+      key: PRNG key (used by the noisy mode).
+      output: true output length (tokens).
+      mode: `ESTIMATE_EXACT` (true length), `ESTIMATE_NOISY` (true length times
+        `exp(noise_sigma * z)`) or `ESTIMATE_CLASS` (the class's representative length
+        `size_values[class]`). An int32 leaf, so it can be swept under vmap.
+      size_edges: `(E,)` increasing class boundaries in tokens.
+      size_values: `(E + 1,)` representative length of each class (tokens).
+
+    Returns:
+      (estimate float32 >= 1, class int32).
+    """
+    cls = size_class(output, size_edges)
+    noisy = jnp.round(output * jnp.exp(noise_sigma * jax.random.normal(key, dtype=jnp.float32)))
+    est = jnp.select([mode == ESTIMATE_EXACT, mode == ESTIMATE_NOISY],
+                     [output, noisy], size_values[cls])
+    return jnp.maximum(est, 1.0).astype(jnp.float32), cls

@@ -1,0 +1,192 @@
+"""Batching-v0: decide when, and how many, waiting requests a single GPU serves together."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from gymnax.environments import environment, spaces
+
+from jaxserve.core import cluster as C
+from jaxserve.core import queues as Q
+from jaxserve.core.metrics import StepMetrics
+from jaxserve.envs import common
+
+NUM_FEATURES = 6
+FEATURE_CLIP = 1e3
+
+
+@struct.dataclass
+class BatchingState:
+    """State of a Batching-v0 episode at a decision instant (t = 0: GPU idle, queue non-empty).
+
+    Attributes:
+      cluster: the one GPU's queue and batch (num_gpus = 1).
+      upcoming: the next request to arrive; its `arrival` is when (s, relative; inf if none).
+      phase: arrival-process phase. int32.
+      trace_pos: trace row of `upcoming`. int32.
+      time: decisions taken this episode. int32.
+    """
+
+    cluster: C.Cluster
+    upcoming: Q.Request
+    phase: jax.Array
+    trace_pos: jax.Array
+    time: jax.Array
+
+
+def _pick(flag, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
+
+
+class Batching(environment.Environment[BatchingState, common.ServingParams]):
+    """One GPU; the agent replaces the static batcher.
+
+    Decision epochs: whenever the GPU is idle and requests wait, after every completion and
+    arrival at that instant has been processed (MODEL.md's event order).
+    Action: `Discrete(max_batch + 1)`. `0` waits: the next decision comes at the next arrival
+      instant. `k >= 1` dispatches the first `min(k, waiting, max_batch)` waiting requests as one
+      batch now. Counted in `info["invalid_actions"]` and mapped deterministically: an action
+      outside `[0, max_batch]` is clipped into it; `k > waiting` dispatches all that wait;
+      `0` when no request will ever arrive again (end of a trace) dispatches
+      `min(waiting, max_batch)`.
+    Observation: float32 `(6,)`: waiting / max_batch, waiting / queue_cap, head's wait /
+      time_scale, mean wait / time_scale, queued work / time_scale, fraction of waiting requests
+      above the smallest size class.
+    Reward: `-(time-in-system during the step + drop_penalty_s * drops) / latency_scale`.
+    Termination: with a replayed trace, once it has ended and the GPU has drained.
+      Truncation after `max_steps_in_episode` decisions.
+    """
+
+    def __init__(self, max_batch: int, queue_buffer: int = 64, trace_len: int = 0,
+                 default: common.ServingParams | None = None):
+        super().__init__()
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = int(max_batch)
+        self.queue_buffer = int(queue_buffer)
+        self.trace_len = int(trace_len)
+        self.num_gpus = 1
+        self._default = default
+
+    @property
+    def default_params(self) -> common.ServingParams:
+        return self._default
+
+    @property
+    def name(self) -> str:
+        return "Batching-v0"
+
+    @property
+    def num_actions(self) -> int:
+        return self.max_batch + 1
+
+    def reset_env(self, key, params):
+        k_phase, k_req, k_run = jax.random.split(key, 3)
+        phase = common.first_phase(k_phase, params)
+        gap, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
+        state = BatchingState(cluster=C.empty_cluster(1, self.queue_buffer),
+                              upcoming=req.replace(arrival=jnp.float32(0.0)), phase=phase,
+                              trace_pos=jnp.int32(0), time=jnp.int32(0))
+        state, _ = self._run_to_decision(k_run, state, params, jnp.bool_(False))
+        return self.get_obs(state, params), state
+
+    def step_env(self, key, state, action, params):
+        action = jnp.asarray(action, jnp.int32)
+        cl = state.cluster
+        waiting = cl.queues.count[0]
+        limit = C.batch_limit(cl, params.gpus)[0]
+        no_more = ~jnp.isfinite(state.upcoming.arrival)
+        k = jnp.minimum(jnp.clip(action, 0, self.max_batch), jnp.minimum(waiting, limit))
+        forced = (k == 0) & no_more
+        k = jnp.where(forced, jnp.minimum(waiting, limit), k)
+        invalid = (action < 0) | (action > self.max_batch) | (action > waiting) | forced
+        go = (k > 0) & (waiting > 0)
+        cl, _ = C.dispatch(cl, params.gpus, go[None], k[None], jnp.zeros((1,), jnp.float32),
+                           params.slo_s)
+        state = state.replace(cluster=cl)
+        state, metrics = self._run_to_decision(key, state, params, ~go)
+        metrics = metrics.replace(invalid_actions=invalid.astype(jnp.int32))
+        state = state.replace(time=state.time + 1)
+        reward = common.reward_from(metrics, params)
+        return (self.get_obs(state, params), state, reward, self.is_terminated(state, params),
+                metrics.as_dict())
+
+    def _run_to_decision(self, key, state, params, must_wait):
+        """Processes completions and arrivals until the next decision instant; rebases to it.
+
+        Stops when the GPU is idle, requests wait, no arrival is due at this very instant and
+        the agent did not just choose to wait (`must_wait`, cleared by the next arrival); or
+        when nothing can happen any more (trace ended, system empty).
+        """
+        gpus = params.gpus
+
+        def ready(c):
+            cl, nxt, _, _, t, must, _, _ = c
+            idle = cl.servers.run_count[0] == 0
+            q = cl.queues.count[0]
+            decide = idle & (q > 0) & (nxt.arrival > t) & ~must
+            finished = idle & (q == 0) & ~jnp.isfinite(nxt.arrival)
+            return decide | finished
+
+        def body(c):
+            cl, nxt, phase, pos, t, must, m, key = c
+            key, k_next = jax.random.split(key)
+            s = cl.servers
+            completion = (s.run_count[0] > 0) & (s.free_at[0] <= nxt.arrival)
+            t_new = jnp.where(completion, s.free_at[0], nxt.arrival)
+            m = m.replace(in_system_time=m.in_system_time + C.in_system(cl) * (t_new - t))
+            cl_done, m_done = C.complete_due(cl, completion[None], m)
+            cl_arr, dropped = C.route(cl, gpus, nxt, jnp.int32(0))
+            m_arr = m.replace(arrived=m.arrived + 1, dropped=m.dropped + dropped)
+            gap, req, phase_arr, _ = common.next_arrival(k_next, params, phase, pos + 1,
+                                                         nxt.req_id + 1)
+            nxt_arr = req.replace(arrival=t_new + gap)
+            cl, m = _pick(completion, (cl_done, m_done), (cl_arr, m_arr))
+            nxt, phase, pos = _pick(completion, (nxt, phase, pos), (nxt_arr, phase_arr, pos + 1))
+            return cl, nxt, phase, pos, t_new, must & completion, m, key
+
+        carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, jnp.float32(0.0),
+                 must_wait, StepMetrics.zeros(), key)
+        cl, nxt, phase, pos, t, _, m, _ = jax.lax.while_loop(
+            lambda c: ~ready(c), body, carry)
+        # Busy time of this window: the batch started at 0 (if any) up to min(end, t).
+        s = cl.servers
+        busy_open = jnp.where(s.run_count > 0, t - jnp.maximum(s.run_start, 0.0), 0.0).sum()
+        m = m.replace(busy_time=m.busy_time + busy_open, elapsed=t)
+        state = state.replace(cluster=C.rebase(cl, t), upcoming=nxt.replace(arrival=nxt.arrival - t),
+                              phase=phase, trace_pos=pos)
+        return state, m
+
+    def get_obs(self, state, params=None, key=None):
+        q = state.cluster.queues
+        p = params
+        waiting = q.count[0].astype(jnp.float32)
+        mask = Q.waiting_mask(q)[0]
+        wait = jnp.where(mask, -q.arrival[0], 0.0)
+        big = (mask & (q.size_class[0] > 0)).sum()
+        feats = jnp.stack([
+            waiting / jnp.maximum(p.gpus.max_batch[0], 1),
+            waiting / jnp.maximum(p.gpus.queue_cap[0], 1),
+            wait.max() / p.time_scale,
+            wait.sum() / jnp.maximum(waiting, 1.0) / p.time_scale,
+            C.queued_work(state.cluster, p.gpus)[0] / p.time_scale,
+            big / jnp.maximum(waiting, 1.0),
+        ])
+        return jnp.clip(jnp.nan_to_num(feats), 0.0, FEATURE_CLIP).astype(jnp.float32)
+
+    def is_terminated(self, state, params):
+        cl = state.cluster
+        return ((cl.servers.run_count[0] == 0) & (cl.queues.count[0] == 0)
+                & ~jnp.isfinite(state.upcoming.arrival))
+
+    def action_space(self, params=None):
+        return spaces.Discrete(self.max_batch + 1)
+
+    def observation_space(self, params=None):
+        return spaces.Box(0.0, FEATURE_CLIP, (NUM_FEATURES,), jnp.float32)
+
+    def state_space(self, params=None) -> Any:
+        raise NotImplementedError("Batching-v0 exposes its state as the BatchingState pytree")

@@ -1,0 +1,200 @@
+"""What the serving environments share: parameters, request sources, validation, features.
+
+Static configuration (shapes: number of GPUs, queue buffer, trace window length) lives on the
+environment instance; everything a user may sweep (GPU coefficients, batch limits, arrival
+rates, token distributions, SLO, reward weights, episode length) is an array leaf of
+`ServingParams`, so `vmap` over params needs no recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxserve.core import arrivals as A
+from jaxserve.core.queues import Request
+from jaxserve.core.types import GPUProfile, Trace, validate_profile, validate_trace
+
+
+@struct.dataclass
+class TraceArrays:
+    """A trace (or a window of one) as fixed-shape device arrays.
+
+    Attributes:
+      gap: seconds from the previous request's arrival (`gap[0]` is 0). `(L,)` float32.
+      prompt, output: token counts. `(L,)` float32.
+      length: number of valid rows (<= L); rows past it are padding. int32.
+    """
+
+    gap: jax.Array
+    prompt: jax.Array
+    output: jax.Array
+    length: jax.Array
+
+
+def trace_arrays(trace: Trace, pad_to: int | None = None) -> TraceArrays:
+    """Converts a validated host `Trace` to `TraceArrays`, padded to `pad_to` rows.
+
+    Gaps are differences of the float64 arrivals, so rounding to float32 loses nothing that
+    accumulates: every gap is exact to its own float32 precision.
+    """
+    tr = validate_trace(trace)
+    n = len(tr)
+    pad_to = n if pad_to is None else int(pad_to)
+    if pad_to < n:
+        raise ValueError(f"pad_to={pad_to} is shorter than the trace ({n} requests)")
+    gap = np.zeros(pad_to)
+    gap[1:n] = np.diff(tr.arrival_s)
+    prompt = np.ones(pad_to)
+    prompt[:n] = tr.prompt_tokens
+    output = np.ones(pad_to)
+    output[:n] = tr.output_tokens
+    return TraceArrays(gap=jnp.asarray(gap, jnp.float32), prompt=jnp.asarray(prompt, jnp.float32),
+                       output=jnp.asarray(output, jnp.float32), length=jnp.int32(n))
+
+
+def no_trace() -> TraceArrays:
+    """The empty trace of environments driven by a synthetic arrival process."""
+    z = jnp.zeros((0,), jnp.float32)
+    return TraceArrays(gap=z, prompt=z, output=z, length=jnp.int32(0))
+
+
+@struct.dataclass
+class ServingParams:
+    """Vmappable parameters of a serving environment.
+
+    Attributes:
+      gpus: the cluster's GPU profiles, `(num_gpus,)` leaves.
+      arrivals: arrival process (MMPP; Poisson is one phase). Unused when `trace` has rows.
+      tokens: token-length distribution. Unused when `trace` has rows.
+      estimate_mode: what schedulers see of output lengths: 0 exact, 1 noisy, 2 size class
+        (the default; a real scheduler rarely knows the true length). int32.
+      estimate_noise: lognormal sigma of the noisy estimate. float32.
+      size_edges: `(E,)` output-length class boundaries (tokens).
+      size_values: `(E + 1,)` representative output length of each class (tokens).
+      slo_s: latency SLO (s) for the SLO-met / goodput counters.
+      latency_scale: seconds of time-in-system per unit of (negative) reward.
+      drop_penalty_s: a dropped request costs as much reward as this many seconds in system.
+      time_scale: seconds per unit of time-valued observation features.
+      max_steps_in_episode: decisions per episode (gymnax truncation). int32.
+      trace: replayed requests; when it has rows they replace `arrivals` and `tokens`, and the
+        episode terminates at the trace's end.
+    """
+
+    gpus: GPUProfile
+    arrivals: A.ArrivalProcess
+    tokens: A.TokenDist
+    estimate_mode: jax.Array
+    estimate_noise: jax.Array
+    size_edges: jax.Array
+    size_values: jax.Array
+    slo_s: jax.Array
+    latency_scale: jax.Array
+    drop_penalty_s: jax.Array
+    time_scale: jax.Array
+    max_steps_in_episode: jax.Array
+    trace: TraceArrays
+
+
+SCALAR_FIELDS = {
+    "estimate_mode": jnp.int32, "estimate_noise": jnp.float32, "slo_s": jnp.float32,
+    "latency_scale": jnp.float32, "drop_penalty_s": jnp.float32, "time_scale": jnp.float32,
+    "max_steps_in_episode": jnp.int32,
+}
+
+
+def validate_params(params: ServingParams, queue_buffer: int) -> None:
+    """Host-side checks of a `ServingParams`; raises ValueError naming the field."""
+    validate_profile(params.gpus, where="params.gpus")
+    if np.any(np.asarray(params.gpus.queue_cap) > queue_buffer):
+        raise ValueError(f"params.gpus.queue_cap {np.asarray(params.gpus.queue_cap)} exceeds the "
+                         f"static queue buffer ({queue_buffer}); pass a larger queue_buffer")
+    if np.asarray(params.trace.length) == 0:
+        A.validate_arrivals(params.arrivals, where="params.arrivals")
+        A.validate_tokens(params.tokens, where="params.tokens")
+    for f in SCALAR_FIELDS:
+        v = np.asarray(getattr(params, f), np.float64)
+        if not np.all(np.isfinite(v)) or np.any(v < 0):
+            raise ValueError(f"params.{f} must be finite and >= 0, got {v}")
+    for f in ("latency_scale", "time_scale", "max_steps_in_episode"):
+        if np.any(np.asarray(getattr(params, f)) <= 0):
+            raise ValueError(f"params.{f} must be > 0, got {np.asarray(getattr(params, f))}")
+    if int(np.asarray(params.estimate_mode)) not in (0, 1, 2):
+        raise ValueError(f"params.estimate_mode must be 0 (exact), 1 (noisy) or 2 (class)")
+    edges = np.asarray(params.size_edges, np.float64)
+    if edges.ndim != 1 or np.any(np.diff(edges) <= 0) or not np.all(np.isfinite(edges)):
+        raise ValueError(f"params.size_edges must be a finite increasing 1-D array, got {edges}")
+    if np.asarray(params.size_values).shape != (edges.shape[0] + 1,):
+        raise ValueError("params.size_values must have one entry more than params.size_edges")
+
+
+def draw_request(key: jax.Array, params: ServingParams, arrival, req_id, tokens=None) -> Request:
+    """A request arriving at `arrival` (s): tokens drawn from `params.tokens` (or given as a
+    `(prompt, output)` pair, e.g. from a trace) and its output estimate and size class."""
+    k_tok, k_est = jax.random.split(key)
+    p, o = A.sample_tokens(k_tok, params.tokens) if tokens is None else tokens
+    est, cls = A.output_estimate(k_est, o, params.estimate_mode, params.estimate_noise,
+                                 params.size_edges, params.size_values)
+    return Request(arrival=jnp.asarray(arrival, jnp.float32), prompt=p, output=o, estimate=est,
+                   size_class=cls, req_id=jnp.asarray(req_id, jnp.int32))
+
+
+def next_arrival(key: jax.Array, params: ServingParams, phase, trace_pos, req_id):
+    """The next request and the gap (s) before it, from the trace or the arrival process.
+
+    Args:
+      trace_pos: trace row of the request to produce (ignored without a trace).
+    Returns:
+      (gap, request arriving at time 0 of the new frame, new phase, exhausted). `exhausted` is
+      True when a trace has no row `trace_pos` (the gap is then `inf`).
+    """
+    k_gap, k_req = jax.random.split(key)
+    tr = params.trace
+    if tr.gap.shape[0] > 0:
+        exhausted = trace_pos >= tr.length
+        i = jnp.minimum(trace_pos, tr.gap.shape[0] - 1)
+        gap = jnp.where(exhausted, jnp.inf, tr.gap[i])
+        req = draw_request(k_req, params, 0.0, req_id, (tr.prompt[i], tr.output[i]))
+        return gap, req, phase, exhausted
+    gap, phase = A.sample_gap(k_gap, phase, params.arrivals)
+    return gap, draw_request(k_req, params, 0.0, req_id), phase, jnp.bool_(False)
+
+
+def first_phase(key: jax.Array, params: ServingParams) -> jax.Array:
+    """The arrival process's phase at reset (its stationary law)."""
+    return A.sample_phase(key, params.arrivals)
+
+
+def request_features(req: Request, params: ServingParams) -> jax.Array:
+    """The arriving request as 3 features in [0, 1]: log prompt, log output estimate, class."""
+    num_classes = params.size_values.shape[-1]
+    return jnp.stack([
+        jnp.log1p(req.prompt) / jnp.log1p(params.tokens.max_prompt),
+        jnp.log1p(req.estimate) / jnp.log1p(params.tokens.max_output),
+        req.size_class / jnp.maximum(num_classes - 1, 1),
+    ]).astype(jnp.float32)
+
+
+def reward_from(metrics, params: ServingParams) -> jax.Array:
+    """Reward of a step: -(time-in-system + drop_penalty_s * drops) / latency_scale.
+
+    Summed over an episode this is an affine function of the episode's total time-in-system
+    (its total latency when the episode drains) and its drops.
+    """
+    cost = metrics.in_system_time + params.drop_penalty_s * metrics.dropped
+    return (-cost / params.latency_scale).astype(jnp.float32)
+
+
+def override(params: ServingParams, **kwargs) -> ServingParams:
+    """Replaces scalar fields of `params`, casting to their dtypes; ValueError for unknown."""
+    names = {f.name for f in dataclasses.fields(params)}
+    for k in kwargs:
+        if k not in names:
+            raise ValueError(f"unknown environment parameter {k!r}; known: {sorted(names)}")
+    cast = {k: (jnp.asarray(v, SCALAR_FIELDS[k]) if k in SCALAR_FIELDS else v)
+            for k, v in kwargs.items()}
+    return params.replace(**cast)

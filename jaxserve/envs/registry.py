@@ -1,0 +1,135 @@
+"""The environment registry: `make(name, **overrides) -> (env, params)`.
+
+Each entry builds a default scenario; keyword overrides replace parts of it:
+  gpus: list of `GPUProfile` (Routing-v0: the cluster; Batching-v0: exactly one).
+  queue_buffer: static queue slots per GPU (default: the largest `queue_cap`).
+  arrivals: an `ArrivalProcess` (`core.arrivals.poisson`, `mmpp`), or
+  arrival_rate: a Poisson rate (req/s).
+  tokens: a `TokenDist` (`fixed_tokens`, `lognormal_tokens`, `bimodal_tokens`, `empirical_tokens`).
+  trace: a `Trace` to replay instead of synthetic arrivals (episode = the trace).
+  Any scalar field of `ServingParams` (slo_s, max_steps_in_episode, estimate_mode, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core import arrivals as A
+from jaxserve.core.types import GPUProfile, stack_profiles
+from jaxserve.envs import common
+from jaxserve.envs.batching import Batching
+from jaxserve.envs.routing import Routing
+
+_REGISTRY: dict[str, Callable] = {}
+
+
+def register(name: str):
+    """Decorator adding an environment builder `builder(**overrides) -> (env, params)`."""
+    def deco(fn):
+        if name in _REGISTRY:
+            raise ValueError(f"environment {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def registered_envs() -> tuple[str, ...]:
+    """Names accepted by `make`."""
+    return tuple(sorted(_REGISTRY))
+
+
+def make(name: str, **overrides):
+    """Builds environment `name` with its default scenario and `overrides`.
+
+    Returns:
+      (env, params): a gymnax `Environment` and its `ServingParams`.
+    Raises:
+      ValueError: unknown name, unknown override, or an invalid value (naming the field).
+    """
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered_envs())}")
+    return _REGISTRY[name](**overrides)
+
+
+# Default profiles (see docs/profiles.md for the named, sourced ones).
+DEFAULT_SIZE_EDGES = (128.0,)
+DEFAULT_SIZE_VALUES = (48.0, 512.0)
+
+
+def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=None,
+                 trace_pad=None, **scalars) -> common.ServingParams:
+    """Assembles `ServingParams` from user-level pieces (see the module docstring)."""
+    if arrivals is not None and arrival_rate is not None:
+        raise ValueError("give either arrivals= or arrival_rate=, not both")
+    if arrival_rate is not None:
+        arrivals = A.poisson(float(arrival_rate))
+    if arrivals is None:
+        raise ValueError("an arrival process is required (arrivals= or arrival_rate=)")
+    if not isinstance(arrivals, A.ArrivalProcess):
+        raise ValueError(f"arrivals must be an ArrivalProcess, got {type(arrivals).__name__}")
+    if tokens is None:
+        tokens = A.bimodal_tokens()
+    if not isinstance(tokens, A.TokenDist):
+        raise ValueError(f"tokens must be a TokenDist, got {type(tokens).__name__}")
+    defaults = dict(estimate_mode=A.ESTIMATE_CLASS, estimate_noise=0.5, slo_s=10.0,
+                    latency_scale=10.0, drop_penalty_s=60.0, time_scale=10.0,
+                    max_steps_in_episode=512)
+    size_edges = scalars.pop("size_edges", DEFAULT_SIZE_EDGES)
+    size_values = scalars.pop("size_values", DEFAULT_SIZE_VALUES)
+    defaults.update(scalars)
+    params = common.ServingParams(
+        gpus=stack_profiles(gpus), arrivals=arrivals, tokens=tokens,
+        size_edges=jnp.asarray(size_edges, jnp.float32),
+        size_values=jnp.asarray(size_values, jnp.float32),
+        trace=common.no_trace() if trace is None else common.trace_arrays(trace, trace_pad),
+        **{k: jnp.asarray(0, common.SCALAR_FIELDS[k]) for k in common.SCALAR_FIELDS})
+    return common.override(params, **defaults)
+
+
+def _static_sizes(gpus, queue_buffer, params):
+    caps = int(np.max(np.asarray(params.gpus.queue_cap)))
+    qb = caps if queue_buffer is None else int(queue_buffer)
+    if qb < 1:
+        raise ValueError(f"queue_buffer must be >= 1, got {qb}")
+    common.validate_params(params, qb)
+    return qb
+
+
+def routing_gpus() -> list[GPUProfile]:
+    """Default Routing-v0 cluster: two fast and two slow GPUs (see docs/model.md)."""
+    fast = GPUProfile(c0=0.02, alpha=5e-5, beta=0.012, gamma=2e-4, delta=1e-7, max_batch=8,
+                      queue_cap=64, timeout=0.0, name="fast")
+    slow = GPUProfile(c0=0.03, alpha=1.2e-4, beta=0.025, gamma=4e-4, delta=2e-7, max_batch=8,
+                      queue_cap=64, timeout=0.0, name="slow")
+    return [fast, fast, slow, slow]
+
+
+@register("Routing-v0")
+def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None, **kw):
+    """Routing-v0: heterogeneous GPUs, bimodal short/long requests (head-of-line blocking)."""
+    gpus = routing_gpus() if gpus is None else list(gpus)
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 6.0
+    params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb = _static_sizes(gpus, queue_buffer, params)
+    env = Routing(num_gpus=len(gpus), queue_buffer=qb, trace_len=params.trace.gap.shape[0],
+                  default=params)
+    return env, params
+
+
+@register("Batching-v0")
+def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None, **kw):
+    """Batching-v0: one GPU, Poisson arrivals, the agent decides each batch."""
+    gpus = [routing_gpus()[0]] if gpus is None else list(gpus)
+    if len(gpus) != 1:
+        raise ValueError(f"Batching-v0 runs exactly one GPU, got {len(gpus)}")
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 3.0
+    params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb = _static_sizes(gpus, queue_buffer, params)
+    env = Batching(max_batch=int(gpus[0].max_batch), queue_buffer=qb,
+                   trace_len=params.trace.gap.shape[0], default=params)
+    return env, params

@@ -1,0 +1,834 @@
+"""Loaders for public request traces, and summary statistics of a loaded trace.
+
+Every loader reads one CSV file and returns a `jaxserve.core.types.Trace`:
+
+* `arrival_s`: float64 seconds, **rebased** so that the first (earliest) request is at 0.0,
+  non-decreasing. Rows are sorted with a *stable* sort, so requests with equal times keep
+  their file order.
+* `prompt_tokens`, `output_tokens`: int64, every value >= 1.
+
+Supported formats (names accepted by `load(..., format=...)`):
+
+=========================  ==================================================================
+``azure_llm_2023``         Azure LLM inference trace (2023 Splitwise files, also the 2024
+                           one-week files): ``TIMESTAMP,ContextTokens,GeneratedTokens``.
+                           Timestamps are naive datetimes (``2023-11-16 18:15:46.6805900``);
+                           a ``T`` separator and a ``Z``/``+HH:MM`` offset (2024 files) are
+                           accepted. Parsed exactly to integer nanoseconds, then rebased.
+                           Rows must already be sorted (the files promise it).
+``azure_llm_reencoded``    The same trace re-encoded by ``microsoft/vidur``:
+                           ``arrived_at,num_prefill_tokens,num_decode_tokens`` (relative
+                           seconds). Rows must already be sorted.
+``burstgpt``               BurstGPT: ``Timestamp,Model,Request tokens,Response tokens,
+                           Total tokens,Log Type`` (extra columns are ignored). Filters
+                           ``models=``, ``log_types=``; failed rows (``Response tokens == 0``)
+                           handled by ``failed=``.
+``azure_functions_2021``   Azure Functions invocations 2021: ``app,func,end_timestamp,
+                           duration`` (seconds). Arrival = end_timestamp - duration.
+``azure_functions_2019``   Azure Functions 2019 per-minute counts: ``HashOwner,HashApp,
+                           HashFunction,Trigger,1,...,1440``.
+=========================  ==================================================================
+
+Rules (also in ``docs/traces.md``):
+
+* **Zero tokens** (Azure LLM, BurstGPT non-failed rows): ``zero_tokens="clip"`` (default)
+  raises a 0 to 1 and counts it in `LoadReport.clipped`; ``"drop"`` drops the row (counted in
+  `LoadReport.excluded`); ``"error"`` raises `TraceFormatError`. The real Azure 2023 files
+  have no zero token counts.
+* **BurstGPT failed rows** (``Response tokens == 0``): ``failed="drop"`` (default) drops
+  them, ``"keep_as_one"`` keeps them with output 1 and prompt ``max(1, Request tokens)``,
+  ``"error"`` raises. Filters are applied first; each excluded row is counted once, under the
+  first reason that applies, in the order model, log_type, failed.
+* **Functions -> tokens**: ``output_tokens = max(1, rint(duration_s * tokens_per_second))``
+  (``np.rint``: round half to even), default 50 tokens/s; ``prompt_tokens`` is a constant,
+  default 512.
+* **2019 spreading**: the k-th (k = 0..n-1) of the n invocations counted in minute column m
+  (1-based) arrives at ``60*(m-1) + 60*(k+0.5)/n`` seconds. The 2019 count file has no
+  durations: each invocation gets ``duration_s`` (default 1.0 s), or the function's
+  ``Average`` (milliseconds) from a 2019 ``function_durations_percentiles`` file passed as
+  ``durations_path``.
+
+Any defect in a file raises `TraceFormatError` (a `ValueError`) whose message names the file,
+the 1-based line (the header is line 1) and the problem; nothing is ever loaded partially.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime as _dt
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from jaxserve.core.types import Trace, validate_trace
+
+__all__ = [
+    "FORMATS",
+    "LoadReport",
+    "TraceFormatError",
+    "detect_format",
+    "load",
+    "load_with_report",
+    "load_azure_llm_2023",
+    "load_azure_llm_reencoded",
+    "load_burstgpt",
+    "load_burstgpt_with_report",
+    "load_azure_functions_2021",
+    "load_azure_functions_2019",
+    "summary",
+    "summary_table",
+]
+
+# Required header columns of each format (extra columns are allowed and ignored).
+_COLUMNS: dict[str, tuple[str, ...]] = {
+    "azure_llm_2023": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+    "azure_llm_reencoded": ("arrived_at", "num_prefill_tokens", "num_decode_tokens"),
+    "burstgpt": ("Timestamp", "Model", "Request tokens", "Response tokens"),
+    "azure_functions_2021": ("app", "func", "end_timestamp", "duration"),
+    "azure_functions_2019": ("HashOwner", "HashApp", "HashFunction", "Trigger"),
+}
+FORMATS: tuple[str, ...] = tuple(_COLUMNS)
+
+
+class TraceFormatError(ValueError):
+    """A trace file is missing, empty or malformed.
+
+    Attributes:
+      path: the file, as given.
+      line: 1-based line number of the problem (header = line 1), or None when the problem
+        concerns the whole file (e.g. it does not exist).
+      problem: what is wrong, without the location.
+    """
+
+    def __init__(self, path: Any, line: int | None, problem: str):
+        self.path = str(path)
+        self.line = line
+        self.problem = problem
+        where = f"{self.path}, line {line}" if line is not None else self.path
+        super().__init__(f"{where}: {problem}")
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What a loader read, kept and changed.
+
+    Attributes:
+      path: the file read.
+      format: the format name used (see `FORMATS`).
+      rows_read: data rows in the file (header and trailing blank lines not counted). For the
+        2019 format: function rows.
+      rows_loaded: requests in the returned trace.
+      excluded: rows left out, by reason (e.g. ``{"failed": 1, "model": 7}``); reasons with a
+        zero count are listed too where the loader has that option.
+      clipped: token counts raised from 0 to 1, by field (``prompt_tokens``/``output_tokens``).
+      origin: the first arrival before rebasing, as written in the file (a timestamp string
+        for the Azure LLM format, seconds otherwise).
+      was_sorted: True when the rows were already in arrival order (no reordering needed).
+      notes: free-text notes (e.g. 2019 functions without a duration).
+    """
+
+    path: str
+    format: str
+    rows_read: int = 0
+    rows_loaded: int = 0
+    excluded: dict[str, int] = dataclasses.field(default_factory=dict)
+    clipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    origin: str = ""
+    was_sorted: bool = True
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading and field parsing
+# --------------------------------------------------------------------------------------------
+
+
+def _open_checked(path: Any) -> Path:
+    if isinstance(path, (str, os.PathLike)):
+        p = Path(path)
+    else:
+        raise TraceFormatError(path, None, f"path must be a str or os.PathLike, got "
+                                           f"{type(path).__name__}")
+    if not p.exists():
+        raise TraceFormatError(p, None, "file not found")
+    if not p.is_file():
+        raise TraceFormatError(p, None, "not a regular file")
+    if p.stat().st_size == 0:
+        raise TraceFormatError(p, 1, "empty file (0 bytes); expected a header line")
+    return p
+
+
+def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]:
+    """Reads a CSV file: returns (path, header, [(line_number, fields), ...]).
+
+    Handles LF and CRLF line endings, a UTF-8 byte-order mark and a missing final newline.
+    Header names are stripped of surrounding whitespace. Trailing blank lines are ignored; a
+    blank line followed by more data, or a row with the wrong number of fields, is an error.
+    """
+    p = _open_checked(path)
+    rows: list[tuple[int, list[str]]] = []
+    blank_line: int | None = None
+    try:
+        with open(p, newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            try:
+                header = next(reader)
+            except StopIteration:  # only a BOM
+                raise TraceFormatError(p, 1, "empty file; expected a header line") from None
+            header = [h.strip() for h in header]
+            if not any(header):
+                raise TraceFormatError(p, 1, "blank header line")
+            ncol = len(header)
+            for fields in reader:
+                line = reader.line_num
+                if not fields or all(not x.strip() for x in fields):
+                    if blank_line is None:
+                        blank_line = line
+                    continue
+                if blank_line is not None:
+                    raise TraceFormatError(p, blank_line, "blank line inside the data")
+                if len(fields) != ncol:
+                    raise TraceFormatError(
+                        p, line, f"expected {ncol} fields as in the header, got {len(fields)}")
+                rows.append((line, fields))
+    except UnicodeDecodeError as e:
+        raise TraceFormatError(p, None, f"not a UTF-8 text file ({e})") from None
+    except csv.Error as e:
+        raise TraceFormatError(p, None, f"CSV syntax error: {e}") from None
+    if not rows:
+        raise TraceFormatError(p, 2, "no data rows (header only)")
+    return p, header, rows
+
+
+def _column_index(p: Path, header: list[str], fmt: str,
+                  required: Sequence[str] | None = None) -> dict[str, int]:
+    required = _COLUMNS[fmt] if required is None else required
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise TraceFormatError(
+            p, 1, f"missing column(s) {', '.join(repr(c) for c in missing)} for format "
+                  f"{fmt!r} (header: {_show_header(header)})")
+    return {c: header.index(c) for c in required}
+
+
+def _show_header(header: list[str], limit: int = 200) -> str:
+    s = ",".join(header)
+    return s if len(s) <= limit else s[:limit] + f"... ({len(header)} columns)"
+
+
+def _parse_float(p: Path, line: int, col: str, s: str, *, nonneg: bool = False) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise TraceFormatError(p, line, f"{col} is not a number: {s!r}") from None
+    if not math.isfinite(v):
+        raise TraceFormatError(p, line, f"{col} is not finite: {s!r}")
+    if nonneg and v < 0:
+        raise TraceFormatError(p, line, f"{col} is negative: {s!r}")
+    return v
+
+
+def _parse_count(p: Path, line: int, col: str, s: str) -> int:
+    """A non-negative integer; an integral float such as ``12.0`` is accepted."""
+    t = s.strip()
+    try:
+        return _check_nonneg(p, line, col, s, int(t))
+    except ValueError:
+        pass
+    try:
+        v = float(t)
+    except ValueError:
+        raise TraceFormatError(p, line, f"{col} is not an integer: {s!r}") from None
+    if not math.isfinite(v) or v != math.floor(v):
+        raise TraceFormatError(p, line, f"{col} is not an integer: {s!r}")
+    return _check_nonneg(p, line, col, s, int(v))
+
+
+def _check_nonneg(p: Path, line: int, col: str, s: str, v: int) -> int:
+    if v < 0:
+        raise TraceFormatError(p, line, f"{col} is negative: {s!r}")
+    return v
+
+
+_TS_RE = re.compile(
+    r"^\s*(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?"
+    r"\s*(Z|[+-]\d{2}:?\d{2})?\s*$")
+
+
+def _parse_timestamp_ns(p: Path, line: int, col: str, s: str) -> int:
+    """Parses ``YYYY-MM-DD HH:MM:SS[.fffffffff][Z|+HH:MM]`` to integer nanoseconds.
+
+    The result counts from 1970-01-01 00:00 of the same (naive) clock; an explicit offset is
+    subtracted so that offset timestamps map to UTC. The fraction (up to 9 digits) is parsed as
+    an integer, so no digit is lost (float64 seconds since 1970 would keep only ~7 digits).
+    """
+    m = _TS_RE.match(s)
+    if m is None:
+        raise TraceFormatError(
+            p, line, f"{col} is not a timestamp like '2023-11-16 18:15:46.6805900': {s!r}")
+    y, mo, d, hh, mm, ss = (int(m.group(i)) for i in range(1, 7))
+    frac = m.group(7) or ""
+    try:
+        days = _dt.date(y, mo, d).toordinal() - _EPOCH_ORDINAL
+    except ValueError as e:
+        raise TraceFormatError(p, line, f"{col} has an invalid date {s!r}: {e}") from None
+    if hh > 23 or mm > 59 or ss > 60:
+        raise TraceFormatError(p, line, f"{col} has an invalid time of day: {s!r}")
+    secs = days * 86400 + hh * 3600 + mm * 60 + ss
+    tz = m.group(8)
+    if tz and tz != "Z":
+        sign = -1 if tz[0] == "-" else 1
+        digits = tz[1:].replace(":", "")
+        secs -= sign * (int(digits[:2]) * 3600 + int(digits[2:]) * 60)
+    return secs * 1_000_000_000 + (int(frac.ljust(9, "0")) if frac else 0)
+
+
+_EPOCH_ORDINAL = _dt.date(1970, 1, 1).toordinal()
+
+
+def _tokens_policy(p: Path, report: LoadReport, lines: np.ndarray, prompt: np.ndarray,
+                   output: np.ndarray, zero_tokens: str, names: tuple[str, str]) -> np.ndarray:
+    """Applies the zero-token rule in place; returns the boolean mask of rows to keep."""
+    if zero_tokens not in ("clip", "drop", "error"):
+        raise ValueError(f"zero_tokens must be 'clip', 'drop' or 'error', got {zero_tokens!r}")
+    keep = np.ones(prompt.shape[0], dtype=bool)
+    zp, zo = prompt == 0, output == 0
+    if zero_tokens == "error":
+        for z, name in ((zp, names[0]), (zo, names[1])):
+            if z.any():
+                i = int(np.flatnonzero(z)[0])
+                raise TraceFormatError(
+                    p, int(lines[i]), f"{name} is 0 (zero_tokens='error'; use 'clip' or "
+                                      f"'drop')")
+    elif zero_tokens == "drop":
+        keep = ~(zp | zo)
+        report.excluded["zero_tokens"] = report.excluded.get("zero_tokens", 0) + int(
+            (~keep).sum())
+    else:
+        report.clipped["prompt_tokens"] = report.clipped.get("prompt_tokens", 0) + int(
+            zp.sum())
+        report.clipped["output_tokens"] = report.clipped.get("output_tokens", 0) + int(
+            zo.sum())
+        prompt[zp] = 1
+        output[zo] = 1
+    return keep
+
+
+def _finish(p: Path, report: LoadReport, arrival: np.ndarray, prompt: np.ndarray,
+            output: np.ndarray, origin: str, *, lines: np.ndarray | None = None,
+            must_be_sorted: bool = False,
+            time_col: str = "time") -> tuple[Trace, LoadReport]:
+    """Sorts (stable) or checks order, rebases to the first arrival, validates."""
+    if arrival.shape[0] == 0:
+        reasons = ", ".join(f"{k}: {v}" for k, v in report.excluded.items() if v)
+        raise TraceFormatError(p, None, f"no rows left after exclusions ({reasons})")
+    d = np.diff(arrival)
+    report.was_sorted = bool(np.all(d >= 0))
+    if not report.was_sorted:
+        if must_be_sorted:
+            i = int(np.flatnonzero(d < 0)[0]) + 1
+            ln = int(lines[i]) if lines is not None else None
+            prev = int(lines[i - 1]) if lines is not None else None
+            raise TraceFormatError(
+                p, ln, f"{time_col} goes backwards (earlier than line {prev}); this format "
+                       f"promises rows sorted by time (pass check_sorted=False to sort them)")
+        order = np.argsort(arrival, kind="stable")
+        arrival, prompt, output = arrival[order], prompt[order], output[order]
+    report.rows_loaded = int(arrival.shape[0])
+    report.origin = origin
+    trace = validate_trace(Trace(arrival_s=arrival, prompt_tokens=prompt,
+                                 output_tokens=output))
+    return trace, report
+
+
+# --------------------------------------------------------------------------------------------
+# Format readers: each returns (Trace, LoadReport)
+# --------------------------------------------------------------------------------------------
+
+
+def _read_azure_llm_2023(path: Any, *, check_sorted: bool = True,
+                         zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
+    p, header, rows = _read_rows(path)
+    fmt = "azure_llm_2023"
+    ix = _column_index(p, header, fmt)
+    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    n = len(rows)
+    ns = np.empty(n, dtype=np.int64)
+    prompt = np.empty(n, dtype=np.int64)
+    output = np.empty(n, dtype=np.int64)
+    lines = np.empty(n, dtype=np.int64)
+    it, ic, ig = ix["TIMESTAMP"], ix["ContextTokens"], ix["GeneratedTokens"]
+    for i, (line, f) in enumerate(rows):
+        lines[i] = line
+        ns[i] = _parse_timestamp_ns(p, line, "TIMESTAMP", f[it])
+        prompt[i] = _parse_count(p, line, "ContextTokens", f[ic])
+        output[i] = _parse_count(p, line, "GeneratedTokens", f[ig])
+    keep = _tokens_policy(p, report, lines, prompt, output, zero_tokens,
+                          ("ContextTokens", "GeneratedTokens"))
+    ns, prompt, output, lines = ns[keep], prompt[keep], output[keep], lines[keep]
+    if ns.shape[0] and check_sorted and np.any(np.diff(ns) < 0):
+        i = int(np.flatnonzero(np.diff(ns) < 0)[0]) + 1
+        raise TraceFormatError(
+            p, int(lines[i]), f"TIMESTAMP goes backwards (earlier than line {int(lines[i - 1])});"
+                              f" this format promises rows sorted by time (pass "
+                              f"check_sorted=False to sort them)")
+    if ns.shape[0] == 0:
+        return _finish(p, report, ns.astype(np.float64), prompt, output, "")
+    first = int(np.argmin(ns))  # the stable sort puts the first minimum first
+    origin = rows[int(np.flatnonzero(keep)[first])][1][it].strip()
+    # Rebase in exact integer nanoseconds, then one rounding to float64 seconds.
+    arrival = (ns - ns[first]).astype(np.float64) / 1e9
+    return _finish(p, report, arrival, prompt, output, origin)
+
+
+def _read_azure_llm_reencoded(path: Any, *, check_sorted: bool = True,
+                              zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
+    p, header, rows = _read_rows(path)
+    fmt = "azure_llm_reencoded"
+    ix = _column_index(p, header, fmt)
+    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    n = len(rows)
+    t = np.empty(n, dtype=np.float64)
+    prompt = np.empty(n, dtype=np.int64)
+    output = np.empty(n, dtype=np.int64)
+    lines = np.empty(n, dtype=np.int64)
+    ia, ip, idc = ix["arrived_at"], ix["num_prefill_tokens"], ix["num_decode_tokens"]
+    for i, (line, f) in enumerate(rows):
+        lines[i] = line
+        t[i] = _parse_float(p, line, "arrived_at", f[ia], nonneg=True)
+        prompt[i] = _parse_count(p, line, "num_prefill_tokens", f[ip])
+        output[i] = _parse_count(p, line, "num_decode_tokens", f[idc])
+    keep = _tokens_policy(p, report, lines, prompt, output, zero_tokens,
+                          ("num_prefill_tokens", "num_decode_tokens"))
+    t, prompt, output, lines = t[keep], prompt[keep], output[keep], lines[keep]
+    t0 = float(t.min()) if t.shape[0] else 0.0
+    return _finish(p, report, t - t0, prompt, output, _num_str(t0), lines=lines,
+                   must_be_sorted=check_sorted, time_col="arrived_at")
+
+
+def _read_burstgpt(path: Any, *, models: Iterable[str] | None = None,
+                   log_types: Iterable[str] | None = None, failed: str = "drop",
+                   zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
+    if failed not in ("drop", "keep_as_one", "error"):
+        raise ValueError(f"failed must be 'drop', 'keep_as_one' or 'error', got {failed!r}")
+    if isinstance(models, str) or isinstance(log_types, str):
+        raise ValueError("models= and log_types= take a sequence of names, e.g. ('ChatGPT',)")
+    models_set = None if models is None else set(models)
+    logs_set = None if log_types is None else set(log_types)
+    p, header, rows = _read_rows(path)
+    fmt = "burstgpt"
+    ix = _column_index(p, header, fmt)
+    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report.excluded = {"model": 0, "log_type": 0, "failed": 0}
+    if logs_set is not None and "Log Type" not in header:
+        raise TraceFormatError(p, 1, "log_types= given but the file has no 'Log Type' column")
+    il = header.index("Log Type") if "Log Type" in header else None
+    t, prompt, output, lines = [], [], [], []
+    kept_failed: list[int] = []
+    for line, f in rows:
+        ts = _parse_float(p, line, "Timestamp", f[ix["Timestamp"]], nonneg=True)
+        req = _parse_count(p, line, "Request tokens", f[ix["Request tokens"]])
+        resp = _parse_count(p, line, "Response tokens", f[ix["Response tokens"]])
+        model = f[ix["Model"]].strip()
+        if models_set is not None and model not in models_set:
+            report.excluded["model"] += 1
+            continue
+        if logs_set is not None and f[il].strip() not in logs_set:
+            report.excluded["log_type"] += 1
+            continue
+        if resp == 0:
+            if failed == "error":
+                raise TraceFormatError(p, line, "failed request (Response tokens == 0) and "
+                                                "failed='error'")
+            if failed == "drop":
+                report.excluded["failed"] += 1
+                continue
+            req, resp = max(1, req), 1
+            kept_failed.append(line)
+        t.append(ts)
+        prompt.append(req)
+        output.append(resp)
+        lines.append(line)
+    if kept_failed:
+        shown = ", ".join(str(x) for x in kept_failed[:10])
+        more = f" and {len(kept_failed) - 10} more" if len(kept_failed) > 10 else ""
+        report.notes.append(f"{len(kept_failed)} failed request(s) kept with output 1 and "
+                            f"prompt max(1, Request tokens) (failed='keep_as_one'): line(s) "
+                            f"{shown}{more}")
+    t_a = np.asarray(t, dtype=np.float64)
+    prompt_a = np.asarray(prompt, dtype=np.int64)
+    output_a = np.asarray(output, dtype=np.int64)
+    keep = _tokens_policy(p, report, np.asarray(lines, dtype=np.int64), prompt_a, output_a,
+                          zero_tokens, ("Request tokens", "Response tokens"))
+    t_a, prompt_a, output_a = t_a[keep], prompt_a[keep], output_a[keep]
+    t0 = float(t_a.min()) if t_a.shape[0] else 0.0
+    return _finish(p, report, t_a - t0, prompt_a, output_a, _num_str(t0))
+
+
+def _derive_output_tokens(duration_s: np.ndarray, tokens_per_second: float) -> np.ndarray:
+    if not (math.isfinite(tokens_per_second) and tokens_per_second > 0):
+        raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
+    return np.maximum(1, np.rint(duration_s * tokens_per_second)).astype(np.int64)
+
+
+def _check_prompt_tokens(prompt_tokens: int) -> int:
+    if int(prompt_tokens) != prompt_tokens or prompt_tokens < 1:
+        raise ValueError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens}")
+    return int(prompt_tokens)
+
+
+def _read_azure_functions_2021(path: Any, *, tokens_per_second: float = 50.0,
+                               prompt_tokens: int = 512) -> tuple[Trace, LoadReport]:
+    prompt_tokens = _check_prompt_tokens(prompt_tokens)
+    p, header, rows = _read_rows(path)
+    fmt = "azure_functions_2021"
+    ix = _column_index(p, header, fmt)
+    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    n = len(rows)
+    end = np.empty(n, dtype=np.float64)
+    dur = np.empty(n, dtype=np.float64)
+    for i, (line, f) in enumerate(rows):
+        end[i] = _parse_float(p, line, "end_timestamp", f[ix["end_timestamp"]], nonneg=True)
+        dur[i] = _parse_float(p, line, "duration", f[ix["duration"]], nonneg=True)
+        if dur[i] > end[i]:
+            raise TraceFormatError(
+                p, line, f"duration ({f[ix['duration']]}) exceeds end_timestamp "
+                         f"({f[ix['end_timestamp']]}): the arrival would be before 0")
+    arrival = end - dur
+    output = _derive_output_tokens(dur, tokens_per_second)
+    prompt = np.full(n, prompt_tokens, dtype=np.int64)
+    t0 = float(arrival.min())
+    return _finish(p, report, arrival - t0, prompt, output, _num_str(t0))
+
+
+def _read_durations_2019(path: Any) -> dict[tuple[str, str, str], float]:
+    """Reads a 2019 ``function_durations_percentiles`` file: (owner, app, func) -> Average s."""
+    p, header, rows = _read_rows(path)
+    ix = _column_index(p, header, "azure_functions_2019",
+                       ("HashOwner", "HashApp", "HashFunction", "Average"))
+    out: dict[tuple[str, str, str], float] = {}
+    for line, f in rows:
+        ms = _parse_float(p, line, "Average", f[ix["Average"]], nonneg=True)
+        out[(f[ix["HashOwner"]], f[ix["HashApp"]], f[ix["HashFunction"]])] = ms / 1000.0
+    return out
+
+
+def _read_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
+                               prompt_tokens: int = 512, duration_s: float = 1.0,
+                               durations_path: Any = None) -> tuple[Trace, LoadReport]:
+    prompt_tokens = _check_prompt_tokens(prompt_tokens)
+    if not (math.isfinite(duration_s) and duration_s >= 0):
+        raise ValueError(f"duration_s must be finite and >= 0, got {duration_s}")
+    durations = _read_durations_2019(durations_path) if durations_path is not None else None
+    p, header, rows = _read_rows(path)
+    fmt = "azure_functions_2019"
+    _column_index(p, header, fmt)
+    if header[:4] != list(_COLUMNS[fmt]):
+        raise TraceFormatError(p, 1, f"the first columns must be {','.join(_COLUMNS[fmt])}")
+    minutes = header[4:]
+    if not minutes:
+        raise TraceFormatError(p, 1, "no per-minute count columns after Trigger")
+    for j, name in enumerate(minutes):
+        if name != str(j + 1):
+            raise TraceFormatError(
+                p, 1, f"per-minute columns must be named 1,2,3,...; column {j + 5} is "
+                      f"{name!r}, expected '{j + 1}'")
+    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    times, durs = [], []
+    missing = 0
+    for line, f in rows:
+        counts = np.asarray([_parse_count(p, line, f"minute {j + 1}", s)
+                             for j, s in enumerate(f[4:])], dtype=np.int64)
+        total = int(counts.sum())
+        if total == 0:
+            continue
+        m = np.repeat(np.arange(counts.shape[0]), counts)            # 0-based minute
+        start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        k = np.arange(total) - np.repeat(start, counts)             # index within minute
+        nn = np.repeat(counts, counts)
+        times.append(60.0 * m + 60.0 * (k + 0.5) / nn)
+        d = duration_s
+        if durations is not None:
+            key = (f[0], f[1], f[2])
+            if key in durations:
+                d = durations[key]
+            else:
+                missing += 1
+        durs.append(np.full(total, d))
+    if missing:
+        report.notes.append(f"{missing} function(s) not in durations_path; used "
+                            f"duration_s={duration_s}")
+    if not times:
+        raise TraceFormatError(p, None, "no invocations (all per-minute counts are 0)")
+    arrival = np.concatenate(times)
+    # Rows are concatenated function by function; the stable sort in `_finish` orders them
+    # by time and keeps file order among equal times.
+    output = _derive_output_tokens(np.concatenate(durs), tokens_per_second)
+    prompt = np.full(arrival.shape[0], prompt_tokens, dtype=np.int64)
+    t0 = float(arrival.min())
+    return _finish(p, report, arrival - t0, prompt, output, _num_str(t0))
+
+
+def _num_str(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+_READERS: dict[str, Callable[..., tuple[Trace, LoadReport]]] = {
+    "azure_llm_2023": _read_azure_llm_2023,
+    "azure_llm_reencoded": _read_azure_llm_reencoded,
+    "burstgpt": _read_burstgpt,
+    "azure_functions_2021": _read_azure_functions_2021,
+    "azure_functions_2019": _read_azure_functions_2019,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def detect_format(path: Any) -> str:
+    """Returns the format name of a trace file from its header line (see `FORMATS`).
+
+    Raises TraceFormatError (line 1) when the header matches no known format.
+    """
+    p = _open_checked(path)
+    try:
+        with open(p, newline="", encoding="utf-8-sig") as f:
+            header = next(csv.reader(f), [])
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise TraceFormatError(p, 1, f"unreadable header: {e}") from None
+    header = [h.strip() for h in header]
+    hs = set(header)
+    for fmt, cols in _COLUMNS.items():
+        if fmt == "azure_functions_2019":
+            if header[:4] == list(cols):
+                return fmt
+        elif hs.issuperset(cols):
+            return fmt
+    # A partial match names the missing columns of the closest format.
+    overlap = {fmt: len(hs.intersection(cols)) for fmt, cols in _COLUMNS.items()}
+    best = max(overlap, key=overlap.get)
+    if overlap[best] >= 2:
+        _column_index(p, header, best)  # raises "missing column(s) ..."
+    expected = "; ".join(f"{k}: {','.join(v)}" for k, v in _COLUMNS.items())
+    raise TraceFormatError(p, 1, f"unrecognized header {_show_header(header)!r}; expected the "
+                                 f"columns of one of the formats ({expected})")
+
+
+def load_with_report(path: Any, format: str | None = None,
+                     **kwargs: Any) -> tuple[Trace, LoadReport]:
+    """Like `load`, and also returns the `LoadReport` (rows read, excluded, clipped, origin)."""
+    fmt = detect_format(path) if format is None else format
+    if fmt not in _READERS:
+        raise ValueError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
+    return _READERS[fmt](path, **kwargs)
+
+
+def load(path: Any, format: str | None = None, **kwargs: Any) -> Trace:
+    """Loads a trace file; detects the format from the header unless `format` names it.
+
+    Returns a `Trace` with arrival seconds rebased to 0 (first request), sorted (stable), and
+    token counts >= 1. `kwargs` go to the format's loader (e.g. ``models=`` for BurstGPT,
+    ``tokens_per_second=`` for Functions). Raises TraceFormatError on any defect.
+    """
+    return load_with_report(path, format, **kwargs)[0]
+
+
+def load_azure_llm_2023(path: Any, *, check_sorted: bool = True,
+                        zero_tokens: str = "clip") -> Trace:
+    """Azure LLM inference trace (``TIMESTAMP,ContextTokens,GeneratedTokens``).
+
+    Timestamps are parsed exactly (integer nanoseconds) and rebased: arrival seconds count from
+    the first row. prompt = ContextTokens, output = GeneratedTokens. The file must be sorted by
+    TIMESTAMP (raises naming the first line that goes backwards) unless `check_sorted=False`,
+    which sorts stably instead. `zero_tokens`: 'clip' (0 -> 1), 'drop' or 'error'.
+    """
+    return _read_azure_llm_2023(path, check_sorted=check_sorted, zero_tokens=zero_tokens)[0]
+
+
+def load_azure_llm_reencoded(path: Any, *, check_sorted: bool = True,
+                             zero_tokens: str = "clip") -> Trace:
+    """Vidur re-encoding (``arrived_at,num_prefill_tokens,num_decode_tokens``, seconds).
+
+    Times are rebased to the first arrival; rows must be sorted unless `check_sorted=False`.
+    """
+    return _read_azure_llm_reencoded(path, check_sorted=check_sorted,
+                                     zero_tokens=zero_tokens)[0]
+
+
+def load_burstgpt_with_report(path: Any, *, models: Iterable[str] | None = None,
+                              log_types: Iterable[str] | None = None, failed: str = "drop",
+                              zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
+    """BurstGPT trace, with the `LoadReport`; see `load_burstgpt`.
+
+    ``report.excluded`` has the keys ``model``, ``log_type`` and ``failed`` (row counts), plus
+    ``zero_tokens`` when ``zero_tokens='drop'``.
+    """
+    return _read_burstgpt(path, models=models, log_types=log_types, failed=failed,
+                          zero_tokens=zero_tokens)
+
+
+def load_burstgpt(path: Any, *, models: Iterable[str] | None = None,
+                  log_types: Iterable[str] | None = None, failed: str = "drop",
+                  zero_tokens: str = "clip") -> Trace:
+    """BurstGPT trace (``Timestamp`` in seconds; ``Request``/``Response tokens``).
+
+    Args:
+      models: keep only these ``Model`` values (e.g. ``("ChatGPT",)``); None keeps all.
+      log_types: keep only these ``Log Type`` values (e.g. ``("Conversation log",)``).
+      failed: rows with ``Response tokens == 0``: 'drop' (default), 'keep_as_one' (output 1,
+        prompt max(1, Request tokens)) or 'error'.
+      zero_tokens: 'clip' | 'drop' | 'error' for other zero token counts (e.g. a zero
+        ``Request tokens`` with a non-zero response).
+
+    Arrival seconds are rebased to the first kept request and stably sorted. The counts of
+    excluded rows are in `load_burstgpt_with_report`'s report.
+    """
+    return load_burstgpt_with_report(path, models=models, log_types=log_types, failed=failed,
+                                     zero_tokens=zero_tokens)[0]
+
+
+def load_azure_functions_2021(path: Any, *, tokens_per_second: float = 50.0,
+                              prompt_tokens: int = 512) -> Trace:
+    """Azure Functions 2021 (``app,func,end_timestamp,duration``, seconds).
+
+    arrival = end_timestamp - duration (rebased to the first, stably sorted);
+    output_tokens = max(1, rint(duration * tokens_per_second)); prompt_tokens constant.
+    """
+    return _read_azure_functions_2021(path, tokens_per_second=tokens_per_second,
+                                      prompt_tokens=prompt_tokens)[0]
+
+
+def load_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
+                              prompt_tokens: int = 512, duration_s: float = 1.0,
+                              durations_path: Any = None) -> Trace:
+    """Azure Functions 2019 per-minute counts (``HashOwner,HashApp,HashFunction,Trigger,1..``).
+
+    The k-th (k = 0..n-1) of the n invocations in minute column m arrives at
+    ``60*(m-1) + 60*(k+0.5)/n`` s; all functions are merged and stably sorted, then rebased to
+    the first arrival (so a file whose first invocation is in minute 1 with n = 1 starts at 0,
+    not 30 s: see `LoadReport.origin`). Each invocation's duration is `duration_s`, or the
+    function's ``Average`` (ms) in the 2019 durations file `durations_path`;
+    output_tokens = max(1, rint(duration * tokens_per_second)), prompt_tokens constant.
+    """
+    return _read_azure_functions_2019(path, tokens_per_second=tokens_per_second,
+                                      prompt_tokens=prompt_tokens, duration_s=duration_s,
+                                      durations_path=durations_path)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Summary statistics
+# --------------------------------------------------------------------------------------------
+
+
+def _window_counts(t: np.ndarray, w: float) -> np.ndarray:
+    """Counts per window [t0 + k w, t0 + (k+1) w), k = 0..K-1, K = max(1, ceil(span / w)).
+
+    Empty windows are included. An arrival at exactly t0 + K w (the span is a multiple of w)
+    falls in the last window, which is therefore closed on the right.
+    """
+    rel = t - t[0]
+    span = float(rel[-1])
+    k_windows = max(1, int(math.ceil(span / w)))
+    idx = np.minimum(np.floor(rel / w).astype(np.int64), k_windows - 1)
+    return np.bincount(idx, minlength=k_windows)
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    if x.shape[0] < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    x = x - x.mean()
+    y = y - y.mean()
+    den = math.sqrt(float((x * x).sum()) * float((y * y).sum()))
+    return float((x * y).sum() / den) if den > 0 else float("nan")
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Average ranks (ties share the mean of their ranks), 1-based."""
+    order = np.argsort(x, kind="stable")
+    xs = x[order]
+    ranks = np.empty(x.shape[0], dtype=np.float64)
+    bounds = np.flatnonzero(np.diff(xs) != 0) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [x.shape[0]]])
+    avg = (starts + ends + 1) / 2.0
+    ranks[order] = np.repeat(avg, ends - starts)
+    return ranks
+
+
+def summary(trace: Trace, windows_s: Sequence[float] = (1.0, 60.0)) -> dict[str, float]:
+    """Arrival and token statistics of a trace, as a flat dict of Python numbers.
+
+    Keys (times in seconds, rates in requests per second, tokens in tokens):
+
+    * ``rows``: N; ``span_s``: last - first arrival (s).
+    * ``mean_rate``: (N - 1) / span_s (req/s); NaN when span_s == 0.
+    * ``cv_interarrival``: std / mean of the N - 1 gaps (population std); NaN if undefined.
+    * for each window length w in `windows_s` (suffix ``_1s``, ``_60s``, ...): ``windows_``
+      (number of windows K = max(1, ceil(span/w))), ``peak_count_`` (max arrivals in one
+      window), ``peak_to_mean_`` (max / mean count) and ``iod_`` (index of dispersion, var /
+      mean of the counts, population variance; 1 for Poisson). Windows are
+      [t0 + k w, t0 + (k+1) w), empty ones included; the last arrival is counted in the last
+      window even when it falls exactly on its right edge.
+    * ``prompt_mean``, ``prompt_p50``, ``prompt_p90``, ``prompt_p99`` and the same for
+      ``output_`` (numpy linear-interpolation percentiles).
+    * ``corr_pearson``, ``corr_spearman`` (average ranks for ties), ``corr_pearson_log1p``
+      between prompt and output tokens; NaN when either is constant.
+    """
+    tr = validate_trace(trace)
+    t = tr.arrival_s
+    n = int(t.shape[0])
+    span = float(t[-1] - t[0])
+    out: dict[str, float] = {"rows": n, "span_s": span}
+    out["mean_rate"] = (n - 1) / span if span > 0 else float("nan")
+    gaps = np.diff(t)
+    gm = float(gaps.mean()) if gaps.shape[0] else 0.0
+    out["cv_interarrival"] = float(gaps.std()) / gm if gm > 0 else float("nan")
+    for w in windows_s:
+        if not (w > 0):
+            raise ValueError(f"window lengths must be > 0, got {w}")
+        c = _window_counts(t, float(w)).astype(np.float64)
+        tag = f"{w:g}s"
+        out[f"windows_{tag}"] = int(c.shape[0])
+        out[f"peak_count_{tag}"] = int(c.max())
+        out[f"peak_to_mean_{tag}"] = float(c.max() / c.mean())
+        out[f"iod_{tag}"] = float(c.var() / c.mean())
+    for name, v in (("prompt", tr.prompt_tokens), ("output", tr.output_tokens)):
+        v = v.astype(np.float64)
+        out[f"{name}_mean"] = float(v.mean())
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}"] = float(np.percentile(v, q))
+    pr = tr.prompt_tokens.astype(np.float64)
+    po = tr.output_tokens.astype(np.float64)
+    out["corr_pearson"] = _pearson(pr, po)
+    out["corr_spearman"] = _pearson(_ranks(pr), _ranks(po))
+    out["corr_pearson_log1p"] = _pearson(np.log1p(pr), np.log1p(po))
+    return out
+
+
+def summary_table(named: Sequence[tuple[str, Trace]]) -> str:
+    """A markdown table (two blocks: arrivals, tokens) of `summary` for named traces."""
+    rows_a = ["| trace | N | span (s) | mean rate (req/s) | CV inter-arrival | peak/mean 1 s "
+              "(peak) | peak/mean 60 s (peak) | IoD 1 s | IoD 60 s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    rows_t = ["| trace | prompt mean / p50 / p90 / p99 | output mean / p50 / p90 / p99 | "
+              "corr Pearson / Spearman / Pearson log1p |", "|---|---|---|---|"]
+    for name, tr in named:
+        s = summary(tr)
+        rows_a.append(
+            f"| {name} | {s['rows']} | {s['span_s']:.2f} | {s['mean_rate']:.4f} | "
+            f"{s['cv_interarrival']:.3f} | {s['peak_to_mean_1s']:.2f} ({s['peak_count_1s']}) | "
+            f"{s['peak_to_mean_60s']:.3f} ({s['peak_count_60s']}) | {s['iod_1s']:.3f} | "
+            f"{s['iod_60s']:.2f} |")
+        tok = lambda k: (f"{s[k + '_mean']:.1f} / {s[k + '_p50']:g} / {s[k + '_p90']:g} / "
+                         f"{s[k + '_p99']:g}")
+        rows_t.append(f"| {name} | {tok('prompt')} | {tok('output')} | "
+                      f"{s['corr_pearson']:.3f} / {s['corr_spearman']:.3f} / "
+                      f"{s['corr_pearson_log1p']:.3f} |")
+    return "\n".join(rows_a) + "\n\n" + "\n".join(rows_t)
