@@ -28,6 +28,7 @@ class BatchingState:
       phase: arrival-process phase. int32.
       trace_pos: trace row of `upcoming`. int32.
       time: decisions taken this episode. int32.
+      log: per-request schedule of the first `log_capacity` requests (see `Routing`).
     """
 
     cluster: C.Cluster
@@ -35,13 +36,14 @@ class BatchingState:
     phase: jax.Array
     trace_pos: jax.Array
     time: jax.Array
+    log: C.RequestLog
 
 
 def _pick(flag, a, b):
     return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
 
 
-class Batching(environment.Environment[BatchingState, common.ServingParams]):
+class Batching(common.StaticConfig, environment.Environment[BatchingState, common.ServingParams]):
     """One GPU; the agent replaces the static batcher.
 
     Decision epochs: whenever the GPU is idle and requests wait, after every completion and
@@ -60,14 +62,17 @@ class Batching(environment.Environment[BatchingState, common.ServingParams]):
       Truncation after `max_steps_in_episode` decisions.
     """
 
+    STATIC_FIELDS = ("max_batch", "queue_buffer", "trace_len", "log_capacity")
+
     def __init__(self, max_batch: int, queue_buffer: int = 64, trace_len: int = 0,
-                 default: common.ServingParams | None = None):
+                 default: common.ServingParams | None = None, log_capacity: int = 0):
         super().__init__()
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = int(max_batch)
         self.queue_buffer = int(queue_buffer)
         self.trace_len = int(trace_len)
+        self.log_capacity = int(log_capacity)
         self.num_gpus = 1
         self._default = default
 
@@ -89,7 +94,8 @@ class Batching(environment.Environment[BatchingState, common.ServingParams]):
         gap, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
         state = BatchingState(cluster=C.empty_cluster(1, self.queue_buffer),
                               upcoming=req.replace(arrival=jnp.float32(0.0)), phase=phase,
-                              trace_pos=jnp.int32(0), time=jnp.int32(0))
+                              trace_pos=jnp.int32(0), time=jnp.int32(0),
+                              log=C.empty_log(self.log_capacity))
         state, _ = self._run_to_decision(k_run, state, params, jnp.bool_(False))
         return self.get_obs(state, params), state
 
@@ -104,9 +110,9 @@ class Batching(environment.Environment[BatchingState, common.ServingParams]):
         k = jnp.where(forced, jnp.minimum(waiting, limit), k)
         invalid = (action < 0) | (action > self.max_batch) | (action > waiting) | forced
         go = (k > 0) & (waiting > 0)
-        cl, _ = C.dispatch(cl, params.gpus, go[None], k[None], jnp.zeros((1,), jnp.float32),
-                           params.slo_s)
-        state = state.replace(cluster=cl)
+        cl, log = C.dispatch(cl, params.gpus, go[None], k[None], jnp.zeros((1,), jnp.float32),
+                             params.slo_s, state.log)
+        state = state.replace(cluster=cl, log=log)
         state, metrics = self._run_to_decision(key, state, params, ~go)
         metrics = metrics.replace(invalid_actions=invalid.astype(jnp.int32))
         state = state.replace(time=state.time + 1)

@@ -189,6 +189,28 @@ def reward_from(metrics, params: ServingParams) -> jax.Array:
     return (-cost / params.latency_scale).astype(jnp.float32)
 
 
+class StaticConfig:
+    """Mixin for environments whose static (shape) configuration is their constructor args.
+
+    Subclasses list those argument names in `STATIC_FIELDS`; `replace_static` returns a new
+    instance with some of them changed (e.g. a longer trace window or a request log), which
+    jit treats as a different environment.
+    """
+
+    STATIC_FIELDS: tuple[str, ...] = ()
+
+    def static_config(self) -> dict:
+        return {f: getattr(self, f) for f in self.STATIC_FIELDS}
+
+    def replace_static(self, **changes):
+        unknown = set(changes) - set(self.STATIC_FIELDS)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no static field(s) {sorted(unknown)}; "
+                             f"static fields: {self.STATIC_FIELDS}")
+        cfg = {**self.static_config(), **changes}
+        return type(self)(default=self.default_params, **cfg)
+
+
 def override(params: ServingParams, **kwargs) -> ServingParams:
     """Replaces scalar fields of `params`, casting to their dtypes; ValueError for unknown."""
     names = {f.name for f in dataclasses.fields(params)}

@@ -30,6 +30,8 @@ class RoutingState:
       phase: arrival-process phase. int32.
       trace_pos: trace row of the pending request. int32.
       time: decisions taken this episode (gymnax's step counter). int32.
+      log: per-request schedule of the episode's first `log_capacity` requests (empty unless
+        the environment was built with a log, as `replay` and `evaluate` do).
     """
 
     cluster: C.Cluster
@@ -37,9 +39,10 @@ class RoutingState:
     phase: jax.Array
     trace_pos: jax.Array
     time: jax.Array
+    log: C.RequestLog
 
 
-class Routing(environment.Environment[RoutingState, common.ServingParams]):
+class Routing(common.StaticConfig, environment.Environment[RoutingState, common.ServingParams]):
     """Route every arriving request to a GPU; each GPU runs the static batcher.
 
     Decision epochs: each request arrival (one decision per request). Between arrivals the
@@ -65,8 +68,10 @@ class Routing(environment.Environment[RoutingState, common.ServingParams]):
     State: `RoutingState`.
     """
 
+    STATIC_FIELDS = ("num_gpus", "queue_buffer", "trace_len", "log_capacity")
+
     def __init__(self, num_gpus: int, queue_buffer: int = 64, trace_len: int = 0,
-                 default: common.ServingParams | None = None):
+                 default: common.ServingParams | None = None, log_capacity: int = 0):
         super().__init__()
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
@@ -75,6 +80,7 @@ class Routing(environment.Environment[RoutingState, common.ServingParams]):
         self.num_gpus = int(num_gpus)
         self.queue_buffer = int(queue_buffer)
         self.trace_len = int(trace_len)
+        self.log_capacity = int(log_capacity)
         self._default = default
 
     @property
@@ -100,7 +106,7 @@ class Routing(environment.Environment[RoutingState, common.ServingParams]):
         _, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
         state = RoutingState(cluster=C.empty_cluster(self.num_gpus, self.queue_buffer),
                              pending=req, phase=phase, trace_pos=jnp.int32(0),
-                             time=jnp.int32(0))
+                             time=jnp.int32(0), log=C.empty_log(self.log_capacity))
         return self.get_obs(state, params), state
 
     def step_env(self, key, state, action, params):
@@ -111,13 +117,14 @@ class Routing(environment.Environment[RoutingState, common.ServingParams]):
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(
             key, params, state.phase, nxt_pos, state.pending.req_id + 1)
-        cluster, metrics, _ = C.advance_static(cluster, params.gpus, gap, params.slo_s)
+        cluster, metrics, log = C.advance_static(cluster, params.gpus, gap, params.slo_s,
+                                                 state.log)
         # A drained cluster (gap = inf) has no times left to keep precise; skip the rebase.
         cluster = C.rebase(cluster, jnp.where(exhausted, 0.0, gap))
         metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
                                   invalid_actions=invalid.astype(jnp.int32))
         state = RoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
-                             time=state.time + 1)
+                             time=state.time + 1, log=log)
         reward = common.reward_from(metrics, params)
         return self.get_obs(state, params), state, reward, exhausted, metrics.as_dict()
 

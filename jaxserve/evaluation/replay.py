@@ -1,7 +1,8 @@
-"""Replaying a whole trace through the engine with given routing decisions.
+"""Replaying a whole trace through an environment with given routing decisions.
 
-`replay` is how users and tests check schedules: it returns the per-request log of a trace run
-to completion (the system drained), computed by the same engine functions the environments use.
+`replay` is how users and tests check schedules: it runs the trace through the environment's
+own step function (trace mode, with a per-request log), drains the cluster at the end, and
+returns the per-request schedule.
 """
 
 from __future__ import annotations
@@ -12,39 +13,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core import cluster as C
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
 
 
-@partial(jax.jit, static_argnames=("num_gpus", "capacity"))
-def _replay_actions(key, params: common.ServingParams, trace: common.TraceArrays,
-                    actions: jax.Array, num_gpus: int, capacity: int):
-    """Scans the trace: advance to each arrival, route it to `actions[i]`, then drain."""
-    n = trace.gap.shape[0]
-    keys = jax.random.split(key, n)
+@partial(jax.jit, static_argnames=("env",))
+def _run_actions(env, key, params: common.ServingParams, actions: jax.Array):
+    """Steps `env` (trace mode) once per request with `actions[i]`; the last step drains."""
+    _, state = env.reset_env(key, params)
 
-    def step(carry, x):
-        cl, log = carry
-        gap, prompt, output, gpu, i, k = x
-        cl, _, log = C.advance_static(cl, params.gpus, gap, params.slo_s, log)
-        cl = C.rebase(cl, gap)
-        req = common.draw_request(k, params, 0.0, i, (prompt, output))
-        cl, dropped = C.route(cl, params.gpus, req, gpu)
-        return (cl, log), dropped
+    def step(state, x):
+        k, a = x
+        _, state, _, _, info = env.step_env(k, state, a, params)
+        return state, info["dropped"]
 
-    carry = (C.empty_cluster(num_gpus, capacity), C.empty_log(n))
-    xs = (trace.gap, trace.prompt, trace.output, actions, jnp.arange(n, dtype=jnp.int32), keys)
-    (cl, log), dropped = jax.lax.scan(step, carry, xs)
-    cl, _, log = C.advance_static(cl, params.gpus, jnp.float32(jnp.inf), params.slo_s, log)
-    return log, dropped
+    n = actions.shape[0]
+    keys = jax.random.split(jax.random.fold_in(key, 1), n)
+    state, dropped = jax.lax.scan(step, state, (keys, actions))
+    return state.log, dropped
 
 
 def replay(env, params, trace: Trace, actions=None, *, key=None) -> dict[str, np.ndarray]:
     """Runs every request of `trace` through `env`'s cluster and drains it.
 
     Args:
-      env: a routing environment (its `num_gpus` and `queue_buffer` are used).
+      env: a routing environment such as `make("Routing-v0")[0]`.
       params: its `ServingParams` (GPU profiles, SLO, estimate settings).
       trace: the requests (`jaxserve.Trace`), arrival times in seconds.
       actions: `(n,)` integer GPU index for each request, in `[0, num_gpus)`.
@@ -61,8 +54,8 @@ def replay(env, params, trace: Trace, actions=None, *, key=None) -> dict[str, np
     tr = validate_trace(trace)
     n = len(tr)
     num_gpus = int(getattr(env, "num_gpus", 0))
-    if num_gpus < 1:
-        raise ValueError(f"replay needs a routing environment with num_gpus >= 1, got {env!r}")
+    if num_gpus < 1 or not hasattr(env, "replace_static"):
+        raise ValueError(f"replay needs a jaxserve routing environment, got {env!r}")
     if actions is None:
         raise ValueError("replay needs actions= (one GPU index per request)")
     acts = np.asarray(actions)
@@ -77,14 +70,18 @@ def replay(env, params, trace: Trace, actions=None, *, key=None) -> dict[str, np
         raise ValueError(f"actions[{bad}] = {acts[bad]} is not a GPU index in [0, {num_gpus})")
     common.validate_params(params, env.queue_buffer)
     key = jax.random.PRNGKey(0) if key is None else key
-    arrays = common.trace_arrays(tr)
-    log, dropped = _replay_actions(key, params, arrays, jnp.asarray(acts, jnp.int32),
-                                   num_gpus, env.queue_buffer)
-    return _per_request_log(tr, acts, log, dropped)
+    trace_env = env.replace_static(trace_len=n, log_capacity=n)
+    trace_params = params.replace(trace=common.trace_arrays(tr))
+    log, dropped = _run_actions(trace_env, key, trace_params, jnp.asarray(acts, jnp.int32))
+    return per_request_log(tr, acts, log, dropped)
 
 
-def _per_request_log(tr: Trace, gpu: np.ndarray, log: C.RequestLog, dropped) -> dict:
-    """Absolute float64 times from the float32 offsets the engine logs (exact to f32 spans)."""
+def per_request_log(tr: Trace, gpu: np.ndarray, log, dropped) -> dict:
+    """The per-request schedule in absolute float64 seconds.
+
+    The engine logs each request's wait and service as float32 spans; adding them to the
+    float64 arrival keeps times exact to the spans' precision however long the trace.
+    """
     wait = np.asarray(log.wait, np.float64)
     service = np.asarray(log.service, np.float64)
     start = tr.arrival_s + wait

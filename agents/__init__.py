@@ -1,0 +1,42 @@
+"""JAX RL agents (PPO, REINFORCE) for gymnax-API environments, PureJaxRL style but typed.
+
+Modules: `config` (frozen configs), `networks` (MLP and permutation-equivariant set
+actor-critics), `rollout` (vmapped rollouts, episode stats), `returns` (truncation-aware GAE),
+`trainer` (shared chunked training loop), `ppo`, `reinforce`, `checkpoint` (orbax save and
+restore), `sharding` (data-parallel runs over `jax.devices()`).
+"""
+
+from agents import ppo, reinforce
+from agents.checkpoint import Checkpoint, restore_checkpoint, save_checkpoint
+from agents.config import PPOConfig, REINFORCEConfig, TrainConfig, config_from_dict
+from agents.networks import MLPActorCritic, SetActorCritic, make_network
+from agents.returns import gae, standardize
+from agents.rollout import EpisodeStats, RunnerState, Transition, collect_rollout
+from agents.sharding import make_mesh, shard_runner_state, shard_trainer
+from agents.trainer import Trainer, TrainOutput
+
+__all__ = [
+    "Checkpoint",
+    "EpisodeStats",
+    "MLPActorCritic",
+    "PPOConfig",
+    "REINFORCEConfig",
+    "RunnerState",
+    "SetActorCritic",
+    "TrainConfig",
+    "TrainOutput",
+    "Trainer",
+    "Transition",
+    "collect_rollout",
+    "config_from_dict",
+    "gae",
+    "make_mesh",
+    "make_network",
+    "ppo",
+    "reinforce",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "shard_runner_state",
+    "shard_trainer",
+    "standardize",
+]

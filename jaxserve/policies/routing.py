@@ -1,0 +1,378 @@
+"""Routing heuristics for Routing-v0: which GPU gets the arriving request.
+
+Every policy has the shared signature `policy(key, obs, state, params) -> int32 GPU index`
+and reads only what a real router knows: the pending request's prompt length, its output
+*estimate* (`state.pending.estimate`) and its id, the queues (counts and the waiting requests'
+prompts and estimates) and the running batches (`free_at`, `run_count`). The true output
+length (`pending.output`, `queues.output`) is never read.
+
+Where a policy compares GPUs by expected time (least work left, SED, SITA's groups), a GPU
+whose queue is full (`count >= queue_cap`: the request would be dropped) is skipped unless
+every queue is full. Ties go to the lowest GPU index.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core import arrivals as A
+from jaxserve.core import cluster as C
+from jaxserve.core.service import per_request_work, single_request_time
+from jaxserve.policies.registry import Policy, register
+
+_GOLDEN = np.uint32(2654435769)  # floor(2**32 / golden ratio): Fibonacci hashing
+
+
+def in_system(state) -> jax.Array:
+    """Requests at each GPU, waiting plus running, `(num_gpus,)` int32."""
+    cl = state.cluster
+    return cl.queues.count + cl.servers.run_count
+
+
+def _full(state, params) -> jax.Array:
+    return state.cluster.queues.count >= params.gpus.queue_cap
+
+
+def _argmin_open(cost, state, params) -> jax.Array:
+    """argmin of `cost` over GPUs whose queue is not full (all GPUs if every queue is full)."""
+    full = _full(state, params)
+    cost = jnp.where(full & ~full.all(), jnp.inf, cost)
+    return jnp.argmin(cost).astype(jnp.int32)
+
+
+def workload_means(params):
+    """Mean prompt and output tokens of the workload (`params.tokens`), as float32 scalars.
+
+    Lognormal class means `median * exp(sigma^2 / 2)` weighted by class probability (the clip
+    to `max_*` is ignored), or the table means for an empirical distribution.
+    """
+    t = params.tokens
+    if t.table_prompt.shape[-1] > 0:
+        return t.table_prompt.mean(), t.table_output.mean()
+    w = t.weights / t.weights.sum()
+    p = (w * t.prompt_median * jnp.exp(0.5 * t.prompt_sigma ** 2)).sum()
+    o = (w * t.output_median * jnp.exp(0.5 * t.output_sigma ** 2)).sum()
+    return p.astype(jnp.float32), o.astype(jnp.float32)
+
+
+def gpu_speeds(params) -> jax.Array:
+    """Relative throughput of each GPU on the mean request, `(num_gpus,)`, summing to 1.
+
+    Proportional to `1 / per_request_work(gpu, mean prompt, mean output)`: requests per second
+    the GPU serves in full batches.
+    """
+    p, o = workload_means(params)
+    speed = 1.0 / per_request_work(params.gpus, p, o)
+    return speed / speed.sum()
+
+
+# ----------------------------------------------------------------------------- policies
+
+def random_policy(key, obs, state, params):
+    """Uniformly random GPU."""
+    n = state.cluster.num_gpus
+    return jax.random.randint(key, (), 0, n, dtype=jnp.int32)
+
+
+def round_robin(key, obs, state, params):
+    """GPU `req_id mod num_gpus` of the pending request (its index in the episode)."""
+    return (state.pending.req_id % state.cluster.num_gpus).astype(jnp.int32)
+
+
+def weighted_round_robin(key, obs, state, params):
+    """Deterministic by `req_id`: GPU shares proportional to `gpu_speeds(params)`.
+
+    Request `i` takes the point `u_i = frac(i * 0.618...)` of the golden-ratio (Weyl) sequence,
+    computed exactly in uint32 arithmetic, and goes to the GPU whose slice of the cumulative
+    share `[0, 1)` contains it. Any window of `n` consecutive requests gives GPU `g`
+    `n * share_g + O(log n)` requests, interleaved rather than in runs.
+    """
+    i = state.pending.req_id.astype(jnp.uint32)
+    u = ((i * _GOLDEN) >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+    edges = jnp.cumsum(gpu_speeds(params))
+    g = jnp.searchsorted(edges, u, side="right")
+    return jnp.minimum(g, state.cluster.num_gpus - 1).astype(jnp.int32)
+
+
+def jsq(key, obs, state, params):
+    """Join the shortest queue: fewest requests waiting plus running; ties to the lowest index."""
+    return jnp.argmin(in_system(state)).astype(jnp.int32)
+
+
+def least_work_left(key, obs, state, params):
+    """Smallest expected time to finish what the GPU holds (`cluster.queued_work`, estimates)."""
+    return _argmin_open(C.queued_work(state.cluster, params.gpus), state, params)
+
+
+def sed(key, obs, state, params):
+    """Shortest expected delay, for heterogeneous GPUs.
+
+    If some GPUs are idle (nothing waiting or running), the fastest of them for this request
+    (smallest `single_request_time(gpu, prompt, estimate)`; ties to the lowest index). Otherwise
+    the GPU minimising `queued_work + single_request_time(gpu, prompt, estimate)`: the expected
+    time until this request would be finished there, each GPU at its own speed.
+    """
+    own = single_request_time(params.gpus, state.pending.prompt, state.pending.estimate)
+    idle = in_system(state) == 0
+    fastest_idle = jnp.argmin(jnp.where(idle, own, jnp.inf)).astype(jnp.int32)
+    busy_best = _argmin_open(C.queued_work(state.cluster, params.gpus) + own, state, params)
+    return jnp.where(idle.any(), fastest_idle, busy_best)
+
+
+def power_of_two(key, obs, state, params):
+    """Two distinct GPUs drawn uniformly; the one with fewer requests (the first drawn on ties)."""
+    n = state.cluster.num_gpus
+    k1, k2 = jax.random.split(key)
+    i = jax.random.randint(k1, (), 0, n, dtype=jnp.int32)
+    j = (i + jax.random.randint(k2, (), 1, max(n, 2), dtype=jnp.int32)) % n
+    count = in_system(state)
+    return jnp.where(count[j] < count[i], j, i).astype(jnp.int32)
+
+
+def make_join_idle_queue(fallback: str = "random"):
+    """Join-idle-queue: a uniformly random idle GPU if any; else `fallback`.
+
+    `fallback="random"` is the classic JIQ (Lu et al., 2011: with no idle server the dispatcher
+    picks one at random); `"jsq"` falls back to join-the-shortest-queue.
+    """
+    if fallback not in ("random", "jsq"):
+        raise ValueError(f"join_idle_queue fallback must be 'random' or 'jsq', got {fallback!r}")
+
+    def join_idle_queue(key, obs, state, params):
+        k_idle, k_fb = jax.random.split(key)
+        idle = in_system(state) == 0
+        pick_idle = jax.random.categorical(k_idle, jnp.where(idle, 0.0, -jnp.inf))
+        fb = (random_policy(k_fb, obs, state, params) if fallback == "random"
+              else jsq(k_fb, obs, state, params))
+        return jnp.where(idle.any(), pick_idle, fb).astype(jnp.int32)
+
+    return join_idle_queue
+
+
+# ----------------------------------------------------------------------------- SITA
+
+class SitaFit(NamedTuple):
+    """A fitted size-interval assignment.
+
+    Attributes:
+      thresholds: `(K - 1,)` increasing output-estimate boundaries (tokens); interval `k` holds
+        estimates with `sum(estimate > thresholds) == k`.
+      mask: `(K, num_gpus)` bool, the GPU group serving each interval (a partition of the GPUs).
+      utilisation: `(num_gpus,)` predicted utilisation at the workload's mean rate.
+      max_rho_per_rate: the largest group utilisation per unit arrival rate (1/(req/s)).
+    """
+
+    thresholds: np.ndarray
+    mask: np.ndarray
+    utilisation: np.ndarray
+    max_rho_per_rate: float
+
+
+def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, output=None):
+    """Prompts and output *estimates* of a workload sample, as the router would see them.
+
+    Draws `num_samples` requests from `params.tokens`, or takes given `prompt`/`output` arrays
+    (e.g. a historical trace); estimates follow `params.estimate_mode`.
+
+    Returns:
+      (prompt, estimate) float64 numpy arrays.
+    """
+    key = jax.random.PRNGKey(0) if key is None else key
+    if prompt is None:
+        k_tok, key = jax.random.split(key)
+        prompt, output = jax.vmap(lambda k: A.sample_tokens(k, params.tokens))(
+            jax.random.split(k_tok, num_samples))
+    prompt = jnp.asarray(prompt, jnp.float32)
+    output = jnp.asarray(output, jnp.float32)
+    est, _ = jax.vmap(lambda k, o: A.output_estimate(
+        k, o, params.estimate_mode, params.estimate_noise, params.size_edges,
+        params.size_values))(jax.random.split(key, output.shape[0]), output)
+    return np.asarray(prompt, np.float64), np.asarray(est, np.float64)
+
+
+def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None,
+             max_intervals: int = 32) -> SitaFit:
+    """Fits SITA thresholds and GPU groups to a workload so that load is balanced.
+
+    Method (host-side, exact for the sample):
+      1. Sample the workload (`sample_workload`): prompt and output *estimate* per request.
+      2. Atoms: the distinct estimate values (a size-class estimate has one per class), or, with
+         more than `max_intervals` distinct values, `max_intervals` quantile bins.
+      3. Each request's work on GPU `g` is `per_request_work(gpu_g, prompt, estimate)` (its share
+         of full-batch service time). An interval `I` of atoms served by a GPU group `G`, with
+         arrivals split across `G` in proportion to service rates, has utilisation
+         `rho = lambda * q_I / sum_{g in G} mu_g(I)`, `q_I` the fraction of requests in `I` and
+         `mu_g(I)` = 1 / mean work of `I`'s requests on `g`.
+      4. Intervals (contiguous in estimate) map monotonically to groups (contiguous in a GPU
+         order sorted by speed, slow-first or fast-first; both are tried). A dynamic program
+         over (atoms used, GPUs used) finds the partition minimising the largest `rho`; a
+         second one, among partitions within 1e-6 of that optimum, minimises the mean service
+         time `sum_I q_I |G_I| / sum_{g in G_I} mu_g(I)`.
+    With few atoms and many GPUs a class gets a group of GPUs; with many atoms and few GPUs each
+    GPU gets an interval. At run time the policy sends a request to its interval's group and,
+    within the group, to the GPU with the least work left.
+
+    Returns:
+      `SitaFit`.
+    """
+    prompt, est = sample_workload(params, key, num_samples, prompt, output)
+    gp = {f: np.asarray(getattr(params.gpus, f), np.float64)
+          for f in ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "max_batch")}
+    num_gpus = gp["c0"].shape[0]
+    b = np.maximum(gp["max_batch"], 1.0)
+    p, e = prompt[:, None], est[:, None]
+    work = (gp["c0"] / b + gp["alpha"] * p + gp["alpha2"] * p * p
+            + e * (gp["beta"] / b + gp["gamma"] + gp["delta"] * p))  # (M, N) seconds
+    uniq = np.unique(est)
+    if uniq.shape[0] <= max_intervals:
+        labels = np.searchsorted(uniq, est)
+        cuts = (uniq[:-1] + uniq[1:]) / 2.0
+    else:
+        edges = np.unique(np.quantile(est, np.linspace(0, 1, max_intervals + 1)[1:-1]))
+        labels = np.sum(est[:, None] > edges[None, :], axis=1)
+        keep = np.unique(labels)  # drop empty bins
+        labels = np.searchsorted(keep, labels)
+        cuts = edges[keep[:-1]]
+    m = int(labels.max()) + 1
+    cnt = np.bincount(labels, minlength=m).astype(np.float64)
+    wsum = np.stack([np.bincount(labels, weights=work[:, g], minlength=m)
+                     for g in range(num_gpus)], axis=1)
+    c_cnt = np.concatenate([[0.0], np.cumsum(cnt)])
+    c_w = np.concatenate([np.zeros((1, num_gpus)), np.cumsum(wsum, axis=0)])
+    total = c_cnt[-1]
+    speed = 1.0 / work.mean(axis=0)
+
+    best = None
+    for order in (np.argsort(speed, kind="stable"), np.argsort(-speed, kind="stable")):
+        # mu[a0, a1, :] prefix over the GPU order, for interval [a0, a1).
+        rho = np.full((m + 1, m + 1, num_gpus + 1, num_gpus + 1), np.inf)
+        svc = np.full_like(rho, np.inf)
+        for a0 in range(m):
+            for a1 in range(a0 + 1, m + 1):
+                n_i = c_cnt[a1] - c_cnt[a0]
+                mu = n_i / np.maximum(c_w[a1] - c_w[a0], 1e-30)
+                c_mu = np.concatenate([[0.0], np.cumsum(mu[order])])
+                for b0 in range(num_gpus):
+                    cap = c_mu[b0 + 1:] - c_mu[b0]
+                    q = n_i / total
+                    rho[a0, a1, b0, b0 + 1:] = q / cap
+                    svc[a0, a1, b0, b0 + 1:] = q * np.arange(1, num_gpus - b0 + 1) / cap
+        r_star, _ = _partition_dp(rho, m, num_gpus, objective="max")
+        limit = r_star * (1.0 + 1e-6)
+        s_star, path = _partition_dp(np.where(rho <= limit, svc, np.inf), m, num_gpus,
+                                     objective="sum")
+        cand = (r_star, s_star, order, path)
+        if best is None or (r_star < best[0] * (1 - 1e-6)
+                            or (r_star <= best[0] * (1 + 1e-6) and s_star < best[1])):
+            best = cand
+    r_star, _, order, path = best
+    lam = float(np.asarray(A.mean_rate(params.arrivals)))
+    mask = np.zeros((len(path), num_gpus), bool)
+    util = np.zeros(num_gpus)
+    thresholds = []
+    for k, (a0, a1, b0, b1) in enumerate(path):
+        gpus = order[b0:b1]
+        mask[k, gpus] = True
+        util[gpus] = lam * rho_interval(c_cnt, c_w, total, a0, a1, gpus)
+        if a1 < m:
+            thresholds.append(cuts[a1 - 1])
+    return SitaFit(thresholds=np.asarray(thresholds, np.float64), mask=mask, utilisation=util,
+                   max_rho_per_rate=float(r_star))
+
+
+def rho_interval(c_cnt, c_w, total, a0, a1, gpus) -> float:
+    """Utilisation per unit arrival rate of atoms `[a0, a1)` served by `gpus`."""
+    n_i = c_cnt[a1] - c_cnt[a0]
+    mu = n_i / np.maximum(c_w[a1] - c_w[a0], 1e-30)
+    return float((n_i / total) / mu[gpus].sum())
+
+
+def _partition_dp(cost, m, n, objective):
+    """Best monotone partition of atoms [0, m) and GPUs [0, n) into matched blocks.
+
+    `cost[a0, a1, b0, b1]` is the cost of block (atoms [a0, a1), GPUs [b0, b1)); the total is
+    the max (objective "max") or the sum ("sum") over blocks. Returns (value, blocks).
+    """
+    combine = max if objective == "max" else (lambda x, y: x + y)
+    f = np.full((m + 1, n + 1), np.inf)
+    f[0, 0] = 0.0
+    back = {}
+    for a in range(1, m + 1):
+        for b in range(1, n + 1):
+            for a0 in range(a):
+                for b0 in range(b):
+                    if not np.isfinite(f[a0, b0]) or not np.isfinite(cost[a0, a, b0, b]):
+                        continue
+                    v = combine(f[a0, b0], cost[a0, a, b0, b])
+                    if v < f[a, b]:
+                        f[a, b] = v
+                        back[(a, b)] = (a0, b0)
+    path, ab = [], (m, n)
+    while ab != (0, 0):
+        a0, b0 = back[ab]
+        path.append((a0, ab[0], b0, ab[1]))
+        ab = (a0, b0)
+    return float(f[m, n]), path[::-1]
+
+
+def make_sita(fit: SitaFit):
+    """The SITA policy of a fit: interval by thresholds on the estimate, then least work left
+    within the interval's GPU group (full queues skipped unless the whole group is full)."""
+    thresholds = jnp.asarray(fit.thresholds, jnp.float32)
+    mask = jnp.asarray(fit.mask, bool)
+
+    def sita(key, obs, state, params):
+        k = jnp.sum(state.pending.estimate > thresholds).astype(jnp.int32)
+        allowed = mask[k]
+        full = _full(state, params)
+        open_ = allowed & ~full
+        use = jnp.where(open_.any(), open_, allowed)
+        work = C.queued_work(state.cluster, params.gpus)
+        return jnp.argmin(jnp.where(use, work, jnp.inf)).astype(jnp.int32)
+
+    return sita
+
+
+# ----------------------------------------------------------------------------- registry
+
+def _simple(name, fn, doc):
+    def factory(env=None, params=None):
+        return Policy(name=name, kind="routing", fn=fn)
+    factory.__doc__ = doc
+    register(name, "routing", factory)
+
+
+_simple("random", random_policy, "Uniformly random GPU.")
+_simple("round_robin", round_robin, "GPU req_id mod N.")
+_simple("jsq", jsq, "Join the shortest queue (waiting + running).")
+_simple("least_work_left", least_work_left, "Least expected work left (queued_work).")
+_simple("sed", sed, "Shortest expected delay; fastest idle GPU first.")
+_simple("power_of_two", power_of_two, "Power of two choices on queue length.")
+
+
+@register("weighted_round_robin", "routing")
+def _wrr_factory(env=None, params=None):
+    """Weighted round robin by GPU speed (deterministic by req_id)."""
+    return Policy(name="weighted_round_robin", kind="routing", fn=weighted_round_robin)
+
+
+@register("join_idle_queue", "routing")
+def _jiq_factory(env=None, params=None, fallback: str = "random"):
+    """Join-idle-queue with a random (default) or JSQ fallback."""
+    return Policy(name="join_idle_queue", kind="routing", fn=make_join_idle_queue(fallback),
+                  info={"fallback": fallback})
+
+
+@register("sita", "routing")
+def _sita_factory(env=None, params=None, fit: SitaFit | None = None, key=None,
+                  num_samples: int = 4096, prompt=None, output=None):
+    """SITA, fitted to `params` (and optionally a workload sample) unless `fit` is given."""
+    if fit is None:
+        if params is None:
+            raise ValueError("policy 'sita' needs params= (to fit it) or fit=")
+        fit = fit_sita(params, key=key, num_samples=num_samples, prompt=prompt, output=output)
+    return Policy(name="sita", kind="routing", fn=make_sita(fit), info={"fit": fit})

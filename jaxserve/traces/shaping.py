@@ -1,0 +1,371 @@
+"""Shaping real traces for RL: load rescaling, fixed-length windows, and batched window replay.
+
+Offered load (the definition used by `offered_load` and `rescale_to_load`)
+--------------------------------------------------------------------------
+For a trace with `N` requests over a span `T` (first to last arrival), mean prompt `p` and mean
+output `o` tokens, and a cluster of GPUs `g` with profiles (`shared/MODEL.md`):
+
+* arrival rate `lam = (N - 1) / T` (req/s; the `mean_rate` of `jaxserve.traces.summary`);
+* a GPU's nominal capacity `mu_g = B_g / T_g` (req/s), where `T_g` is the service time of a
+  **full batch of `B_g = max_batch` mean requests** (each with `p` prompt and `o` output
+  tokens):
+  `T_g = c0 + alpha B p + alpha2 B p^2 + o (beta + gamma B + delta B p)`;
+* cluster capacity `C = sum_g mu_g`;
+* **offered load `rho = lam / C`**.
+
+`rho` is a property of the trace and the cluster alone (no policy, no simulation), linear in
+the arrival rate, and it is the load at which full batches of average requests would keep
+every GPU busy. It is a nominal figure: real static batches are not always full, and a batch
+runs for its *longest* output, not the mean, so the busy fraction measured in a replay is
+higher than `rho` and a cluster saturates below `rho = 1` (how far below depends on the
+routing policy and on the spread of output lengths).
+
+`rescale_to_load(trace, gpus, target)` multiplies every inter-arrival gap by one factor
+`f = rho / target`, which divides `lam` by `f` and leaves the token sizes, the order of
+requests and the burst shape (the gap CV, the relative profile of the rate over time) as they
+were; time-window statistics such as the IoD change with the time scale, exactly as they would
+for the same trace played faster or slower. The rescaled trace's `offered_load` equals
+`target` up to float64 round-off.
+
+Windows (`windows`)
+-------------------
+A long trace is cut into many short episodes with a fixed shape `(W, window_len)` (a
+`TraceArrays` with a leading window axis), ready for `jax.vmap` over
+`params.replace(trace=window)` with `env.replace_static(trace_len=window_len)`:
+
+* ``by="requests"`` (default): window `w` holds requests `[w * stride, w * stride +
+  window_len)`; with the default `stride = window_len` consecutive windows tile the trace and
+  every request is in exactly one window. The last window may be shorter: its rows past
+  `length` are padding (`gap 0, prompt 1, output 1`, never replayed). With `stride <
+  window_len` windows overlap; with `stride > window_len` requests between windows are
+  skipped; windows start at `0, stride, 2 stride, ...` until one reaches the end of the trace.
+* ``by="time"``: `window_len` is a time span in seconds; window `k` holds the requests with
+  arrival in `[t0 + k * window_len, t0 + (k + 1) * window_len)` (the last arrival counts in
+  the last window, as in `summary`). Windows with no request are left out. Every window is
+  padded to the largest count (or to `pad_to`). Windows tile the trace exactly once;
+  `stride` (seconds) works as above.
+
+Each window is rebased: its first gap is 0 (the episode starts at its first request). With
+`return_starts=True`, `windows` also returns each window's first-row index and its first
+arrival (float64 s) in the trace, from which the trace can be rebuilt exactly.
+
+Replaying windows in parallel (`replay_windows`)
+------------------------------------------------
+`replay_windows(env, params, wins, policy)` runs every window as one episode of `env`, all
+windows at once under `jax.vmap` in one compiled program, and returns per-window totals of the
+step `info` metrics and the return.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache, partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core.types import GPUProfile, Trace, validate_profile, validate_trace
+from jaxserve.envs.common import TraceArrays
+
+__all__ = [
+    "cluster_capacity",
+    "offered_load",
+    "rescale_to_load",
+    "windows",
+    "replay_windows",
+    "window_trace",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Load.
+# ---------------------------------------------------------------------------------------------
+
+_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "max_batch")
+
+
+def _profile_arrays(gpus: Any) -> dict[str, np.ndarray]:
+    """float64 `(num_gpus,)` arrays of the service fields of a list or stacked profile."""
+    if isinstance(gpus, GPUProfile):
+        validate_profile(gpus, where="gpus")
+        return {f: np.atleast_1d(np.asarray(getattr(gpus, f), np.float64)) for f in _FIELDS}
+    gpus = list(gpus)
+    if not gpus:
+        raise ValueError("gpus must name at least one GPUProfile (got zero GPUs)")
+    for i, g in enumerate(gpus):
+        if not isinstance(g, GPUProfile):
+            raise ValueError(f"gpus[{i}] must be a GPUProfile, got {type(g).__name__}")
+        validate_profile(g, where=f"gpus[{i}]")
+    return {f: np.concatenate([np.atleast_1d(np.asarray(getattr(g, f), np.float64))
+                               for g in gpus]) for f in _FIELDS}
+
+
+def cluster_capacity(gpus: Any, mean_prompt: float, mean_output: float) -> np.ndarray:
+    """Nominal capacity `mu_g = B_g / T_g` (req/s) of each GPU: a full batch of `max_batch`
+    requests of `mean_prompt` / `mean_output` tokens (module docstring). `(num_gpus,)`."""
+    g = _profile_arrays(gpus)
+    b, p, o = g["max_batch"], float(mean_prompt), float(mean_output)
+    t = (g["c0"] + g["alpha"] * b * p + g["alpha2"] * b * p * p
+         + o * (g["beta"] + g["gamma"] * b + g["delta"] * b * p))
+    return b / t
+
+
+def _rate_and_means(trace: Trace) -> tuple[Trace, float, float, float]:
+    tr = validate_trace(trace, min_len=2)
+    span = float(tr.arrival_s[-1] - tr.arrival_s[0])
+    if span <= 0:
+        raise ValueError("the trace's arrivals span zero time; its arrival rate is undefined")
+    return (tr, (len(tr) - 1) / span, float(tr.prompt_tokens.mean()),
+            float(tr.output_tokens.mean()))
+
+
+def offered_load(trace: Trace, gpus: Any, *, mean_prompt: float | None = None,
+                 mean_output: float | None = None) -> float:
+    """Offered load `rho = lam / sum_g mu_g` of a trace on a cluster (module docstring).
+
+    Args:
+      trace: at least 2 requests over a positive span.
+      gpus: a list of `GPUProfile`, or one (scalar or stacked `(num_gpus,)`) profile.
+      mean_prompt, mean_output: token sizes for the capacity (default: the trace's means).
+    """
+    tr, lam, p, o = _rate_and_means(trace)
+    p = p if mean_prompt is None else float(mean_prompt)
+    o = o if mean_output is None else float(mean_output)
+    return float(lam / cluster_capacity(gpus, p, o).sum())
+
+
+def rescale_to_load(trace: Trace, gpus: Any, target_utilisation: float, *,
+                    mean_prompt: float | None = None,
+                    mean_output: float | None = None) -> tuple[Trace, float]:
+    """Stretches or compresses time so that the trace's offered load is `target_utilisation`.
+
+    Every arrival becomes `a_0 + f (a_i - a_0)`: inter-arrival gaps are multiplied by
+    `f = offered_load(trace) / target_utilisation` (f > 1 slows the trace down). Token counts
+    and request order are unchanged.
+
+    Args:
+      trace: the trace (at least 2 requests over a positive span).
+      gpus: the cluster (list of `GPUProfile` or a stacked profile).
+      target_utilisation: the offered load to reach, > 0 (see the module docstring; values
+        near or above 1 overload the cluster).
+      mean_prompt, mean_output: as in `offered_load`.
+
+    Returns:
+      (rescaled trace, factor f).
+    """
+    target = float(target_utilisation)
+    if not np.isfinite(target) or target <= 0:
+        raise ValueError(f"target_utilisation must be a positive number, got {target_utilisation}")
+    tr, _, _, _ = _rate_and_means(trace)
+    rho = offered_load(tr, gpus, mean_prompt=mean_prompt, mean_output=mean_output)
+    f = rho / target
+    a0 = tr.arrival_s[0]
+    arr = a0 + (tr.arrival_s - a0) * f
+    return Trace(arrival_s=arr, prompt_tokens=tr.prompt_tokens.copy(),
+                 output_tokens=tr.output_tokens.copy()), float(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Windows.
+# ---------------------------------------------------------------------------------------------
+
+def _starts(n: int, window_len: int, stride: int) -> np.ndarray:
+    out = [0]
+    while out[-1] + window_len < n and out[-1] + stride < n:
+        out.append(out[-1] + stride)
+    return np.asarray(out, np.int64)
+
+
+def windows(trace: Trace, window_len: float, stride: float | None = None, *,
+            by: str = "requests", pad_to: int | None = None,
+            return_starts: bool = False):
+    """Cuts a trace into fixed-shape windows, each rebased to start at its first request.
+
+    Args:
+      trace: the trace.
+      window_len: requests per window (``by="requests"``, an int >= 1) or seconds per window
+        (``by="time"``).
+      stride: distance between window starts, in the same unit (default `window_len`: the
+        windows tile the trace, each request in exactly one window).
+      by: ``"requests"`` or ``"time"`` (module docstring).
+      pad_to: rows per window (default: `window_len` by requests, the largest window by time).
+      return_starts: also return `(first_row (W,) int64, first_arrival (W,) float64)`.
+
+    Returns:
+      `TraceArrays` with `gap, prompt, output` of shape `(W, L)` float32 and `length (W,)`
+      int32 (valid rows per window; rows past it are padding), or `(TraceArrays, first_row,
+      first_arrival)` with `return_starts=True`.
+    """
+    tr = validate_trace(trace)
+    n = len(tr)
+    if by == "requests":
+        wl = int(window_len)
+        if wl != window_len or wl < 1:
+            raise ValueError(f"window_len must be an integer >= 1 request, got {window_len}")
+        st = wl if stride is None else int(stride)
+        if stride is not None and (st != stride or st < 1):
+            raise ValueError(f"stride must be an integer >= 1 request, got {stride}")
+        first = _starts(n, wl, st)
+        last = np.minimum(first + wl, n)
+    elif by == "time":
+        w = float(window_len)
+        if not np.isfinite(w) or w <= 0:
+            raise ValueError(f"window_len must be a positive number of seconds, got {window_len}")
+        st = w if stride is None else float(stride)
+        if not np.isfinite(st) or st <= 0:
+            raise ValueError(f"stride must be a positive number of seconds, got {stride}")
+        t = tr.arrival_s - tr.arrival_s[0]
+        span = float(t[-1])
+        k = max(1, int(np.ceil(span / st))) if span > 0 else 1
+        lo = np.arange(k) * st
+        hi = lo + w
+        first = np.searchsorted(t, lo, side="left")
+        last = np.searchsorted(t, hi, side="left")
+        last = np.where(hi >= span, np.where(lo <= span, n, last), last)  # last arrival counts
+        keep = last > first
+        first, last = first[keep], last[keep]
+        wl = None
+    else:
+        raise ValueError(f"by must be 'requests' or 'time', got {by!r}")
+    counts = last - first
+    if pad_to is None:
+        pad = wl if wl is not None else int(counts.max())
+    else:
+        pad = int(pad_to)
+        if pad < counts.max():
+            raise ValueError(f"pad_to={pad_to} is shorter than the longest window "
+                             f"({int(counts.max())} requests)")
+    num = first.shape[0]
+    idx = first[:, None] + np.arange(pad)[None, :]
+    valid = idx < last[:, None]
+    idx_c = np.minimum(idx, n - 1)
+    gaps_all = np.zeros(n)
+    gaps_all[1:] = np.diff(tr.arrival_s)
+    gap = np.where(valid, gaps_all[idx_c], 0.0)
+    gap[:, 0] = 0.0
+    prompt = np.where(valid, tr.prompt_tokens[idx_c], 1)
+    output = np.where(valid, tr.output_tokens[idx_c], 1)
+    arrays = TraceArrays(gap=jnp.asarray(gap, jnp.float32),
+                         prompt=jnp.asarray(prompt, jnp.float32),
+                         output=jnp.asarray(output, jnp.float32),
+                         length=jnp.asarray(counts, jnp.int32))
+    if num == 0:
+        raise ValueError("no window holds a request")
+    if return_starts:
+        return arrays, first.astype(np.int64), tr.arrival_s[first].astype(np.float64)
+    return arrays
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched replay of windows.
+# ---------------------------------------------------------------------------------------------
+
+def _select(flag, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
+
+
+@partial(jax.jit, static_argnames=("env", "policy", "num_steps"))
+def _replay_windows(env, policy, num_steps, key, params, wins, actions):
+    def one(key, tr, acts):
+        p = params.replace(trace=tr)
+        k_reset, k_run = jax.random.split(key)
+        obs, state = env.reset(k_reset, p)
+
+        def step(carry, x):
+            obs, state, done, tot = carry
+            t, k = x
+            k_act, k_step = jax.random.split(k)
+            if policy is None:
+                a = acts[jnp.minimum(t, acts.shape[0] - 1)]
+            else:
+                a = policy(k_act, obs, state, p)
+            obs2, state2, r, term, info = env.step_env(k_step, state, a, p)
+            live = ~done
+            vals = {"return": r, "steps": jnp.int32(1), **info}
+            tot = jax.tree.map(lambda acc, v: acc + jnp.where(live, v, jnp.zeros_like(v)),
+                               tot, vals)
+            taken = jnp.where(live, jnp.asarray(a, jnp.int32), -1)
+            return (_select(live, obs2, obs), _select(live, state2, state), done | term,
+                    tot), taken
+
+        zero = {"return": jnp.float32(0.0), "steps": jnp.int32(0)}
+        _, _, _, _, info0 = jax.eval_shape(env.step_env, k_run, state,
+                                           jnp.int32(0), p)
+        zero.update({k: jnp.zeros(v.shape, v.dtype) for k, v in info0.items()})
+        done0 = env.is_terminated(state, p)
+        xs = (jnp.arange(num_steps, dtype=jnp.int32), jax.random.split(k_run, num_steps))
+        (_, state, done, tot), taken = jax.lax.scan(step, (obs, state, done0, zero), xs)
+        tot["terminated"] = done
+        tot["actions"] = taken
+        return tot
+
+    keys = jax.random.split(key, wins.gap.shape[0])
+    return jax.vmap(one)(keys, wins, actions)
+
+
+@lru_cache(maxsize=32)
+def _window_env(env, length: int):
+    """`env.replace_static(trace_len=length)`, cached so repeated calls reuse one compilation
+    (environments hash by identity, and jit keys its cache on the static `env`)."""
+    return env.replace_static(trace_len=length)
+
+
+def replay_windows(env, params, wins: TraceArrays,
+                   policy: Callable | np.ndarray | jax.Array, *, key: jax.Array | None = None,
+                   num_steps: int | None = None) -> dict[str, jax.Array]:
+    """Runs every window as one episode of `env`, all windows in parallel (vmap, one program).
+
+    Each window `w` becomes `params.replace(trace=wins[w])` on
+    `env.replace_static(trace_len=L)`; the episode starts with `env.reset` and is stepped with
+    `env.step_env` (no auto-reset, no `max_steps_in_episode` truncation: the window's end is
+    the episode's end) until it terminates; steps after termination are no-ops.
+
+    Args:
+      env: a jaxserve environment (`Routing-v0`, `Batching-v0`).
+      params: its `ServingParams` (the `trace` field is replaced per window).
+      wins: windows from `windows(...)`, leaves `(W, L)` and `length (W,)`.
+      policy: a function `policy(key, obs, state, params) -> action` (traced once, vmapped
+        over windows; must be hashable, e.g. a module-level function), or an integer array of
+        actions `(W, num_steps)` (or `(W, L)`), step `t` of window `w` taking `actions[w, t]`.
+      key: PRNG key (default `PRNGKey(0)`); window `w` uses the `w`-th split.
+      num_steps: steps scanned per window (default `L`, one routing decision per request;
+        Batching-v0 needs more decisions than requests, so pass e.g. `2 * L`).
+
+    Returns:
+      dict of `(W,)` arrays: `return` (summed reward), `steps` (decisions taken), every step
+      `info` metric summed over the episode (`arrived`, `completed`, `dropped`, `latency_sum`,
+      `slo_met`, `busy_time`, `in_system_time`, `elapsed`, `invalid_actions`),
+      `terminated` (whether the window's episode ended within `num_steps`), and `actions`
+      `(W, num_steps)` int32: the action of each step, -1 after the episode ended (so a
+      window can be replayed request by request, e.g. with `jaxserve.replay`).
+    """
+    if wins.gap.ndim != 2:
+        raise ValueError(f"wins must have a leading window axis (W, L), got {wins.gap.shape}")
+    length = int(wins.gap.shape[1])
+    env_w = _window_env(env, length)
+    steps = length if num_steps is None else int(num_steps)
+    key = jax.random.PRNGKey(0) if key is None else key
+    if callable(policy):
+        pol, acts = policy, jnp.zeros((wins.gap.shape[0], 1), jnp.int32)
+    else:
+        acts = jnp.asarray(policy, jnp.int32)
+        if acts.ndim != 2 or acts.shape[0] != wins.gap.shape[0]:
+            raise ValueError(f"actions must have shape (W, steps) with W={wins.gap.shape[0]}, "
+                             f"got {acts.shape}")
+        pol = None
+        if num_steps is None:
+            steps = max(length, int(acts.shape[1]))
+    return _replay_windows(env_w, pol, steps, key, params, wins, acts)
+
+
+def window_trace(wins: TraceArrays, index: int, start: float = 0.0) -> Trace:
+    """Window `index` of `wins` as a host `Trace` (its valid rows), first arrival at `start`.
+
+    Arrivals are `start + cumsum(gap)` in float64 over the window's float32 gaps.
+    """
+    n = int(np.asarray(wins.length)[index])
+    gap = np.asarray(wins.gap[index, :n], np.float64)
+    return Trace(arrival_s=float(start) + np.cumsum(gap),
+                 prompt_tokens=np.asarray(wins.prompt[index, :n]).astype(np.int64),
+                 output_tokens=np.asarray(wins.output[index, :n]).astype(np.int64))
