@@ -94,8 +94,12 @@ def empty_cluster(num_gpus: int, capacity: int) -> Cluster:
 
 
 def batch_limit(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
-    """Effective max batch per GPU: `max_batch` clipped to `[1, queue capacity]`. int32."""
-    return jnp.clip(gpus.max_batch, 1, cluster.queues.capacity).astype(jnp.int32)
+    """Most requests per batch on each GPU (`max_batch`, at least 1). int32.
+
+    Not clipped to the queue buffer: with `max_batch > queue_cap` the batch can never fill,
+    so only the timeout dispatches (MODEL.md), which clipping would silently change.
+    """
+    return jnp.maximum(gpus.max_batch, 1).astype(jnp.int32)
 
 
 def in_system(cluster: Cluster) -> jax.Array:
@@ -183,7 +187,7 @@ def static_dispatch_time(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
     q = cluster.queues
     b = batch_limit(cluster, gpus)
     head = Q.arrival_at(q, jnp.zeros_like(b))
-    full = jnp.where(q.count >= b, Q.arrival_at(q, b - 1), jnp.inf)
+    full = jnp.where(q.count >= b, Q.arrival_at(q, jnp.minimum(b, q.capacity) - 1), jnp.inf)
     trigger = jnp.minimum(full, head + gpus.timeout)
     return jnp.maximum(jnp.maximum(cluster.servers.free_at, trigger), 0.0)
 
