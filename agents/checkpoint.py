@@ -69,6 +69,9 @@ def save_checkpoint(
 
     Returns:
       The path of the step's checkpoint directory.
+
+    Raises:
+      orbax.checkpoint's StepAlreadyExistsError: `step` is already saved under `directory`.
     """
     directory = os.path.abspath(os.fspath(directory))
     args = ocp.args.Composite(

@@ -79,7 +79,9 @@ class TrainConfig:
         _one_of(self, "activation", ACTIVATIONS)
         _one_of(self, "set_mixer", SET_MIXERS)
         if len(self.hidden_sizes) == 0 or any(h < 1 for h in self.hidden_sizes):
-            raise ValueError(f"hidden_sizes must be non-empty positive ints, got {self.hidden_sizes}")
+            raise ValueError(
+                f"hidden_sizes must be non-empty positive ints, got {self.hidden_sizes}"
+            )
         if self.network == "set":
             if self.set_dims is None or len(self.set_dims) != 3 or min(self.set_dims) < 1:
                 raise ValueError(
@@ -87,7 +89,8 @@ class TrainConfig:
                 )
             if self.set_mixer == "attention" and self.hidden_sizes[-1] % self.num_heads:
                 raise ValueError(
-                    f"num_heads={self.num_heads} must divide hidden_sizes[-1]={self.hidden_sizes[-1]}"
+                    f"num_heads={self.num_heads} must divide "
+                    f"hidden_sizes[-1]={self.hidden_sizes[-1]}"
                 )
         if self.total_timesteps < self.batch_size:
             raise ValueError(

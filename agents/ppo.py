@@ -25,6 +25,7 @@ from agents.rollout import (
     collect_rollout,
     episode_metrics,
 )
+from agents.sharding import constrain_batch
 from agents.trainer import Metrics, Trainer, build_trainer
 
 
@@ -99,9 +100,9 @@ def make_update(config: PPOConfig, env: Any, env_params: Any):
         train_state, key, data = carry
         key, k_perm = jax.random.split(key)
         perm = jax.random.permutation(k_perm, batch_size)
-        minibatches = jax.tree.map(
+        minibatches = constrain_batch(jax.tree.map(
             lambda x: jnp.take(x, perm, axis=0).reshape((num_mb, -1) + x.shape[1:]), data
-        )
+        ), axis=1)
         train_state, aux = jax.lax.scan(minibatch_step, train_state, minibatches)
         return (train_state, key, data), aux
 

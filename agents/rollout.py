@@ -88,7 +88,8 @@ def update_episode_stats(
     length = stats.episode_length + jnp.int32(1)
     completed_return = jnp.where(done, ret, jnp.float32(0.0))
     completed_length = jnp.where(done, length, jnp.int32(0))
-    new = EpisodeStats(jnp.where(done, jnp.float32(0.0), ret), jnp.where(done, jnp.int32(0), length))
+    new = EpisodeStats(jnp.where(done, jnp.float32(0.0), ret),
+                       jnp.where(done, jnp.int32(0), length))
     return new, completed_return, completed_length
 
 

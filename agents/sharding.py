@@ -11,7 +11,8 @@ Results match a single-device run up to float reduction order.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -36,7 +37,8 @@ def runner_state_shardings(runner_state: RunnerState, mesh: Mesh) -> RunnerState
       A `RunnerState`-structured pytree of `NamedSharding`: `P("data")` on env-batched fields,
       `P()` (replicated) elsewhere.
     """
-    data, replicated = NamedSharding(mesh, PartitionSpec(AXIS)), NamedSharding(mesh, PartitionSpec())
+    data = NamedSharding(mesh, PartitionSpec(AXIS))
+    replicated = NamedSharding(mesh, PartitionSpec())
     return RunnerState(**{
         name: jax.tree.map(lambda _, s=(data if name in ENV_BATCHED_FIELDS else replicated): s,
                            getattr(runner_state, name))
@@ -73,13 +75,40 @@ def shard_trainer(trainer: Trainer, mesh: Mesh | None = None) -> Trainer:
     shardings = runner_state_shardings(template, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     init = jax.jit(trainer.init, out_shardings=shardings)
-    train_chunk = jax.jit(
-        lambda rs, n: run_updates(trainer.update, rs, n),
+    chunk = jax.jit(
+        functools.partial(run_updates, trainer.update),
         static_argnums=1,
         in_shardings=(shardings,),
         out_shardings=(shardings, replicated),
     )
+
+    def train_chunk(runner_state: RunnerState, num_updates: int):
+        runner_state = jax.device_put(runner_state, shardings)  # no-op if already placed
+        with jax.set_mesh(mesh):  # lets `constrain_batch` see the mesh while tracing
+            return chunk(runner_state, num_updates)
+
     return dataclasses.replace(trainer, init=init, train_chunk=train_chunk)
+
+
+def constrain_batch(tree: Any, axis: int = 0) -> Any:
+    """Shards `axis` of every leaf over mesh axis "data" when traced under such a mesh.
+
+    Used inside update functions to keep the learning phase data-parallel (each device
+    computes the gradient of its slice of a minibatch; XLA all-reduces). Outside a mesh context
+    with a "data" axis (single-device runs) it is the identity.
+
+    Args:
+      tree: pytree of arrays whose `axis` has a size divisible by the number of devices.
+      axis: the batch axis to shard.
+
+    Returns:
+      `tree`, with sharding constraints attached.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AXIS not in mesh.axis_names:
+        return tree
+    spec = PartitionSpec(*([None] * axis + [AXIS]))
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
 
 
 def _check_divisible(num_envs: int, mesh: Mesh) -> None:

@@ -3,7 +3,10 @@
 from jaxserve.core.types import GPUProfile, Trace, stack_profiles
 from jaxserve.envs import make, register, registered_envs
 from jaxserve.evaluation.replay import replay
+from jaxserve.evaluation import capacity, evaluate, evaluate_many
+from jaxserve import policies
 
 __all__ = ["GPUProfile", "Trace", "make", "register", "registered_envs", "replay",
            "stack_profiles"]
+__all__ += ["capacity", "evaluate", "evaluate_many", "policies"]
 __version__ = "0.1.0"

@@ -53,10 +53,15 @@ class Servers:
 
 @struct.dataclass
 class Cluster:
-    """Queues and servers of all GPUs."""
+    """Queues and servers of all GPUs.
+
+    `window` (static) is the largest batch any GPU may form: dispatch reads only that many
+    slots at each queue's head.
+    """
 
     queues: Q.Queues
     servers: Servers
+    window: int = struct.field(pytree_node=False, default=1)
 
     @property
     def num_gpus(self) -> int:
@@ -84,20 +89,28 @@ def empty_log(length: int) -> RequestLog:
     return RequestLog(wait=nan, service=nan, batch=jnp.full((length,), -1, jnp.int32))
 
 
-def empty_cluster(num_gpus: int, capacity: int) -> Cluster:
-    """An idle cluster with empty queues of `capacity` slots per GPU."""
+def empty_cluster(num_gpus: int, capacity: int, max_batch: int | None = None,
+                  with_ids: bool = True) -> Cluster:
+    """An idle cluster with empty queues of `capacity` slots per GPU.
+
+    `max_batch` (static) bounds every GPU's batch size; defaults to `capacity`. `with_ids`
+    keeps request ids in the queues, which a `RequestLog` needs.
+    """
     zf = jnp.zeros((num_gpus,), jnp.float32)
     zi = jnp.zeros((num_gpus,), jnp.int32)
     servers = Servers(free_at=zf, run_start=zf, run_count=zi, run_latency_sum=zf,
                       run_slo_met=zi, run_estimate=zf, batches=zi)
-    return Cluster(queues=Q.empty_queues(num_gpus, capacity), servers=servers)
+    window = capacity if max_batch is None else max(1, min(int(max_batch), capacity))
+    return Cluster(queues=Q.empty_queues(num_gpus, capacity, with_ids), servers=servers,
+                   window=window)
 
 
 def batch_limit(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
     """Most requests per batch on each GPU (`max_batch`, at least 1). int32.
 
     Not clipped to the queue buffer: with `max_batch > queue_cap` the batch can never fill,
-    so only the timeout dispatches (MODEL.md), which clipping would silently change.
+    so only the timeout dispatches (MODEL.md), which clipping would silently change. Batches
+    themselves never exceed `cluster.window` (validated against `max_batch` outside jit).
     """
     return jnp.maximum(gpus.max_batch, 1).astype(jnp.int32)
 
@@ -113,7 +126,8 @@ def route(cluster: Cluster, gpus: GPUProfile, req: Q.Request, gpu: jax.Array):
     Returns:
       (cluster, dropped bool scalar).
     """
-    queues, accepted = Q.push(cluster.queues, gpu, req, gpus.queue_cap)
+    share = per_request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt, req.estimate)
+    queues, accepted = Q.push(cluster.queues, gpu, req, gpus.queue_cap, share)
     return cluster.replace(queues=queues), ~accepted
 
 
@@ -148,15 +162,16 @@ def dispatch(cluster: Cluster, gpus: GPUProfile, go: jax.Array, k: jax.Array, st
       (cluster, log).
     """
     q, s = cluster.queues, cluster.servers
-    k = jnp.where(go, k, 0)
-    member = Q.positions(q) < k[:, None]
-    prompt = jnp.where(member, q.prompt, 0.0)
+    k = jnp.where(go, jnp.minimum(k, cluster.window), 0)
+    valid, win = Q.front(q, cluster.window)
+    member = valid & (jnp.arange(cluster.window)[None, :] < k[:, None])
+    prompt = jnp.where(member, win.prompt, 0.0)
     sum_p = prompt.sum(-1)
     sum_p2 = (prompt * prompt).sum(-1)
-    max_o = jnp.where(member, q.output, 0.0).max(-1)
+    max_o = jnp.where(member, win.output, 0.0).max(-1)
     service = batch_service_time(gpus, k, sum_p, sum_p2, max_o)
     finish = start + service
-    latency = finish[:, None] - q.arrival
+    latency = finish[:, None] - win.arrival
     servers = s.replace(
         free_at=jnp.where(go, finish, s.free_at),
         run_start=jnp.where(go, start, s.run_start),
@@ -165,17 +180,24 @@ def dispatch(cluster: Cluster, gpus: GPUProfile, go: jax.Array, k: jax.Array, st
                                   s.run_latency_sum),
         run_slo_met=jnp.where(go, (member & (latency <= slo_s)).sum(-1).astype(jnp.int32),
                               s.run_slo_met),
-        run_estimate=jnp.where(go, jnp.where(member, q.estimate, 0.0).sum(-1), s.run_estimate),
+        run_estimate=jnp.where(go, jnp.where(member, win.estimate, 0.0).sum(-1),
+                               s.run_estimate),
         batches=s.batches + go.astype(jnp.int32))
+    shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), win.prompt, win.estimate)
+    popped_work = jnp.where(member, shares, 0.0).sum(-1)
+    popped_est = jnp.where(member, win.estimate, 0.0).sum(-1)
     if log is not None and log.wait.shape[0] > 0:
-        idx = jnp.where(member, q.req_id, log.wait.shape[0]).ravel()
-        wait = (start[:, None] - q.arrival).ravel()
+        if win.req_id is None:
+            raise ValueError("a RequestLog needs a cluster built with with_ids=True")
+        idx = jnp.where(member, win.req_id, log.wait.shape[0]).ravel()
+        wait = (start[:, None] - win.arrival).ravel()
         svc = jnp.broadcast_to(service[:, None], member.shape).ravel()
         bid = jnp.broadcast_to(s.batches[:, None], member.shape).ravel()
         log = RequestLog(wait=log.wait.at[idx].set(wait, mode="drop"),
                          service=log.service.at[idx].set(svc, mode="drop"),
                          batch=log.batch.at[idx].set(bid, mode="drop"))
-    return cluster.replace(queues=Q.pop_front(q, k), servers=servers), log
+    queues = Q.pop_front(q, k, popped_work, popped_est)
+    return cluster.replace(queues=queues, servers=servers), log
 
 
 def static_dispatch_time(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
@@ -196,10 +218,11 @@ def _due(cluster: Cluster, gpus: GPUProfile, horizon):
     s = cluster.servers
     completion = (s.run_count > 0) & (s.free_at <= horizon)
     idle_after = (s.run_count == 0) | completion
-    # free_at of a completing batch is its end, so this start is already after it.
+    # free_at of a completing batch is its end, so this start is already after it; and
+    # completing a batch changes neither the start nor this flag, so both hold after it too.
     start = static_dispatch_time(cluster, gpus)
     dispatch_due = idle_after & (cluster.queues.count > 0) & (start < horizon)
-    return completion, dispatch_due
+    return completion, dispatch_due, start
 
 
 def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s: jax.Array,
@@ -218,21 +241,17 @@ def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s
     """
     metrics = StepMetrics.zeros()
 
-    def cond(carry):
-        completion, dispatch_due = _due(carry[0], gpus, horizon)
-        return jnp.any(completion | dispatch_due)
-
     def body(carry):
-        cl, m, lg = carry
-        completion, _ = _due(cl, gpus, horizon)
+        cl, m, lg, completion, dispatch_due, start = carry
         cl, m = complete_due(cl, completion, m)
-        _, dispatch_due = _due(cl, gpus, horizon)
-        start = static_dispatch_time(cl, gpus)
         k = jnp.minimum(cl.queues.count, batch_limit(cl, gpus))
         cl, lg = dispatch(cl, gpus, dispatch_due, k, start, slo_s, lg)
-        return cl, m, lg
+        return (cl, m, lg, *_due(cl, gpus, horizon))
 
-    cluster, metrics, log = jax.lax.while_loop(cond, body, (cluster, metrics, log))
+    # The due flags ride in the carry so each iteration evaluates them once, not in cond too.
+    carry = (cluster, metrics, log, *_due(cluster, gpus, horizon))
+    cluster, metrics, log, *_ = jax.lax.while_loop(
+        lambda c: jnp.any(c[3] | c[4]), body, carry)
     finite = jnp.isfinite(horizon)
     h = jnp.where(finite, horizon, 0.0)
     s = cluster.servers
@@ -241,7 +260,8 @@ def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s
         busy_time=metrics.busy_time
         + jnp.where(running & finite, h - jnp.maximum(s.run_start, 0.0), 0.0).sum(),
         in_system_time=metrics.in_system_time + in_system(cluster) * h,
-        elapsed=h)
+        # A drain lasts until its last completion.
+        elapsed=jnp.where(finite, h, jnp.maximum(s.free_at.max(), 0.0)))
     return cluster, metrics, log
 
 
@@ -257,11 +277,9 @@ def queued_work(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
     """Expected seconds each GPU needs to finish what it holds, from the current instant.
 
     Remaining time of the running batch plus the waiting requests' shares of full-batch service
-    time (`service.per_request_work`, using output *estimates*, never true lengths). `(num_gpus,)`.
+    time (`service.per_request_work`, using output *estimates*, never true lengths), kept as a
+    running total by the queues. `(num_gpus,)`.
     """
-    q, s = cluster.queues, cluster.servers
-    waiting = Q.waiting_mask(q)
-    share = per_request_work(
-        jax.tree.map(lambda x: x[:, None], gpus), q.prompt, q.estimate)
+    s = cluster.servers
     remaining = jnp.where(s.run_count > 0, jnp.maximum(s.free_at, 0.0), 0.0)
-    return remaining + jnp.where(waiting, share, 0.0).sum(-1)
+    return remaining + jnp.maximum(cluster.queues.work, 0.0)

@@ -55,8 +55,8 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
       `0` when no request will ever arrive again (end of a trace) dispatches
       `min(waiting, max_batch)`.
     Observation: float32 `(6,)`: waiting / max_batch, waiting / queue_cap, head's wait /
-      time_scale, mean wait / time_scale, queued work / time_scale, fraction of waiting requests
-      above the smallest size class.
+      time_scale, mean wait / time_scale, queued work / time_scale, and the waiting requests'
+      mean output estimate as `log1p(mean)/log1p(max_output)`.
     Reward: `-(time-in-system during the step + drop_penalty_s * drops) / latency_scale`.
     Termination: with a replayed trace, once it has ended and the GPU has drained.
       Truncation after `max_steps_in_episode` decisions.
@@ -92,7 +92,8 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
         k_phase, k_req, k_run = jax.random.split(key, 3)
         phase = common.first_phase(k_phase, params)
         gap, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
-        state = BatchingState(cluster=C.empty_cluster(1, self.queue_buffer),
+        state = BatchingState(cluster=C.empty_cluster(1, self.queue_buffer, self.max_batch,
+                                                      with_ids=self.log_capacity > 0),
                               upcoming=req.replace(arrival=jnp.float32(0.0)), phase=phase,
                               trace_pos=jnp.int32(0), time=jnp.int32(0),
                               log=C.empty_log(self.log_capacity))
@@ -172,14 +173,14 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
         waiting = q.count[0].astype(jnp.float32)
         mask = Q.waiting_mask(q)[0]
         wait = jnp.where(mask, -q.arrival[0], 0.0)
-        big = (mask & (q.size_class[0] > 0)).sum()
+        mean_estimate = q.estimate_sum[0] / jnp.maximum(waiting, 1.0)
         feats = jnp.stack([
             waiting / jnp.maximum(p.gpus.max_batch[0], 1),
             waiting / jnp.maximum(p.gpus.queue_cap[0], 1),
             wait.max() / p.time_scale,
             wait.sum() / jnp.maximum(waiting, 1.0) / p.time_scale,
             C.queued_work(state.cluster, p.gpus)[0] / p.time_scale,
-            big / jnp.maximum(waiting, 1.0),
+            jnp.log1p(mean_estimate) / jnp.log1p(p.tokens.max_output),
         ])
         return jnp.clip(jnp.nan_to_num(feats), 0.0, FEATURE_CLIP).astype(jnp.float32)
 

@@ -9,6 +9,7 @@ rates, token distributions, SLO, reward weights, episode length) is an array lea
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -107,9 +108,21 @@ SCALAR_FIELDS = {
 }
 
 
-def validate_params(params: ServingParams, queue_buffer: int) -> None:
-    """Host-side checks of a `ServingParams`; raises ValueError naming the field."""
+def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | None = None,
+                    num_gpus: int | None = None) -> None:
+    """Host-side checks of a `ServingParams` against an environment's static sizes.
+
+    Raises ValueError naming the field.
+    """
     validate_profile(params.gpus, where="params.gpus")
+    shape = np.shape(params.gpus.c0)
+    if num_gpus is not None and shape[-1:] != (num_gpus,):
+        raise ValueError(f"params.gpus has {shape[-1:] or 'no'} GPUs; the environment has "
+                         f"{num_gpus}")
+    mb = np.asarray(params.gpus.max_batch)
+    if max_batch is not None and max_batch < queue_buffer and np.any(mb > max_batch):
+        raise ValueError(f"params.gpus.max_batch {mb} exceeds the environment's static "
+                         f"max_batch ({max_batch}); rebuild it with a larger max_batch")
     if np.any(np.asarray(params.gpus.queue_cap) > queue_buffer):
         raise ValueError(f"params.gpus.queue_cap {np.asarray(params.gpus.queue_cap)} exceeds the "
                          f"static queue buffer ({queue_buffer}); pass a larger queue_buffer")
@@ -190,14 +203,55 @@ def reward_from(metrics, params: ServingParams) -> jax.Array:
 
 
 class StaticConfig:
-    """Mixin for environments whose static (shape) configuration is their constructor args.
+    """Mixin for the serving environments: static configuration and a bandwidth-lean step.
 
-    Subclasses list those argument names in `STATIC_FIELDS`; `replace_static` returns a new
-    instance with some of them changed (e.g. a longer trace window or a request log), which
-    jit treats as a different environment.
+    Subclasses list their constructor's shape arguments in `STATIC_FIELDS`; `replace_static`
+    returns a new instance with some of them changed (e.g. a longer trace window or a request
+    log). Instances with equal static configuration and the same default params compare
+    equal, so jit reuses compiled code across them.
+
+    `step` keeps gymnax 1.0's contract exactly (auto-reset, `(obs, state, reward, terminated,
+    truncated, info)`, `info["final_observation"]`) but does not select the queues' slot
+    arrays on reset: a reset queue has count 0, so stale slots are never read, and skipping
+    them saves a full pass over the state (most of its bytes) on every step.
     """
 
     STATIC_FIELDS: tuple[str, ...] = ()
+
+    def _key(self):
+        return (type(self), tuple(self.static_config().items()), id(self.default_params))
+
+    def __eq__(self, other):
+        return isinstance(other, StaticConfig) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    @partial(jax.jit, static_argnames=("self",))
+    def step(self, key, state, action, params=None):
+        """gymnax 1.0 step with auto-reset; see the class docstring."""
+        if params is None:
+            params = self.default_params
+        key_step, key_reset = jax.random.split(key)
+        obs_st, state_st, reward, terminated, info = self.step_env(key_step, state, action,
+                                                                   params)
+        truncated = self.is_truncated(state_st, params)
+        done = jnp.logical_or(terminated, truncated)
+        obs_re, state_re = self.reset_env(key_reset, params)
+        q_st, q_re = state_st.cluster.queues, state_re.cluster.queues
+        q_re = q_re.replace(arrival=q_st.arrival, prompt=q_st.prompt, output=q_st.output,
+                            estimate=q_st.estimate, req_id=q_st.req_id)
+        state_re = state_re.replace(cluster=state_re.cluster.replace(queues=q_re))
+        state = jax.tree.map(lambda r, s: jax.lax.select(done, r, s), state_re, state_st)
+        obs = jax.lax.select(done, obs_re, obs_st)
+        info = {**info, "terminated": terminated, "truncated": truncated,
+                "final_observation": obs_st}
+        return obs, state, reward, terminated, truncated, info
+
+    def check_params(self, params: "ServingParams") -> None:
+        """Raises ValueError (naming the field) if `params` do not fit this environment."""
+        validate_params(params, self.queue_buffer, getattr(self, "max_batch", None),
+                        getattr(self, "num_gpus", None))
 
     def static_config(self) -> dict:
         return {f: getattr(self, f) for f in self.STATIC_FIELDS}

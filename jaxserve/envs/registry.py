@@ -89,13 +89,15 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
     return common.override(params, **defaults)
 
 
-def _static_sizes(gpus, queue_buffer, params):
+def _static_sizes(queue_buffer, params):
+    """(queue buffer, max batch) shapes for `params`, validated."""
     caps = int(np.max(np.asarray(params.gpus.queue_cap)))
     qb = caps if queue_buffer is None else int(queue_buffer)
     if qb < 1:
         raise ValueError(f"queue_buffer must be >= 1, got {qb}")
-    common.validate_params(params, qb)
-    return qb
+    mb = int(np.max(np.asarray(params.gpus.max_batch)))
+    common.validate_params(params, qb, mb)
+    return qb, mb
 
 
 def routing_gpus() -> list[GPUProfile]:
@@ -114,9 +116,9 @@ def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
     if arrivals is None and arrival_rate is None:
         arrival_rate = 6.0
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
-    qb = _static_sizes(gpus, queue_buffer, params)
-    env = Routing(num_gpus=len(gpus), queue_buffer=qb, trace_len=params.trace.gap.shape[0],
-                  default=params)
+    qb, mb = _static_sizes(queue_buffer, params)
+    env = Routing(num_gpus=len(gpus), queue_buffer=qb, max_batch=mb,
+                  trace_len=params.trace.gap.shape[0], default=params)
     return env, params
 
 
@@ -129,7 +131,7 @@ def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None
     if arrivals is None and arrival_rate is None:
         arrival_rate = 3.0
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
-    qb = _static_sizes(gpus, queue_buffer, params)
-    env = Batching(max_batch=int(gpus[0].max_batch), queue_buffer=qb,
+    qb, mb = _static_sizes(queue_buffer, params)
+    env = Batching(max_batch=mb, queue_buffer=qb,
                    trace_len=params.trace.gap.shape[0], default=params)
     return env, params

@@ -11,7 +11,7 @@ from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
 from jaxserve.core.metrics import StepMetrics
-from jaxserve.core.queues import Request, waiting_mask
+from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
 from jaxserve.envs import common
 
@@ -55,8 +55,9 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
       - `[3:]` one row of 6 per GPU (row-major `(num_gpus, 6)`): waiting / queue_cap,
         running / max_batch, time until the running batch ends / time_scale,
         queued work / time_scale (`cluster.queued_work`, from estimates), relative speed
-        (fastest GPU's time for a reference request / this GPU's, in (0, 1]), and the fraction
-        of the GPU's requests (waiting + running) that are not in the smallest size class.
+        (fastest GPU's time for a reference request / this GPU's, in (0, 1]), and the mean output
+        estimate of the GPU's requests (waiting + running), `log1p(mean)/log1p(max_output)`:
+        where long requests sit, i.e. where a short one would be blocked behind them.
       `obs_layout` gives `(3, num_gpus, 6)` for networks that reshape it.
     Action: `Discrete(num_gpus)`, the GPU index. Out-of-range actions are clipped to
       `[0, num_gpus)` and counted in `info["invalid_actions"]`.
@@ -68,10 +69,11 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
     State: `RoutingState`.
     """
 
-    STATIC_FIELDS = ("num_gpus", "queue_buffer", "trace_len", "log_capacity")
+    STATIC_FIELDS = ("num_gpus", "queue_buffer", "max_batch", "trace_len", "log_capacity")
 
-    def __init__(self, num_gpus: int, queue_buffer: int = 64, trace_len: int = 0,
-                 default: common.ServingParams | None = None, log_capacity: int = 0):
+    def __init__(self, num_gpus: int, queue_buffer: int = 64, max_batch: int = 16,
+                 trace_len: int = 0, default: common.ServingParams | None = None,
+                 log_capacity: int = 0):
         super().__init__()
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
@@ -79,6 +81,7 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
             raise ValueError(f"queue_buffer must be >= 1, got {queue_buffer}")
         self.num_gpus = int(num_gpus)
         self.queue_buffer = int(queue_buffer)
+        self.max_batch = int(max_batch)
         self.trace_len = int(trace_len)
         self.log_capacity = int(log_capacity)
         self._default = default
@@ -104,7 +107,9 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
         k_phase, k_req = jax.random.split(key)
         phase = common.first_phase(k_phase, params)
         _, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
-        state = RoutingState(cluster=C.empty_cluster(self.num_gpus, self.queue_buffer),
+        state = RoutingState(cluster=C.empty_cluster(
+                                 self.num_gpus, self.queue_buffer, self.max_batch,
+                                 with_ids=self.log_capacity > 0),
                              pending=req, phase=phase, trace_pos=jnp.int32(0),
                              time=jnp.int32(0), log=C.empty_log(self.log_capacity))
         return self.get_obs(state, params), state
@@ -153,16 +158,14 @@ def gpu_features(cluster: C.Cluster, params: common.ServingParams) -> jax.Array:
     ref = single_request_time(gpus, 512.0, 128.0)
     waiting = q.count.astype(jnp.float32)
     running = s.run_count.astype(jnp.float32)
-    big_waiting = (waiting_mask(q) & (q.size_class > 0)).sum(-1)
-    # Running requests' classes are not kept; their mean estimate stands in for them.
-    big_running = jnp.where(s.run_estimate > params.size_edges[0] * running, running, 0.0)
+    mean_estimate = (q.estimate_sum + s.run_estimate) / jnp.maximum(waiting + running, 1.0)
     rows = jnp.stack([
         waiting / jnp.maximum(gpus.queue_cap, 1),
         running / jnp.maximum(gpus.max_batch, 1),
         jnp.where(s.run_count > 0, jnp.maximum(s.free_at, 0.0), 0.0) / ts,
         C.queued_work(cluster, gpus) / ts,
         ref.min() / ref,
-        (big_waiting + big_running) / jnp.maximum(waiting + running, 1.0),
+        jnp.log1p(mean_estimate) / jnp.log1p(params.tokens.max_output),
     ], axis=-1)
     return jnp.clip(jnp.nan_to_num(rows), 0.0, FEATURE_CLIP).astype(jnp.float32)
 

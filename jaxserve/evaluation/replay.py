@@ -1,8 +1,9 @@
-"""Replaying a whole trace through an environment with given routing decisions.
+"""Replaying a whole trace through an environment with given routing decisions or a policy.
 
 `replay` is how users and tests check schedules: it runs the trace through the environment's
 own step function (trace mode, with a per-request log), drains the cluster at the end, and
-returns the per-request schedule.
+returns the per-request schedule. The decisions are either given (`actions=`) or made by a
+routing policy (`policy=`, the shared `policy(key, obs, state, params)` signature).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import numpy as np
 
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
+from jaxserve.envs.routing import Routing
+from jaxserve.evaluation.evaluate import trace_env
 
 
 @partial(jax.jit, static_argnames=("env",))
@@ -33,7 +36,29 @@ def _run_actions(env, key, params: common.ServingParams, actions: jax.Array):
     return state.log, dropped
 
 
-def replay(env, params, trace: Trace, actions=None, *, key=None) -> dict[str, np.ndarray]:
+@partial(jax.jit, static_argnames=("env", "policy"))
+def _run_policy(env, key, params: common.ServingParams, policy):
+    """Steps `env` (trace mode) once per request with the policy's action; the last drains."""
+    obs, state = env.reset_env(key, params)
+    k_pol = jax.random.fold_in(key, 2)
+
+    def step(carry, x):
+        obs, state = carry
+        i, k = x
+        a = jnp.asarray(policy(jax.random.fold_in(k_pol, i), obs, state, params)).astype(
+            jnp.int32).reshape(())
+        obs, state, _, _, info = env.step_env(k, state, a, params)
+        return (obs, state), (info["dropped"], jnp.clip(a, 0, env.num_gpus - 1))
+
+    n = params.trace.gap.shape[0]
+    keys = jax.random.split(jax.random.fold_in(key, 1), n)
+    (_, state), (dropped, gpu) = jax.lax.scan(
+        step, (obs, state), (jnp.arange(n, dtype=jnp.int32), keys))
+    return state.log, dropped, gpu
+
+
+def replay(env, params, trace: Trace, actions=None, *, policy=None,
+           key=None) -> dict[str, np.ndarray]:
     """Runs every request of `trace` through `env`'s cluster and drains it.
 
     Args:
@@ -41,7 +66,10 @@ def replay(env, params, trace: Trace, actions=None, *, key=None) -> dict[str, np
       params: its `ServingParams` (GPU profiles, SLO, estimate settings).
       trace: the requests (`jaxserve.Trace`), arrival times in seconds.
       actions: `(n,)` integer GPU index for each request, in `[0, num_gpus)`.
-      key: PRNG key for noisy output estimates (default `PRNGKey(0)`).
+      policy: instead of `actions`, a routing policy `policy(key, obs, state, params) -> GPU`
+        that routes every request as it arrives (an out-of-range choice is clipped, as the
+        environment does, and reported as the clipped GPU).
+      key: PRNG key for noisy output estimates and the policy (default `PRNGKey(0)`).
 
     Returns:
       dict of numpy arrays, one entry per request: `arrival` (s, float64), `start`, `finish`
@@ -49,15 +77,28 @@ def replay(env, params, trace: Trace, actions=None, *, key=None) -> dict[str, np
       id in order of (start, gpu); -1 if dropped).
 
     Raises:
-      ValueError: invalid trace, or `actions` of the wrong length, type or range.
+      ValueError: invalid trace, `actions` of the wrong length, type or range, or neither or
+        both of `actions` and `policy`.
     """
     tr = validate_trace(trace)
     n = len(tr)
     num_gpus = int(getattr(env, "num_gpus", 0))
     if num_gpus < 1 or not hasattr(env, "replace_static"):
         raise ValueError(f"replay needs a jaxserve routing environment, got {env!r}")
+    if policy is not None:
+        if actions is not None:
+            raise ValueError("give replay either actions= or policy=, not both")
+        if not isinstance(env, Routing):
+            raise ValueError("replay(policy=...) needs a Routing environment")
+        if not callable(policy):
+            raise ValueError(f"policy must be callable, got {type(policy).__name__}")
+        common.validate_params(params, env.queue_buffer, env.max_batch, env.num_gpus)
+        key = jax.random.PRNGKey(0) if key is None else key
+        trace_params = params.replace(trace=common.trace_arrays(tr))
+        log, dropped, gpu = _run_policy(trace_env(env, n), key, trace_params, policy)
+        return per_request_log(tr, np.asarray(gpu), log, dropped)
     if actions is None:
-        raise ValueError("replay needs actions= (one GPU index per request)")
+        raise ValueError("replay needs actions= (one GPU index per request) or policy=")
     acts = np.asarray(actions)
     if acts.ndim != 1 or acts.shape[0] != n:
         raise ValueError(f"actions must have one entry per request: expected shape ({n},), "
@@ -68,11 +109,11 @@ def replay(env, params, trace: Trace, actions=None, *, key=None) -> dict[str, np
     if np.any(acts < 0) or np.any(acts >= num_gpus):
         bad = int(np.flatnonzero((acts < 0) | (acts >= num_gpus))[0])
         raise ValueError(f"actions[{bad}] = {acts[bad]} is not a GPU index in [0, {num_gpus})")
-    common.validate_params(params, env.queue_buffer)
+    common.validate_params(params, env.queue_buffer, env.max_batch, env.num_gpus)
     key = jax.random.PRNGKey(0) if key is None else key
-    trace_env = env.replace_static(trace_len=n, log_capacity=n)
     trace_params = params.replace(trace=common.trace_arrays(tr))
-    log, dropped = _run_actions(trace_env, key, trace_params, jnp.asarray(acts, jnp.int32))
+    log, dropped = _run_actions(trace_env(env, n), key, trace_params,
+                                jnp.asarray(acts, jnp.int32))
     return per_request_log(tr, acts, log, dropped)
 
 

@@ -38,12 +38,18 @@ class Policy:
 
 
 _FACTORIES: dict[str, tuple[str, Callable]] = {}
+_CACHEABLE: set[str] = set()
+_CACHE: dict = {}
 
 
-def register(name: str, kind: str, factory: Callable | None = None):
+def register(name: str, kind: str, factory: Callable | None = None, *,
+             scenario_free: bool = False):
     """Adds a policy factory `factory(env=None, params=None, **options) -> Policy`.
 
     Usable as a decorator (`@register("jsq", "routing")`) or called with the factory.
+    `scenario_free=True` declares that the factory ignores `env` and `params`: `get` then
+    returns the same `Policy` object for the same options, so jitted programs that take the
+    policy as a static argument are reused instead of recompiled.
     Raises ValueError for a duplicate name or an unknown kind.
     """
     if kind not in KINDS:
@@ -53,6 +59,8 @@ def register(name: str, kind: str, factory: Callable | None = None):
         if name in _FACTORIES:
             raise ValueError(f"policy {name!r} is already registered")
         _FACTORIES[name] = (kind, fn)
+        if scenario_free:
+            _CACHEABLE.add(name)
         return fn
 
     return deco if factory is None else deco(factory)
@@ -102,7 +110,19 @@ def get(name: str, **kwargs) -> Policy:
         if unknown:
             opts = [p for p in sig.parameters if p not in ("env", "params")]
             raise ValueError(f"policy {name!r} takes no option(s) {unknown}; options: {opts}")
+    cache_key = None
+    if name in _CACHEABLE:
+        opts = tuple(sorted((k, v) for k, v in kwargs.items() if k not in ("env", "params")))
+        try:
+            hash(opts)
+            cache_key = (name, opts)
+        except TypeError:
+            cache_key = None
+        if cache_key in _CACHE:
+            return _CACHE[cache_key]
     policy = factory(**kwargs)
     if not isinstance(policy, Policy):
         policy = Policy(name=name, kind=kind, fn=policy)
+    if cache_key is not None:
+        _CACHE[cache_key] = policy
     return policy

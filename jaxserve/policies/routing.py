@@ -173,60 +173,70 @@ class SitaFit(NamedTuple):
 
 
 def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, output=None):
-    """Prompts and output *estimates* of a workload sample, as the router would see them.
+    """A workload sample: prompts, true outputs and the output *estimates* a router would see.
 
     Draws `num_samples` requests from `params.tokens`, or takes given `prompt`/`output` arrays
     (e.g. a historical trace); estimates follow `params.estimate_mode`.
 
     Returns:
-      (prompt, estimate) float64 numpy arrays.
+      (prompt, output, estimate) float64 numpy arrays.
     """
+    from jaxserve.evaluation.evaluate import sample_tokens_n
     key = jax.random.PRNGKey(0) if key is None else key
     if prompt is None:
         k_tok, key = jax.random.split(key)
-        prompt, output = jax.vmap(lambda k: A.sample_tokens(k, params.tokens))(
-            jax.random.split(k_tok, num_samples))
+        prompt, output = sample_tokens_n(k_tok, params.tokens, int(num_samples))
     prompt = jnp.asarray(prompt, jnp.float32)
     output = jnp.asarray(output, jnp.float32)
+    if prompt.ndim != 1 or prompt.shape != output.shape or prompt.shape[0] == 0:
+        raise ValueError("the workload sample needs 1-D prompt and output arrays of equal length")
+    est = _estimates(key, output, params)
+    return (np.asarray(prompt, np.float64), np.asarray(output, np.float64),
+            np.asarray(est, np.float64))
+
+
+@jax.jit
+def _estimates(key, output, params):
     est, _ = jax.vmap(lambda k, o: A.output_estimate(
         k, o, params.estimate_mode, params.estimate_noise, params.size_edges,
         params.size_values))(jax.random.split(key, output.shape[0]), output)
-    return np.asarray(prompt, np.float64), np.asarray(est, np.float64)
+    return est
 
 
 def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None,
-             max_intervals: int = 32) -> SitaFit:
+             max_intervals: int = 32, batches_per_interval: int = 64) -> SitaFit:
     """Fits SITA thresholds and GPU groups to a workload so that load is balanced.
 
-    Method (host-side, exact for the sample):
-      1. Sample the workload (`sample_workload`): prompt and output *estimate* per request.
+    Method (host-side, on a workload sample):
+      1. Sample the workload (`sample_workload`): prompt, true output and output *estimate*.
       2. Atoms: the distinct estimate values (a size-class estimate has one per class), or, with
-         more than `max_intervals` distinct values, `max_intervals` quantile bins.
-      3. Each request's work on GPU `g` is `per_request_work(gpu_g, prompt, estimate)` (its share
-         of full-batch service time). An interval `I` of atoms served by a GPU group `G`, with
-         arrivals split across `G` in proportion to service rates, has utilisation
-         `rho = lambda * q_I / sum_{g in G} mu_g(I)`, `q_I` the fraction of requests in `I` and
-         `mu_g(I)` = 1 / mean work of `I`'s requests on `g`.
-      4. Intervals (contiguous in estimate) map monotonically to groups (contiguous in a GPU
-         order sorted by speed, slow-first or fast-first; both are tried). A dynamic program
-         over (atoms used, GPUs used) finds the partition minimising the largest `rho`; a
-         second one, among partitions within 1e-6 of that optimum, minimises the mean service
-         time `sum_I q_I |G_I| / sum_{g in G_I} mu_g(I)`.
-    With few atoms and many GPUs a class gets a group of GPUs; with many atoms and few GPUs each
-    GPU gets an interval. At run time the policy sends a request to its interval's group and,
-    within the group, to the GPU with the least work left.
+         more than `max_intervals` distinct values, `max_intervals` quantile bins. Thresholds
+         can only fall between atoms: the router sees the estimate, nothing finer.
+      3. Service rate of GPU `g` for an interval `I` of atoms: `mu_g(I) = B_g / E[T_g(S)]`,
+         `S` a full batch of `B_g` requests drawn from the sample's requests in `I` (Monte
+         Carlo, `batches_per_interval` batches, true outputs: the batch runs for its longest).
+         Interval `I` served by group `G`, arrivals split across `G` in proportion to
+         `mu_g(I)`, has utilisation `rho = lambda * q_I / sum_{g in G} mu_g(I)`, `q_I` the
+         fraction of requests in `I`.
+      4. SITA separates sizes: `K = min(atoms, GPUs)` intervals, each with its own group (with
+         few atoms and many GPUs every atom gets a group of GPUs; with many atoms each GPU gets
+         an interval). Intervals (contiguous in estimate) map monotonically to groups
+         (contiguous in a GPU order by speed, slow-first or fast-first: both are tried). A
+         dynamic program over (atoms used, GPUs used) finds the partition minimising the
+         largest `rho` (load balance); a second one, among partitions within 1e-6 of that
+         optimum, minimises the mean full-batch service time
+         `sum_I q_I |G_I| / sum_{g in G_I} mu_g(I)`.
+    At run time the policy sends a request to its interval's group and, within the group, to
+    the GPU with the least work left.
 
     Returns:
       `SitaFit`.
     """
-    prompt, est = sample_workload(params, key, num_samples, prompt, output)
+    prompt, output, est = sample_workload(params, key, num_samples, prompt, output)
     gp = {f: np.asarray(getattr(params.gpus, f), np.float64)
-          for f in ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "max_batch")}
-    num_gpus = gp["c0"].shape[0]
-    b = np.maximum(gp["max_batch"], 1.0)
-    p, e = prompt[:, None], est[:, None]
-    work = (gp["c0"] / b + gp["alpha"] * p + gp["alpha2"] * p * p
-            + e * (gp["beta"] / b + gp["gamma"] + gp["delta"] * p))  # (M, N) seconds
+          for f in ("c0", "alpha", "alpha2", "beta", "gamma", "delta")}
+    bs = np.maximum(np.asarray(params.gpus.max_batch).astype(int), 1)
+    num_gpus = bs.shape[0]
     uniq = np.unique(est)
     if uniq.shape[0] <= max_intervals:
         labels = np.searchsorted(uniq, est)
@@ -238,37 +248,47 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
         labels = np.searchsorted(keep, labels)
         cuts = edges[keep[:-1]]
     m = int(labels.max()) + 1
-    cnt = np.bincount(labels, minlength=m).astype(np.float64)
-    wsum = np.stack([np.bincount(labels, weights=work[:, g], minlength=m)
-                     for g in range(num_gpus)], axis=1)
-    c_cnt = np.concatenate([[0.0], np.cumsum(cnt)])
-    c_w = np.concatenate([np.zeros((1, num_gpus)), np.cumsum(wsum, axis=0)])
-    total = c_cnt[-1]
-    speed = 1.0 / work.mean(axis=0)
+    total = float(labels.shape[0])
+    rng = np.random.default_rng(0)
+    mu = np.full((m + 1, m + 1, num_gpus), np.nan)  # mu[a0, a1, g] for atoms [a0, a1)
+    qfrac = np.zeros((m + 1, m + 1))
+    for a0 in range(m):
+        for a1 in range(a0 + 1, m + 1):
+            idx = np.flatnonzero((labels >= a0) & (labels < a1))
+            qfrac[a0, a1] = idx.shape[0] / total
+            draw = rng.choice(idx, (batches_per_interval, int(bs.max())))
+            p, o = prompt[draw], output[draw]
+            for g in range(num_gpus):
+                b = bs[g]
+                sp, sp2, mo = p[:, :b].sum(1), (p[:, :b] ** 2).sum(1), o[:, :b].max(1)
+                t = (gp["c0"][g] + gp["alpha"][g] * sp + gp["alpha2"][g] * sp2
+                     + mo * (gp["beta"][g] + gp["gamma"][g] * b + gp["delta"][g] * sp))
+                mu[a0, a1, g] = b / max(t.mean(), 1e-30)
+    speed = np.nanmean(mu[0, m][None], axis=0)
+    k_blocks = min(m, num_gpus)
 
     best = None
     for order in (np.argsort(speed, kind="stable"), np.argsort(-speed, kind="stable")):
-        # mu[a0, a1, :] prefix over the GPU order, for interval [a0, a1).
         rho = np.full((m + 1, m + 1, num_gpus + 1, num_gpus + 1), np.inf)
         svc = np.full_like(rho, np.inf)
         for a0 in range(m):
             for a1 in range(a0 + 1, m + 1):
-                n_i = c_cnt[a1] - c_cnt[a0]
-                mu = n_i / np.maximum(c_w[a1] - c_w[a0], 1e-30)
-                c_mu = np.concatenate([[0.0], np.cumsum(mu[order])])
+                if k_blocks == m and a1 != a0 + 1:
+                    continue  # one atom per interval
+                c_mu = np.concatenate([[0.0], np.cumsum(mu[a0, a1, order])])
                 for b0 in range(num_gpus):
-                    cap = c_mu[b0 + 1:] - c_mu[b0]
-                    q = n_i / total
-                    rho[a0, a1, b0, b0 + 1:] = q / cap
-                    svc[a0, a1, b0, b0 + 1:] = q * np.arange(1, num_gpus - b0 + 1) / cap
+                    b1 = np.arange(b0 + 1, num_gpus + 1)
+                    if k_blocks == num_gpus:
+                        b1 = b1[:1]  # one GPU per group
+                    cap = c_mu[b1] - c_mu[b0]
+                    rho[a0, a1, b0, b1] = qfrac[a0, a1] / cap
+                    svc[a0, a1, b0, b1] = qfrac[a0, a1] * (b1 - b0) / cap
         r_star, _ = _partition_dp(rho, m, num_gpus, objective="max")
-        limit = r_star * (1.0 + 1e-6)
-        s_star, path = _partition_dp(np.where(rho <= limit, svc, np.inf), m, num_gpus,
-                                     objective="sum")
-        cand = (r_star, s_star, order, path)
+        s_star, path = _partition_dp(np.where(rho <= r_star * (1.0 + 1e-6), svc, np.inf), m,
+                                     num_gpus, objective="sum")
         if best is None or (r_star < best[0] * (1 - 1e-6)
                             or (r_star <= best[0] * (1 + 1e-6) and s_star < best[1])):
-            best = cand
+            best = (r_star, s_star, order, path)
     r_star, _, order, path = best
     lam = float(np.asarray(A.mean_rate(params.arrivals)))
     mask = np.zeros((len(path), num_gpus), bool)
@@ -277,18 +297,11 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
     for k, (a0, a1, b0, b1) in enumerate(path):
         gpus = order[b0:b1]
         mask[k, gpus] = True
-        util[gpus] = lam * rho_interval(c_cnt, c_w, total, a0, a1, gpus)
+        util[gpus] = lam * qfrac[a0, a1] / mu[a0, a1, gpus].sum()
         if a1 < m:
             thresholds.append(cuts[a1 - 1])
     return SitaFit(thresholds=np.asarray(thresholds, np.float64), mask=mask, utilisation=util,
                    max_rho_per_rate=float(r_star))
-
-
-def rho_interval(c_cnt, c_w, total, a0, a1, gpus) -> float:
-    """Utilisation per unit arrival rate of atoms `[a0, a1)` served by `gpus`."""
-    n_i = c_cnt[a1] - c_cnt[a0]
-    mu = n_i / np.maximum(c_w[a1] - c_w[a0], 1e-30)
-    return float((n_i / total) / mu[gpus].sum())
 
 
 def _partition_dp(cost, m, n, objective):
@@ -343,7 +356,7 @@ def _simple(name, fn, doc):
     def factory(env=None, params=None):
         return Policy(name=name, kind="routing", fn=fn)
     factory.__doc__ = doc
-    register(name, "routing", factory)
+    register(name, "routing", factory, scenario_free=True)
 
 
 _simple("random", random_policy, "Uniformly random GPU.")
@@ -354,13 +367,13 @@ _simple("sed", sed, "Shortest expected delay; fastest idle GPU first.")
 _simple("power_of_two", power_of_two, "Power of two choices on queue length.")
 
 
-@register("weighted_round_robin", "routing")
+@register("weighted_round_robin", "routing", scenario_free=True)
 def _wrr_factory(env=None, params=None):
     """Weighted round robin by GPU speed (deterministic by req_id)."""
     return Policy(name="weighted_round_robin", kind="routing", fn=weighted_round_robin)
 
 
-@register("join_idle_queue", "routing")
+@register("join_idle_queue", "routing", scenario_free=True)
 def _jiq_factory(env=None, params=None, fallback: str = "random"):
     """Join-idle-queue with a random (default) or JSQ fallback."""
     return Policy(name="join_idle_queue", kind="routing", fn=make_join_idle_queue(fallback),

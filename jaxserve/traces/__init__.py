@@ -36,3 +36,50 @@ __all__ = [
     "summary",
     "summary_table",
 ]
+
+# Shaping traces for RL (load rescaling, windows), workload fitting, synthetic BurstGPT-like
+# traces: see docs/traces.md.
+from jaxserve.traces.fitting import (  # noqa: E402
+    MMPPFit,
+    WorkloadFit,
+    count_iod,
+    fit_mmpp,
+    fit_report,
+    fit_table,
+    fit_tokens,
+    fit_workload,
+    mmpp_gap_moments,
+    mmpp_iod,
+    mmpp_stats,
+    sample_arrivals_jax,
+    sample_mmpp,
+    sample_tokens_np,
+    sample_workload,
+)
+from jaxserve.traces.shaping import (  # noqa: E402
+    cluster_capacity,
+    offered_load,
+    replay_windows,
+    rescale_to_load,
+    window_trace,
+    windows,
+)
+from jaxserve.traces.synthetic import (  # noqa: E402
+    DEFAULT_BURST,
+    BurstProfile,
+    burstgpt_like,
+    burstgpt_profile,
+    burstgpt_stats,
+    default_traces_dir,
+    published_stats,
+)
+
+__all__ += [
+    "MMPPFit", "WorkloadFit", "count_iod", "fit_mmpp", "fit_report", "fit_table", "fit_tokens",
+    "fit_workload", "mmpp_gap_moments", "mmpp_iod", "mmpp_stats", "sample_arrivals_jax",
+    "sample_mmpp", "sample_tokens_np", "sample_workload",
+    "cluster_capacity", "offered_load", "replay_windows", "rescale_to_load", "window_trace",
+    "windows",
+    "DEFAULT_BURST", "BurstProfile", "burstgpt_like", "burstgpt_profile", "burstgpt_stats",
+    "default_traces_dir", "published_stats",
+]

@@ -229,6 +229,8 @@ def windows(trace: Trace, window_len: float, stride: float | None = None, *,
     else:
         raise ValueError(f"by must be 'requests' or 'time', got {by!r}")
     counts = last - first
+    if first.shape[0] == 0:
+        raise ValueError("no window holds a request")
     if pad_to is None:
         pad = wl if wl is not None else int(counts.max())
     else:
@@ -236,7 +238,6 @@ def windows(trace: Trace, window_len: float, stride: float | None = None, *,
         if pad < counts.max():
             raise ValueError(f"pad_to={pad_to} is shorter than the longest window "
                              f"({int(counts.max())} requests)")
-    num = first.shape[0]
     idx = first[:, None] + np.arange(pad)[None, :]
     valid = idx < last[:, None]
     idx_c = np.minimum(idx, n - 1)
@@ -250,8 +251,6 @@ def windows(trace: Trace, window_len: float, stride: float | None = None, *,
                          prompt=jnp.asarray(prompt, jnp.float32),
                          output=jnp.asarray(output, jnp.float32),
                          length=jnp.asarray(counts, jnp.int32))
-    if num == 0:
-        raise ValueError("no window holds a request")
     if return_starts:
         return arrays, first.astype(np.int64), tr.arrival_s[first].astype(np.float64)
     return arrays
@@ -298,6 +297,9 @@ def _replay_windows(env, policy, num_steps, key, params, wins, actions):
         (_, state, done, tot), taken = jax.lax.scan(step, (obs, state, done0, zero), xs)
         tot["terminated"] = done
         tot["actions"] = taken
+        # The draining step reports elapsed = 0 (core.cluster.advance_static with an infinite
+        # horizon); the episode's span runs to its last completion, stored in free_at.
+        tot["makespan"] = tot["elapsed"] + jnp.maximum(state.cluster.servers.free_at.max(), 0.0)
         return tot
 
     keys = jax.random.split(key, wins.gap.shape[0])
@@ -327,7 +329,7 @@ def replay_windows(env, params, wins: TraceArrays,
       wins: windows from `windows(...)`, leaves `(W, L)` and `length (W,)`.
       policy: a function `policy(key, obs, state, params) -> action` (traced once, vmapped
         over windows; must be hashable, e.g. a module-level function), or an integer array of
-        actions `(W, num_steps)` (or `(W, L)`), step `t` of window `w` taking `actions[w, t]`.
+        actions `(W, >= num_steps)`, step `t` of window `w` taking `actions[w, t]`.
       key: PRNG key (default `PRNGKey(0)`); window `w` uses the `w`-th split.
       num_steps: steps scanned per window (default `L`, one routing decision per request;
         Batching-v0 needs more decisions than requests, so pass e.g. `2 * L`).
@@ -336,7 +338,10 @@ def replay_windows(env, params, wins: TraceArrays,
       dict of `(W,)` arrays: `return` (summed reward), `steps` (decisions taken), every step
       `info` metric summed over the episode (`arrived`, `completed`, `dropped`, `latency_sum`,
       `slo_met`, `busy_time`, `in_system_time`, `elapsed`, `invalid_actions`),
-      `terminated` (whether the window's episode ended within `num_steps`), and `actions`
+      `terminated` (whether the window's episode ended within `num_steps`), `makespan`
+      (seconds from the window's first arrival to its last completion, for a terminated
+      episode; `elapsed` stops at the last arrival because the draining step reports 0 s, so
+      a busy fraction is `busy_time / (num_gpus * makespan)`), and `actions`
       `(W, num_steps)` int32: the action of each step, -1 after the episode ended (so a
       window can be replayed request by request, e.g. with `jaxserve.replay`).
     """
@@ -354,8 +359,9 @@ def replay_windows(env, params, wins: TraceArrays,
             raise ValueError(f"actions must have shape (W, steps) with W={wins.gap.shape[0]}, "
                              f"got {acts.shape}")
         pol = None
-        if num_steps is None:
-            steps = max(length, int(acts.shape[1]))
+        if acts.shape[1] < steps:
+            raise ValueError(f"actions must hold at least {steps} steps per window, got "
+                             f"{acts.shape[1]}")
     return _replay_windows(env_w, pol, steps, key, params, wins, acts)
 
 

@@ -61,6 +61,7 @@ __all__ = [
     "burstgpt_profile",
     "burstgpt_stats",
     "default_traces_dir",
+    "published_stats",
 ]
 
 AGGREGATES_FILE = "burstgpt/BurstGPT_1_derived_aggregates_IsabellaLiu99.json"
@@ -228,8 +229,6 @@ def burstgpt_like(key_or_seed: Any, days: float, rate_scale: float = 1.0, *,
         raise ValueError("no request generated; increase days or rate_scale")
     arr = np.sort(np.repeat(lo, cnt) + np.repeat(hi - lo, cnt) * rng.random(n))
     if tokens == "empirical":
-        p = prof.prompt[rng.integers(0, prof.prompt.shape[0], n)].astype(np.float64)
-        o = prof.output[rng.integers(0, prof.output.shape[0], n)].astype(np.float64) * 0
         idx = rng.integers(0, prof.prompt.shape[0], n)
         p, o = prof.prompt[idx].astype(np.float64), prof.output[idx].astype(np.float64)
     elif tokens == "lognormal":

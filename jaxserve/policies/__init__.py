@@ -1,0 +1,36 @@
+"""Policies: routing heuristics, static and SMDP-optimal batchers, one shared signature.
+
+Signature (heuristics and learned agents alike)::
+
+    policy(key, obs, state, params) -> action
+
+for ONE environment (the harness vmaps it): `key` a PRNG key for this decision, `obs` the
+environment's observation, `state` its state pytree (`RoutingState` / `BatchingState`),
+`params` its `ServingParams`; `action` an int32 scalar (Routing-v0: a GPU index, Batching-v0:
+0 = wait or k = dispatch k). Pure JAX, jit- and vmap-safe. A learned agent usually reads only
+`obs`; heuristics read `state`, but only what a real scheduler knows: prompt lengths, output
+*estimates*, queue contents and running batches — never the true output lengths
+(`pending.output`, `queues.output`) and never the future (`BatchingState.upcoming`).
+
+Registry: `get(name, **options)` builds a `Policy` (a callable with that signature, plus
+`name`, `kind` and `info`); every factory accepts `env=` and `params=` (those that fit
+something to the scenario — sita, tuned_static, smdp_optimal — need them). `names(kind)`
+lists them; `register(name, kind)` adds one.
+
+Routing (`routing.py`): random, round_robin, weighted_round_robin, jsq, least_work_left, sed,
+power_of_two, join_idle_queue, sita (+ `fit_sita`).
+Batching (`batching.py`, `smdp.py`): static, greedy, tuned_static (+ `tune_static`),
+smdp_optimal (+ `solve_smdp`).
+"""
+
+from jaxserve.policies.registry import KINDS, Policy, env_kind, get, kind_of, names, register
+from jaxserve.policies import routing  # noqa: E402  (registers the routing policies)
+from jaxserve.policies import batching  # noqa: E402  (registers the batching policies)
+from jaxserve.policies import smdp  # noqa: E402  (registers smdp_optimal)
+from jaxserve.policies.batching import make_static, tune_static
+from jaxserve.policies.routing import SitaFit, fit_sita
+from jaxserve.policies.smdp import SMDPModel, SMDPSolution, build_model, solve_smdp
+
+__all__ = ["KINDS", "Policy", "SMDPModel", "SMDPSolution", "SitaFit", "batching",
+           "build_model", "env_kind", "fit_sita", "get", "kind_of", "make_static", "names",
+           "register", "routing", "smdp", "solve_smdp", "tune_static"]

@@ -1,0 +1,204 @@
+"""The evaluation harness: exact percentiles (against `replay`'s per-request log), request
+accounting, common random numbers, capacity search, and the CLI's error paths.
+
+The routing tests share one compiled program (same environment, policies and shapes).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve import policies as P
+from jaxserve.core import arrivals as A
+from jaxserve.core.types import GPUProfile, Trace
+from jaxserve.evaluation.capacity import p99_lower_bound, sweep_rates
+from scripts.evaluate import main
+
+FAST = GPUProfile(c0=0.02, alpha=5e-5, beta=0.012, gamma=2e-4, max_batch=4, queue_cap=8,
+                  name="fast")
+SLOW = GPUProfile(c0=0.03, alpha=1.2e-4, beta=0.025, gamma=4e-4, max_batch=4, queue_cap=8,
+                  name="slow")
+E, N = 2, 300
+
+
+@pytest.fixture(scope="module")
+def setup():
+    env, params = jaxserve.make("Routing-v0", gpus=[FAST, SLOW, FAST], arrival_rate=1.5)
+    pols = {"rr": P.get("round_robin"), "jsq": P.get("jsq")}
+    return env, params, pols
+
+
+def _trace(n, rate, seed=0):
+    rng = np.random.default_rng(seed)
+    arrival = np.cumsum(rng.exponential(1 / rate, n))
+    arrival -= arrival[0]
+    long = rng.random(n) < 0.2
+    prompt = np.where(long, 1024, 256) * np.exp(0.3 * rng.standard_normal(n))
+    output = np.where(long, 512, 32) * np.exp(0.3 * rng.standard_normal(n))
+    return Trace(arrival_s=arrival, prompt_tokens=np.maximum(np.round(prompt), 1),
+                 output_tokens=np.maximum(np.round(output), 1))
+
+
+def test_percentiles_agree_with_replay_log(setup):
+    env, params, pols = setup
+    tr = _trace(N, 1.5)
+    res = jaxserve.evaluate_many(env, params, pols, jax.random.PRNGKey(0), E, N, trace=tr)
+    for name in ("rr",):
+        rep = jaxserve.replay(env, params, tr, policy=pols[name])
+        np.testing.assert_array_equal(rep["gpu"], np.arange(N) % 3)
+        ok = ~rep["dropped"]
+        lat = np.tile((rep["finish"] - rep["arrival"])[ok], E)  # every env replays the trace
+        r = res[name]
+        # Same schedule; the two compiled programs (vmapped vs not) may round float32 spans
+        # differently by an ulp, hence rel=1e-6 rather than bit equality.
+        np.testing.assert_allclose(np.sort(r["latencies"]), np.sort(lat), rtol=1e-6)
+        for q, k in ((50, "p50_latency"), (90, "p90_latency"), (99, "p99_latency")):
+            assert r[k] == pytest.approx(np.percentile(lat, q), rel=1e-6)
+        assert r["mean_latency"] == pytest.approx(lat.mean(), rel=1e-6)
+        assert r["max_latency"] == pytest.approx(lat.max(), rel=1e-6)
+        assert r["dropped"] == E * int(rep["dropped"].sum())
+        # Per-GPU busy time from the log equals the engine's counter.
+        assert r["busy_time_log"] == pytest.approx(r["busy_time_total"], rel=1e-4)
+        # Deterministic policy on one trace: replicates agree, so the CI is 0.
+        assert r["mean_latency_ci95"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_every_request_accounted_for(setup):
+    env, params, pols = setup
+    # Overload small queues so that requests are dropped.
+    hot = params.replace(arrivals=A.poisson(20.0),
+                         gpus=params.gpus.replace(queue_cap=jnp.asarray([2, 2, 2], jnp.int32)))
+    res = jaxserve.evaluate_many(env, hot, pols, jax.random.PRNGKey(1), E, N)
+    for r in res.values():
+        assert r["arrived"] == E * N
+        assert r["arrived"] == r["completed"] + r["dropped_total"] + r["in_flight"]
+        assert r["in_flight"] == 0 and r["dropped_total"] > 0
+        assert r["dropped"] == r["dropped_total"]  # no warmup: all requests measured
+        assert r["latencies"].size == r["completed"]
+        assert r["class_mix"].sum() == E * N
+        assert r["throughput"] * r["sim_seconds"] == pytest.approx(r["completed"], rel=1e-9)
+        assert r["goodput"] <= r["throughput"]
+        assert np.all((r["utilisation"] >= 0) & (r["utilisation"] <= 1 + 1e-6))
+        assert r["gpu_seconds"] == pytest.approx(r["utilisation"].sum() * r["sim_seconds"])
+        assert r["busy_time_log"] == pytest.approx(r["busy_time_total"], rel=1e-4)
+        assert r["invalid_actions"] == 0 and r["decisions"] == E * N
+    # Common random numbers: both policies saw the same requests (same sizes per class).
+    np.testing.assert_array_equal(res["rr"]["class_mix"].sum(0), res["jsq"]["class_mix"].sum(0))
+
+
+def test_warmup_excludes_the_first_requests(setup):
+    env, params, pols = setup
+    res = jaxserve.evaluate_many(env, params, pols, jax.random.PRNGKey(2), E, N, warmup=100)
+    r = res["jsq"]
+    assert r["measured"] == E * (N - 100)
+    assert r["latencies"].size + r["dropped"] == E * (N - 100)
+    assert r["arrived"] == E * N  # still simulated
+    with pytest.raises(ValueError, match="warmup"):
+        jaxserve.evaluate(env, params, pols["jsq"], jax.random.PRNGKey(2), E, N, warmup=N)
+
+
+def test_routing_step_keys_give_action_independent_arrivals(setup):
+    """The documented CRN property of the engine: in Routing-v0 the step key alone fixes the
+    next request, whatever the action (so same keys -> same arrival stream)."""
+    env, params, _ = setup
+
+    @jax.jit
+    def run(offset):
+        _, state = env.reset_env(jax.random.PRNGKey(5), params)
+
+        def step(state, x):
+            i, k = x
+            _, state, _, _, info = env.step_env(k, state, (i + offset) % 3, params)
+            p = state.pending
+            return state, (p.prompt, p.output, p.estimate, info["elapsed"])
+        xs = (jnp.arange(60), jax.random.split(jax.random.PRNGKey(6), 60))
+        return jax.lax.scan(step, state, xs)[1]
+
+    a, b = run(0), run(1)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_capacity_bisection_and_impossible_slo(setup):
+    env, params, pols = setup
+    slo = 2.0 * p99_lower_bound(params)
+    cap = jaxserve.capacity(env, params, pols["jsq"], slo, jax.random.PRNGKey(3), num_envs=E,
+                            num_steps=200, candidates=4, rtol=0.05, max_rounds=4)
+    assert cap["bracketed"]
+    lo, hi = cap["bracket"]
+    assert lo == cap["rate"] < hi
+    assert cap["p99_latency"] <= slo
+    hist = dict(cap["history"])
+    assert hist[hi] > slo  # the first failing candidate
+    assert cap["rounds"] >= 2
+    # The same program serves a load sweep (vmapped over rates).
+    rates = [lo, hi, 1.5 * hi, 2 * hi]
+    sw = sweep_rates(env, params, {"jsq": pols["jsq"]}, rates, jax.random.PRNGKey(3), E, 200)
+    assert [r["rate"] for r in sw["jsq"]] == rates
+    assert sw["jsq"][0]["p99_with_drops"] == pytest.approx(cap["p99_latency"])
+    # Impossible: below the bare service time of the slowest 1% -> ValueError, no simulation.
+    with pytest.raises(ValueError, match="impossible"):
+        jaxserve.capacity(env, params, pols["jsq"], 0.5 * p99_lower_bound(params))
+    with pytest.raises(ValueError, match="positive"):
+        jaxserve.capacity(env, params, pols["jsq"], -1.0)
+
+
+def test_evaluate_rejects_bad_arguments(setup):
+    env, params, pols = setup
+    with pytest.raises(ValueError, match="num_envs"):
+        jaxserve.evaluate(env, params, pols["jsq"], jax.random.PRNGKey(0), 0, 10)
+    with pytest.raises(ValueError, match="Routing or Batching"):
+        jaxserve.evaluate(object(), params, pols["jsq"], jax.random.PRNGKey(0), 1, 10)
+    with pytest.raises(ValueError, match="not both"):
+        jaxserve.replay(env, params, _trace(5, 1.0), actions=np.zeros(5, int),
+                        policy=pols["jsq"])
+
+
+# ----------------------------------------------------------------------------- CLI
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--env", "Nope-v0"], "unknown environment 'Nope-v0'"),
+    (["--policies", "jsq,teleport"], "unknown policy 'teleport'"),
+    (["--env", "Batching-v0", "--policies", "jsq"], "is a routing policy"),
+    (["--trace", "/definitely/not/here.csv"], "trace file not found"),
+    (["--slo-p99", "0.001"], "impossible"),
+    (["--slo-p99", "-3"], "positive"),
+    (["--loads", "1,x"], "--loads"),
+    (["--num-envs", "0"], "--num-envs"),
+    (["--num-envs", "two"], "invalid int value"),
+    (["--bogus-flag"], "unrecognized arguments"),
+])
+def test_cli_errors_are_one_line(argv, needle, capsys, tmp_path):
+    rc = main(argv + ["--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("jaxserve-eval: error:") and needle in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_malformed_trace(capsys, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,12,x\n")
+    assert main(["--trace", str(bad), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxserve-eval: error:") and err.count("\n") == 1
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert main(["--trace", str(empty), "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("jaxserve-eval: error:")
+
+
+def test_cli_writes_csv_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["--env", "Batching-v0", "--policies", "greedy", "--num-envs", "2",
+               "--num-steps", "60", "--loads", "", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert "greedy" in capsys.readouterr().out
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["results"]["greedy"]["arrived"] == 120
+    assert (out / "results.csv").read_text().splitlines()[0].startswith("policy,mean_latency")
+    assert (out / "latency_cdf.png").stat().st_size > 0
