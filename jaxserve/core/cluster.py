@@ -134,8 +134,8 @@ def route(cluster: Cluster, gpus: GPUProfile, req: Q.Request, gpu: jax.Array):
 def complete_due(cluster: Cluster, due: jax.Array, metrics: StepMetrics):
     """Ends the running batch of every GPU where `due` (its end time `free_at` has come).
 
-    Credits the batch's requests to `metrics`: completions, latency, SLO, busy time since the
-    window's start, and their time-in-system (the formula in `advance_static`).
+    Credits the batch's requests to `metrics`: completions, latency, SLO and busy time since
+    the window's start. Time-in-system is left to the caller's event loop.
     """
     s = cluster.servers
     k = jnp.where(due, s.run_count, 0)
@@ -144,8 +144,7 @@ def complete_due(cluster: Cluster, due: jax.Array, metrics: StepMetrics):
         completed=metrics.completed + k.sum(),
         latency_sum=metrics.latency_sum + jnp.where(due, s.run_latency_sum, 0.0).sum(),
         slo_met=metrics.slo_met + jnp.where(due, s.run_slo_met, 0).sum(),
-        busy_time=metrics.busy_time + busy.sum(),
-        in_system_time=metrics.in_system_time + (k * jnp.maximum(s.free_at, 0.0)).sum())
+        busy_time=metrics.busy_time + busy.sum())
     servers = s.replace(run_count=jnp.where(due, 0, s.run_count),
                         run_estimate=jnp.where(due, 0.0, s.run_estimate))
     return cluster.replace(servers=servers), metrics
@@ -243,6 +242,9 @@ def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s
 
     def body(carry):
         cl, m, lg, completion, dispatch_due, start = carry
+        done = jnp.where(completion, cl.servers.run_count * jnp.maximum(cl.servers.free_at, 0.0),
+                         0.0)
+        m = m.replace(in_system_time=m.in_system_time + done.sum())
         cl, m = complete_due(cl, completion, m)
         k = jnp.minimum(cl.queues.count, batch_limit(cl, gpus))
         cl, lg = dispatch(cl, gpus, dispatch_due, k, start, slo_s, lg)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core import arrivals as A
+from jaxserve.core.profiles import get_profile
 from jaxserve.core.types import GPUProfile, stack_profiles
 from jaxserve.envs import common
 from jaxserve.envs.batching import Batching
@@ -101,12 +102,22 @@ def _static_sizes(queue_buffer, params):
 
 
 def routing_gpus() -> list[GPUProfile]:
-    """Default Routing-v0 cluster: two fast and two slow GPUs (see docs/model.md)."""
-    fast = GPUProfile(c0=0.02, alpha=5e-5, beta=0.012, gamma=2e-4, delta=1e-7, max_batch=8,
-                      queue_cap=64, timeout=0.0, name="fast")
-    slow = GPUProfile(c0=0.03, alpha=1.2e-4, beta=0.025, gamma=4e-4, delta=2e-7, max_batch=8,
-                      queue_cap=64, timeout=0.0, name="slow")
-    return [fast, fast, slow, slow]
+    """Default Routing-v0 cluster: two fast and two slow replicas of Llama-2-70B.
+
+    Fast: H100 x4 (tensor parallel); slow: A100 x2. Coefficients are fits to Splitwise's
+    measured profiles (`core/profiles.py`, docs/profiles.md).
+    """
+    return [get_profile("fast")] * 2 + [get_profile("slow")] * 2
+
+
+def routing_tokens() -> A.TokenDist:
+    """Default Routing-v0 workload: 80% short (256 -> 32 tokens), 20% long (1024 -> 512).
+
+    A batch runs until its longest output is done, so a short request batched with a long one
+    waits ~15x longer than alone: head-of-line blocking is what a router must avoid.
+    """
+    return A.bimodal_tokens(long_frac=0.2, short=(256, 32), long=(1024, 512), sigma=0.3,
+                            max_prompt=8192, max_output=2048)
 
 
 @register("Routing-v0")
@@ -114,7 +125,9 @@ def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
     """Routing-v0: heterogeneous GPUs, bimodal short/long requests (head-of-line blocking)."""
     gpus = routing_gpus() if gpus is None else list(gpus)
     if arrivals is None and arrival_rate is None:
-        arrival_rate = 6.0
+        arrival_rate = 2.0
+    kw.setdefault("tokens", routing_tokens())
+    kw.setdefault("slo_s", 20.0)
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = _static_sizes(queue_buffer, params)
     env = Routing(num_gpus=len(gpus), queue_buffer=qb, max_batch=mb,
@@ -125,7 +138,7 @@ def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
 @register("Batching-v0")
 def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None, **kw):
     """Batching-v0: one GPU, Poisson arrivals, the agent decides each batch."""
-    gpus = [routing_gpus()[0]] if gpus is None else list(gpus)
+    gpus = [get_profile("mid")] if gpus is None else list(gpus)
     if len(gpus) != 1:
         raise ValueError(f"Batching-v0 runs exactly one GPU, got {len(gpus)}")
     if arrivals is None and arrival_rate is None:
