@@ -60,6 +60,10 @@ class TrainConfig:
     num_heads: int = 4
     seed: int = 0
 
+    # Loss coefficients that are runtime arrays (`AgentState.hparams`), so sweeps can vmap
+    # over them; `lr` is always traced too (see `agents.trainer`).
+    traced_loss_hparams: ClassVar[tuple[str, ...]] = ("ent_coef",)
+
     def __post_init__(self) -> None:
         # JSON gives lists back: normalise to tuples so configs stay hashable.
         object.__setattr__(self, "hidden_sizes", tuple(int(h) for h in self.hidden_sizes))
@@ -130,6 +134,8 @@ class PPOConfig(TrainConfig):
     clip_value: bool = True
     update_epochs: int = 4
     num_minibatches: int = 4
+
+    traced_loss_hparams: ClassVar[tuple[str, ...]] = ("ent_coef", "clip_eps")
 
     def _validate(self) -> None:
         super()._validate()

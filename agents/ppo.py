@@ -36,6 +36,7 @@ def ppo_loss(
     advantages: jax.Array,
     targets: jax.Array,
     config: PPOConfig,
+    hparams: dict[str, jax.Array] | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Clipped PPO objective on one minibatch.
 
@@ -45,18 +46,22 @@ def ppo_loss(
       batch: minibatch of transitions, leaves `(B, ...)`.
       advantages: `(B,)` GAE advantages (standardised here if `config.normalize_advantages`).
       targets: `(B,)` value targets.
-      config: PPO config (clip_eps, clip_value, vf_coef, ent_coef, normalize_advantages).
+      config: PPO config (clip_value, vf_coef, normalize_advantages; clip_eps and ent_coef
+        unless given in `hparams`).
+      hparams: traced `{"clip_eps", "ent_coef"}` (`AgentState.hparams`); None reads the config.
 
     Returns:
       `(total_loss, aux)` with aux scalars total_loss, actor_loss, value_loss, entropy,
       approx_kl, clip_frac.
     """
+    hp = {"clip_eps": config.clip_eps, "ent_coef": config.ent_coef, **(hparams or {})}
+    clip_eps, ent_coef = hp["clip_eps"], hp["ent_coef"]
     logits, value = apply_fn(params, batch.obs)
     log_prob = categorical_log_prob(logits, batch.action)
 
     value_loss = jnp.square(value - targets)
     if config.clip_value:
-        clipped = batch.value + jnp.clip(value - batch.value, -config.clip_eps, config.clip_eps)
+        clipped = batch.value + jnp.clip(value - batch.value, -clip_eps, clip_eps)
         value_loss = jnp.maximum(value_loss, jnp.square(clipped - targets))
     value_loss = 0.5 * value_loss.mean()
 
@@ -64,18 +69,18 @@ def ppo_loss(
         advantages = standardize(advantages)
     log_ratio = log_prob - batch.log_prob
     ratio = jnp.exp(log_ratio)
-    clipped_ratio = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + config.clip_eps)
+    clipped_ratio = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     actor_loss = -jnp.minimum(ratio * advantages, clipped_ratio * advantages).mean()
     entropy = categorical_entropy(logits).mean()
 
-    total = actor_loss + config.vf_coef * value_loss - config.ent_coef * entropy
+    total = actor_loss + config.vf_coef * value_loss - ent_coef * entropy
     aux = {
         "total_loss": total,
         "actor_loss": actor_loss,
         "value_loss": value_loss,
         "entropy": entropy,
         "approx_kl": ((ratio - 1.0) - log_ratio).mean(),
-        "clip_frac": (jnp.abs(ratio - 1.0) > config.clip_eps).mean(),
+        "clip_frac": (jnp.abs(ratio - 1.0) > clip_eps).mean(),
     }
     return total, aux
 
@@ -93,7 +98,7 @@ def make_update(config: PPOConfig, env: Any, env_params: Any):
         batch, adv, targets = minibatch
         grad_fn = jax.value_and_grad(ppo_loss, has_aux=True)
         (_, aux), grads = grad_fn(train_state.params, train_state.apply_fn, batch, adv, targets,
-                                  config)
+                                  config, train_state.hparams)
         return train_state.apply_gradients(grads=grads), aux
 
     def epoch(carry, _):

@@ -31,7 +31,8 @@ from agents.trainer import Metrics, Trainer, build_trainer
 
 
 def reinforce_loss(
-    params: Any, apply_fn: Any, traj: Transition, returns: jax.Array, config: REINFORCEConfig
+    params: Any, apply_fn: Any, traj: Transition, returns: jax.Array, config: REINFORCEConfig,
+    hparams: dict[str, jax.Array] | None = None,
 ) -> tuple[jax.Array, Metrics]:
     """Policy-gradient loss with a value baseline on a whole rollout.
 
@@ -40,7 +41,8 @@ def reinforce_loss(
       apply_fn: `apply_fn(params, obs (..., D)) -> (logits (..., A), value (...))`.
       traj: rollout, leaves `(T, E, ...)`.
       returns: `(T, E)` bootstrapped Monte Carlo returns.
-      config: REINFORCE config (vf_coef, ent_coef, normalize_advantages).
+      config: REINFORCE config (vf_coef, normalize_advantages; ent_coef unless in `hparams`).
+      hparams: traced `{"ent_coef"}` (`AgentState.hparams`); None reads the config.
 
     Returns:
       `(total_loss, aux)` with aux scalars total_loss, actor_loss, value_loss, entropy.
@@ -53,7 +55,8 @@ def reinforce_loss(
     actor_loss = -(log_prob * advantages).mean()
     value_loss = 0.5 * jnp.square(value - returns).mean()
     entropy = categorical_entropy(logits).mean()
-    total = actor_loss + config.vf_coef * value_loss - config.ent_coef * entropy
+    ent_coef = (hparams or {}).get("ent_coef", config.ent_coef)
+    total = actor_loss + config.vf_coef * value_loss - ent_coef * entropy
     aux = {"total_loss": total, "actor_loss": actor_loss, "value_loss": value_loss,
            "entropy": entropy}
     return total, aux
@@ -68,7 +71,8 @@ def make_update(config: REINFORCEConfig, env: Any, env_params: Any):
                          config.gamma, 1.0)
         train_state = runner.train_state
         grad_fn = jax.value_and_grad(reinforce_loss, has_aux=True)
-        (_, aux), grads = grad_fn(train_state.params, train_state.apply_fn, traj, returns, config)
+        (_, aux), grads = grad_fn(train_state.params, train_state.apply_fn, traj, returns, config,
+                                  train_state.hparams)
         train_state = train_state.apply_gradients(grads=grads)
         return runner._replace(train_state=train_state), {**episode_metrics(traj), **aux}
 

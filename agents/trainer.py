@@ -10,6 +10,13 @@ wraps it into a `Trainer` with
 
 Running the updates in chunks gives bit-identical results to one chunk: all randomness lives
 in `runner_state.key` and the learning-rate schedule reads the optimizer's step count.
+
+Traced hyperparameters. The learning rate, the entropy coefficient and (PPO) the clip range
+are arrays in the runner state, not constants of the compiled program, so one program can be
+`vmap`ped over them (`scripts/sweep.py`): the learning rate is the injected hyperparameter of
+the optimizer (`optax.inject_hyperparams`, in `opt_state.hyperparams["learning_rate"]`), the
+loss coefficients live in `AgentState.hparams`. `init` fills them from the config;
+`get_hparams` / `set_hparams` read and replace them.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
@@ -38,23 +46,80 @@ class TrainOutput(NamedTuple):
     metrics: Metrics  # each leaf (num_updates,) (per update)
 
 
+class AgentState(TrainState):
+    """`TrainState` plus the traced loss coefficients of the agent.
+
+    Attributes (besides `TrainState`'s):
+      hparams: `{name: float32 scalar}` for the names in `config.traced_loss_hparams`
+        (`ent_coef`; PPO also `clip_eps`). Read by the losses instead of the config fields.
+    """
+
+    hparams: dict[str, jax.Array]
+
+
+def _clipped_adam(
+    learning_rate: jax.Array, *, max_grad_norm: float, anneal: bool, steps_per_update: int,
+    num_updates: int,
+) -> optax.GradientTransformation:
+    if anneal:
+        def lr(count: jax.Array) -> jax.Array:
+            return learning_rate * (1.0 - (count // steps_per_update) / num_updates)
+    else:
+        lr = learning_rate
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(lr, eps=1e-5))
+
+
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping then Adam (eps 1e-5), the learning rate optionally annealed.
 
     With `anneal_lr` the rate falls linearly from `lr` to 0 over `config.num_updates` updates
-    of `config.grad_steps_per_update` optimizer steps each (constant within an update).
+    of `config.grad_steps_per_update` optimizer steps each (constant within an update). The
+    base rate is an injected hyperparameter (`opt_state.hyperparams["learning_rate"]`, float32),
+    initialised to `config.lr` and replaceable by `set_hparams`.
     """
-    steps_per_update = config.grad_steps_per_update
-    num_updates = config.num_updates
-
-    def schedule(count: jax.Array) -> jax.Array:
-        frac = 1.0 - (count // steps_per_update) / num_updates
-        return config.lr * frac
-
-    lr = schedule if config.anneal_lr else config.lr
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm), optax.adam(lr, eps=1e-5)
+    factory = optax.inject_hyperparams(
+        _clipped_adam, static_args=("max_grad_norm", "anneal", "steps_per_update", "num_updates")
     )
+    return factory(learning_rate=jnp.float32(config.lr), max_grad_norm=config.max_grad_norm,
+                   anneal=config.anneal_lr, steps_per_update=config.grad_steps_per_update,
+                   num_updates=config.num_updates)
+
+
+def traced_hparam_names(config: TrainConfig) -> tuple[str, ...]:
+    """Hyperparameters of `config` that are runtime arrays: "lr" plus the loss coefficients."""
+    return ("lr",) + tuple(config.traced_loss_hparams)
+
+
+def get_hparams(train_state: AgentState) -> dict[str, jax.Array]:
+    """The traced hyperparameters of a train state: `{"lr", "ent_coef", ...}` float32 scalars."""
+    return {"lr": train_state.opt_state.hyperparams["learning_rate"], **train_state.hparams}
+
+
+def set_hparams(runner_state: RunnerState, **values: Any) -> RunnerState:
+    """Replaces traced hyperparameters (see `get_hparams`); works on traced values (vmap).
+
+    Args:
+      runner_state: a runner state from `Trainer.init`.
+      **values: new values, e.g. `lr=3e-4, ent_coef=0.0`; cast to float32 scalars.
+
+    Returns:
+      The runner state with those hyperparameters replaced.
+
+    Raises:
+      ValueError: a name that is not a traced hyperparameter of this agent.
+    """
+    ts = runner_state.train_state
+    known = ("lr",) + tuple(ts.hparams)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"not traced hyperparameters: {unknown}; traced: {list(known)}")
+    cast = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
+    opt_state = ts.opt_state
+    if "lr" in cast:
+        opt_state = opt_state._replace(
+            hyperparams={**opt_state.hyperparams, "learning_rate": cast.pop("lr")})
+    ts = ts.replace(opt_state=opt_state, hparams={**ts.hparams, **cast})
+    return runner_state._replace(train_state=ts)
 
 
 def init_runner_state(
@@ -80,7 +145,9 @@ def init_runner_state(
     reset_keys = jax.random.split(k_env, config.num_envs)
     obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(reset_keys, env_params)
     params = network.init(k_net, obs[:1])
-    train_state = TrainState.create(apply_fn=network.apply, params=params, tx=tx)
+    hparams = {name: jnp.float32(getattr(config, name)) for name in config.traced_loss_hparams}
+    train_state = AgentState.create(apply_fn=network.apply, params=params, tx=tx,
+                                    hparams=hparams)
     return RunnerState(train_state, env_state, obs, init_episode_stats(config.num_envs), key)
 
 

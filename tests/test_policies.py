@@ -69,6 +69,7 @@ MID = GPUProfile(c0=0.025, alpha=8e-5, beta=0.018, gamma=3e-4, max_batch=4, queu
 SLOW = GPUProfile(c0=0.03, alpha=1.2e-4, beta=0.025, gamma=4e-4, max_batch=4, queue_cap=6,
                   name="slow")
 N_STEPS = 400
+TOTAL = 2 * N_STEPS  # states visited: two episodes
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +84,14 @@ def routing_episode():
     names = tuple(pols)
 
     @jax.jit
-    def run(key):
+    @partial(jax.vmap, in_axes=(None, 0))
+    def run(key, drive_key):
+        """One episode; the step keys come from `key`, the random routing from `drive_key`."""
         _, state = env.reset(key, params)
 
-        def step(state, k):
-            k_drive, k_pol, k_step = jax.random.split(k, 3)
+        def step(state, x):
+            k, k_drive = x
+            k_pol, k_step = jax.random.split(k)
             # The same state with every true output length scrambled: no policy may notice.
             scrambled = state.replace(
                 pending=state.pending.replace(output=state.pending.output * 7 + 3),
@@ -95,23 +99,39 @@ def routing_episode():
                     output=jnp.flip(state.cluster.queues.output, -1) * 5 + 1)))
             acts = jnp.stack([pols[n](k_pol, None, state, params) for n in names])
             acts2 = jnp.stack([pols[n](k_pol, None, scrambled, params) for n in names])
+            p = state.pending
             rec = dict(
-                acts=acts, acts_scrambled=acts2, req_id=state.pending.req_id,
+                acts=acts, acts_scrambled=acts2, req_id=p.req_id,
                 count=R.in_system(state), full=state.cluster.queues.count >= params.gpus.queue_cap,
                 work=C.queued_work(state.cluster, params.gpus),
-                own=single_request_time(params.gpus, state.pending.prompt,
-                                        state.pending.estimate),
-                estimate=state.pending.estimate)
+                own=single_request_time(params.gpus, p.prompt, p.estimate),
+                estimate=p.estimate, request=jnp.stack([p.prompt, p.output, p.estimate]))
             a = jax.random.randint(k_drive, (), 0, env.num_gpus)
-            _, state, _, _, _ = env.step_env(k_step, state, a, params)
+            _, state, _, _, info = env.step_env(k_step, state, a, params)
+            rec["elapsed"] = info["elapsed"]
             return state, rec
 
-        return jax.lax.scan(step, state, jax.random.split(key, N_STEPS))
+        xs = (jax.random.split(key, N_STEPS), jax.random.split(drive_key, N_STEPS))
+        return jax.lax.scan(step, state, xs)
 
-    last, rec = jax.device_get(run(jax.random.PRNGKey(3)))
-    rec["last_state"] = last
+    last, rec = jax.device_get(run(jax.random.PRNGKey(3), jax.random.split(
+        jax.random.PRNGKey(4), 2)))
+    rec["last_state"] = jax.tree.map(lambda x: x[0], last)
+    rec["by_episode"] = {k: rec[k] for k in ("request", "elapsed", "acts")}
+    for k in ("acts", "acts_scrambled", "req_id", "count", "full", "work", "own", "estimate"):
+        rec[k] = rec[k].reshape((2 * N_STEPS,) + rec[k].shape[2:])  # both episodes' states
     acts = {n: rec["acts"][:, i] for i, n in enumerate(names)}
     return env, params, pols, rec, acts
+
+
+def test_routing_arrivals_do_not_depend_on_actions(routing_episode):
+    """The engine property behind common random numbers in Routing-v0: with the same step
+    keys, two episodes routed differently see exactly the same requests at the same times."""
+    _, _, _, rec, _ = routing_episode
+    ep = rec["by_episode"]
+    assert np.any(ep["acts"][0] != ep["acts"][1])
+    np.testing.assert_array_equal(ep["request"][0], ep["request"][1])
+    np.testing.assert_array_equal(ep["elapsed"][0], ep["elapsed"][1])
 
 
 def test_no_routing_policy_reads_true_output_lengths(routing_episode):
@@ -127,8 +147,9 @@ def test_actions_in_range(routing_episode):
 
 def test_round_robin_is_request_index_mod_n(routing_episode):
     env, _, _, rec, acts = routing_episode
-    np.testing.assert_array_equal(rec["req_id"], np.arange(N_STEPS))  # one episode, no resets
-    np.testing.assert_array_equal(acts["round_robin"], np.arange(N_STEPS) % env.num_gpus)
+    ids = np.tile(np.arange(N_STEPS), 2)
+    np.testing.assert_array_equal(rec["req_id"], ids)  # two episodes, no resets
+    np.testing.assert_array_equal(acts["round_robin"], ids % env.num_gpus)
 
 
 def test_jsq_never_picks_a_gpu_with_more_requests(routing_episode):
@@ -145,7 +166,7 @@ def test_sed_picks_the_fastest_idle_gpu(routing_episode):
     several = idle.sum(1) >= 2
     assert several.sum() >= 20, "the episode should visit states with several idle GPUs"
     a = acts["sed"]
-    assert np.all(idle[np.arange(N_STEPS), a][idle.any(1)])
+    assert np.all(idle[np.arange(TOTAL), a][idle.any(1)])
     fastest = np.where(idle, rec["own"], np.inf).argmin(1)
     np.testing.assert_array_equal(a[idle.any(1)], fastest[idle.any(1)])
     # Fastest idle is not just the lowest idle index in this cluster (slow GPU first).
@@ -170,7 +191,7 @@ def test_power_of_two_and_join_idle_queue(routing_episode):
     assert np.all(acts["power_of_two"][unique_max] != c[unique_max].argmax(1))
     idle = c == 0
     jiq = acts["join_idle_queue"]
-    assert np.all(idle[np.arange(N_STEPS), jiq][idle.any(1)])
+    assert np.all(idle[np.arange(TOTAL), jiq][idle.any(1)])
     # Random choice among idle GPUs, not always the same one.
     assert len(np.unique(jiq[idle.sum(1) >= 2])) > 1
 

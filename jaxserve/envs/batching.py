@@ -77,10 +77,6 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
         self._default = default
 
     @property
-    def default_params(self) -> common.ServingParams:
-        return self._default
-
-    @property
     def name(self) -> str:
         return "Batching-v0"
 

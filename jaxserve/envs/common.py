@@ -218,6 +218,11 @@ class StaticConfig:
 
     STATIC_FIELDS: tuple[str, ...] = ()
 
+    @property
+    def default_params(self) -> "ServingParams":
+        """The scenario's parameters, as built by `jaxserve.make`."""
+        return self._default
+
     def _key(self):
         return (type(self), tuple(self.static_config().items()), id(self.default_params))
 

@@ -87,10 +87,6 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
         self._default = default
 
     @property
-    def default_params(self) -> common.ServingParams:
-        return self._default
-
-    @property
     def name(self) -> str:
         return "Routing-v0"
 
