@@ -40,3 +40,7 @@ __all__ = [
     "shard_trainer",
     "standardize",
 ]
+
+from agents.train import LearnedPolicy, TrainResult, make_env, train  # noqa: E402
+
+__all__ += ["LearnedPolicy", "TrainResult", "make_env", "train"]

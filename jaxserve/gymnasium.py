@@ -11,10 +11,12 @@ of the episode is drawn from `np_random` at every reset, so the same seed gives 
 trajectory and `reset()` without a seed continues the stream. Step keys are split from the
 episode key on the device.
 
-`ServingVectorEnv` runs `num_envs` copies in one jitted, vmapped call per step. It behaves
-exactly like `gymnasium.vector.SyncVectorEnv([lambda: make(name, **overrides)] * num_envs,
+`ServingVectorEnv` runs `num_envs` copies in one jitted, vmapped call per step. It behaves like
+`gymnasium.vector.SyncVectorEnv([lambda: make(name, **overrides)] * num_envs,
 autoreset_mode=...)` with the same seeds (`reset(seed=s)` seeds copy `i` with `s + i`), in any
-of gymnasium's three autoreset modes; the default is gymnasium's own, `NEXT_STEP`.
+of gymnasium's three autoreset modes (the default is gymnasium's own, `NEXT_STEP`): the same
+flags, counts and info keys, and the same floats up to float32 rounding (XLA's vectorised
+kernels may round differently in the last bit).
 
 Importing this module also registers every `jaxserve` environment with gymnasium as
 `"jaxserve/<name>"` (e.g. `gymnasium.make("jaxserve/Routing-v0")`, and
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import collections
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import gymnasium
 import jax
@@ -99,6 +101,72 @@ def _step_one(env, key_data, state, action, params):
             jnp.asarray(truncated, jnp.bool_), info)
 
 
+class _Layout(NamedTuple):
+    """Where each output sits in a packed float32 row (see `_pack`)."""
+
+    obs: tuple            # (shape, dtype) of the observation
+    num_obs: int          # observations in the row (the vector step adds the final one)
+    floats: tuple         # (name, dtype, shape) of the float info entries, in order
+    ints: tuple           # (name, dtype, shape) of the integer/bool info entries, in order
+
+
+# Layout of each kernel's packed output, recorded when the kernel is traced (so it is known
+# before the first result of any cached compile comes back).
+_LAYOUTS: dict = {}
+
+
+def _pack(tag, observations, reward, term, trunc, info):
+    """Every per-env output as one float32 vector, so the host fetches one array per step.
+
+    Floats (observations, reward, float info) are stored as float32 (exact for float32 values);
+    integers and flags are stored as int32 bit patterns (`bitcast`), so they round-trip exactly.
+    """
+    obs0 = observations[0]
+    names = sorted(info)
+    fl = [k for k in names if jnp.issubdtype(info[k].dtype, jnp.floating)]
+    it = [k for k in names if k not in fl]
+    _LAYOUTS[tag] = _Layout(
+        obs=(tuple(obs0.shape), np.dtype(obs0.dtype)), num_obs=len(observations),
+        floats=tuple((k, np.dtype(info[k].dtype), tuple(info[k].shape)) for k in fl),
+        ints=tuple((k, np.dtype(info[k].dtype), tuple(info[k].shape)) for k in it))
+    f32 = [o.ravel().astype(jnp.float32) for o in observations]
+    f32 += [jnp.reshape(reward, (1,)).astype(jnp.float32)]
+    f32 += [info[k].ravel().astype(jnp.float32) for k in fl]
+    i32 = [jnp.stack([term, trunc]).astype(jnp.int32)] + [info[k].ravel().astype(jnp.int32)
+                                                          for k in it]
+    i32 = jax.lax.bitcast_convert_type(jnp.concatenate(i32), jnp.float32)
+    return jnp.concatenate(f32 + [i32])
+
+
+def _unpack(row: np.ndarray, layout: _Layout):
+    """Inverse of `_pack` on the host, for rows with any leading shape.
+
+    Returns (observations list, reward float32, terminated, truncated, info dict of arrays).
+    """
+    lead = row.shape[:-1]
+    pos = 0
+
+    def take(shape, dtype):
+        nonlocal pos
+        n = int(np.prod(shape, dtype=np.int64))
+        seg = row[..., pos:pos + n]
+        pos += n
+        return seg.reshape(lead + shape).astype(dtype)
+
+    shape, dtype = layout.obs
+    observations = [take(shape, dtype) for _ in range(layout.num_obs)]
+    reward = take((), np.float32)
+    info = {k: take(shp, dt) for k, dt, shp in layout.floats}
+    ints = np.ascontiguousarray(row[..., pos:]).view(np.int32)
+    term, trunc = ints[..., 0].astype(np.bool_), ints[..., 1].astype(np.bool_)
+    pos = 2
+    for k, dt, shp in layout.ints:
+        n = int(np.prod(shp, dtype=np.int64))
+        info[k] = ints[..., pos:pos + n].reshape(lead + shp).astype(dt)
+        pos += n
+    return observations, reward, term, trunc, info
+
+
 @partial(jax.jit, static_argnums=0)
 def _reset_jit(h: _Static, key_data, params):
     TRACE_COUNTS["reset"] += 1
@@ -107,8 +175,10 @@ def _reset_jit(h: _Static, key_data, params):
 
 @partial(jax.jit, static_argnums=0)
 def _step_jit(h: _Static, key_data, state, action, params):
+    """(key data, state, packed outputs)."""
     TRACE_COUNTS["step"] += 1
-    return _step_one(h.env, key_data, state, action, params)
+    kd, obs, state, reward, term, trunc, info = _step_one(h.env, key_data, state, action, params)
+    return kd, state, _pack((h, "step"), (obs,), reward, term, trunc, info)
 
 
 def _where(mask, new, old):
@@ -119,11 +189,13 @@ def _where(mask, new, old):
 
 
 @partial(jax.jit, static_argnums=0)
-def _vreset_jit(h: _Static, key_data, params, mask, old):
-    """Resets the envs in `mask` (all when `old` is None) from per-env seeds `key_data`."""
+def _vreset_jit(h: _Static, key_data, params):
+    """Resets every env from its seed (`key_data[i]`)."""
     TRACE_COUNTS["vreset"] += 1
-    new = jax.vmap(_reset_one, in_axes=(None, 0, None))(h.env, key_data, params)
-    return new if old is None else _where(mask, new, old)
+    return jax.vmap(_reset_one, in_axes=(None, 0, None))(h.env, key_data, params)
+
+
+_where_jit = jax.jit(_where)
 
 
 @partial(jax.jit, static_argnums=0)
@@ -132,9 +204,11 @@ def _vstep_jit(h: _Static, same_step, key_data, state, actions, params, pre, res
 
     Envs in `pre` (NEXT_STEP: done on the previous step) are reset instead of stepped, returning
     the reset observation, reward 0 and no termination. With `same_step`, envs that end on this
-    step are reset after it (their final observation is the returned `obs` of the step). Resets
+    step are reset after it (the stepped observation is packed as the second, final one). Resets
     draw on `reset_data` (per-env seeds) and are computed only when some env needs one. The mode
     is a traced flag, so one compile serves every autoreset mode.
+
+    Returns (key data, state, packed (num_envs, L) outputs).
     """
     TRACE_COUNTS["vstep"] += 1
     env = h.env
@@ -152,7 +226,8 @@ def _vstep_jit(h: _Static, same_step, key_data, state, actions, params, pre, res
     reward = jnp.where(pre, 0.0, reward)
     term = term & ~pre
     trunc = trunc & ~pre
-    return kd_out, obs_out, st_out, reward, term, trunc, info, obs
+    pack = jax.vmap(lambda *a: _pack((h, "vstep"), a[:2], *a[2:]))
+    return kd_out, st_out, pack(obs_out, obs, reward, term, trunc, info)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,12 +266,13 @@ def _as_actions(action, shape) -> np.ndarray:
             raise ValueError(f"actions must be integers, got {action!r}")
     elif a.dtype.kind not in "iub":
         raise TypeError(f"actions must be integers, got dtype {a.dtype}")
-    return np.clip(a, _INT32.min, _INT32.max).astype(np.int32)
+    # float64 holds every int32 exactly and orders huge integers correctly for the clip.
+    return np.clip(a.astype(np.float64), _INT32.min, _INT32.max).astype(np.int32)
 
 
 def _info_value(x: np.ndarray):
     """A 0-d numpy value as the Python scalar gymnasium's info batching expects."""
-    return x.item() if np.ndim(x) == 0 else np.array(x)
+    return x.item() if np.ndim(x) == 0 else x
 
 
 def _batched(values: np.ndarray) -> np.ndarray:
@@ -222,7 +298,7 @@ def _add_masked(out: dict, info: dict, mask: np.ndarray) -> dict:
     return out
 
 
-def _spec(name: str, overrides: dict, vector: bool = False) -> EnvSpec | None:
+def _spec(name: str, overrides: dict) -> EnvSpec | None:
     try:
         return EnvSpec(id=f"{NAMESPACE}/{name}", entry_point=f"{__name__}:ServingEnv",
                        vector_entry_point=f"{__name__}:ServingVectorEnv",
@@ -295,10 +371,11 @@ class ServingEnv(gymnasium.Env):
         if self._state is None:
             raise gymnasium.error.ResetNeeded("call reset() before step()")
         a = _as_actions(action, ())
-        self._key, obs, self._state, reward, term, trunc, info = _step_jit(
-            self._h, self._key, self._state, a, self.params)
-        obs, reward, term, trunc, info = jax.device_get((obs, reward, term, trunc, info))
-        return (np.array(obs), float(reward), bool(term), bool(trunc),
+        self._key, self._state, packed = _step_jit(self._h, self._key, self._state, a,
+                                                   self.params)
+        (obs,), reward, term, trunc, info = _unpack(np.asarray(packed),
+                                                    _LAYOUTS[(self._h, "step")])
+        return (obs, float(reward), bool(term), bool(trunc),
                 {k: _info_value(v) for k, v in info.items()})
 
     def render(self):
@@ -318,9 +395,9 @@ class ServingVectorEnv(VectorEnv):
     """`num_envs` copies of a jaxserve environment, stepped in one jitted, vmapped call.
 
     Equivalent to `gymnasium.vector.SyncVectorEnv([lambda: ServingEnv(name, **overrides)] *
-    num_envs, autoreset_mode=autoreset_mode)`: same seeds, same observations, rewards,
-    flags and infos (infos as gymnasium batches them: a `(num_envs,)` array per key plus a
-    boolean `_key` mask of the envs that report it).
+    num_envs, autoreset_mode=autoreset_mode)`: with the same seeds, the same observations,
+    rewards, flags and infos (infos as gymnasium batches them: a `(num_envs,)` array per key
+    plus a boolean `_key` mask of the envs that report it), floats up to float32 rounding.
 
     Args:
       name / gymnax_env, params / overrides: as `ServingEnv`; all copies share the params.
@@ -405,15 +482,16 @@ class ServingVectorEnv(VectorEnv):
                 self._next_seed[i] = _draw_seed(self._rngs[i])
         seed_data = self._next_seed.copy()
         self._take_seeds(idx)
+        new = _vreset_jit(self._h, seed_data, self.params)
         if mask is None:
-            self._key, obs, self._state = _vreset_jit(self._h, seed_data, self.params, None, None)
+            self._key, obs, self._state = new
             self._autoreset[:] = False
-        else:
-            self._key, obs, self._state = _vreset_jit(
-                self._h, seed_data, self.params, mask, (self._key, self._obs, self._state))
+        else:  # a partial reset is rare: reuse the full reset's compile and select
+            self._key, obs, self._state = _where_jit(mask, new,
+                                                     (self._key, self._obs, self._state))
             self._autoreset[mask] = False
-        self._obs = obs
-        return np.array(obs), {}
+        self._obs = obs = np.array(obs)
+        return obs.copy(), {}
 
     def step(self, actions):
         if self._state is None:
@@ -427,10 +505,12 @@ class ServingVectorEnv(VectorEnv):
         same_step = mode == AutoresetMode.SAME_STEP
         pre = self._autoreset if mode == AutoresetMode.NEXT_STEP else np.zeros_like(
             self._autoreset)
-        out = _vstep_jit(self._h, np.bool_(same_step), self._key, self._state, a, self.params,
-                         pre, self._next_seed)
-        self._key, self._obs, self._state = out[:3]
-        obs, reward, term, trunc, info, final_obs = jax.device_get((self._obs,) + out[3:])
+        self._key, self._state, packed = _vstep_jit(
+            self._h, np.bool_(same_step), self._key, self._state, a, self.params, pre,
+            self._next_seed)
+        (obs, final_obs), reward, term, trunc, info = _unpack(np.asarray(packed),
+                                                              _LAYOUTS[(self._h, "vstep")])
+        self._obs = obs
         done = term | trunc
         infos: dict[str, Any] = {}
         if same_step:
@@ -438,7 +518,7 @@ class ServingVectorEnv(VectorEnv):
             if done.any():
                 fo = np.full(self.num_envs, None, dtype=object)
                 for i in np.flatnonzero(done):
-                    fo[i] = np.array(final_obs[i])
+                    fo[i] = final_obs[i].copy()
                 infos["final_obs"], infos["_final_obs"] = fo, done.copy()
                 infos["final_info"] = _add_masked({}, info, done)
                 infos["_final_info"] = done.copy()
@@ -447,7 +527,7 @@ class ServingVectorEnv(VectorEnv):
             self._take_seeds(np.flatnonzero(pre))
             self._autoreset = done.copy()
             _add_masked(infos, info, ~pre)
-        return (np.array(obs), reward.astype(np.float64), term.copy(), trunc.copy(), infos)
+        return obs.copy(), reward.astype(np.float64), term, trunc, infos
 
     def render(self):
         return None

@@ -18,7 +18,11 @@ def small(name, **kw):
 
 
 def rollout(env, params, key, num_steps, action_fn=None):
-    """Scan `num_steps` random (or given) actions; returns stacked step outputs."""
+    """Scan `num_steps` random (or given) actions; returns stacked step outputs.
+
+    Tests call it through `run`, one compiled program per (env, num_steps): equal
+    environments hash equal, so tests share compilations.
+    """
     obs, state = env.reset(key, params)
 
     def step(carry, k):
@@ -29,6 +33,10 @@ def rollout(env, params, key, num_steps, action_fn=None):
         return state, (obs, r, term, trunc, info)
 
     return jax.lax.scan(step, state, jax.random.split(key, num_steps))
+
+
+run = jax.jit(rollout, static_argnums=(0, 3))
+run_batched = jax.jit(jax.vmap(rollout, in_axes=(None, None, 0, None)), static_argnums=(0, 3))
 
 
 def test_registry_and_errors():
@@ -96,10 +104,9 @@ def test_one_trace_same_key_same_result(name):
 def test_vmap_over_envs_equals_loop(name):
     env, params = small(name)
     keys = jax.random.split(jax.random.PRNGKey(1), 3)
-    batched = jax.jit(jax.vmap(lambda k: rollout(env, params, k, 10)))(keys)
-    run_one = jax.jit(lambda k: rollout(env, params, k, 10))
+    batched = run_batched(env, params, keys, 16)
     for i, k in enumerate(keys):
-        single = run_one(k)
+        single = run(env, params, k, 16)
         chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], batched), single,
                                     rtol=1e-6, atol=1e-6)
 
@@ -110,9 +117,10 @@ def test_vmap_over_params_and_dtypes_survive_scan(name):
     rates = jnp.asarray([0.5, 2.0, 8.0], jnp.float32)
     batch = jax.vmap(lambda r: params.replace(arrivals=A.poisson(1.0).replace(
         rates=r[None])))(rates)
-    state, (obs, rew, term, trunc, info) = jax.jit(jax.vmap(
-        lambda p: rollout(env, p, jax.random.PRNGKey(0), 12)))(batch)
-    assert obs.shape[:2] == (3, 12)
+    state, (obs, rew, term, trunc, info) = jax.jit(
+        jax.vmap(rollout, in_axes=(None, 0, None, None)), static_argnums=(0, 3))(
+        env, batch, jax.random.PRNGKey(0), 16)
+    assert obs.shape[:2] == (3, 16)
     # Higher load keeps more requests in the system on average (time-average of N(t)).
     mean_n = info["in_system_time"].sum(1) / info["elapsed"].sum(1)
     assert float(mean_n[2]) > float(mean_n[0])
@@ -126,8 +134,7 @@ def test_overload_drops_counted_and_finite(name):
     env, params = small(name, arrival_rate=2000.0, max_steps_in_episode=400,
                         gpus=[jaxserve.GPUProfile(queue_cap=8, max_batch=4)] * (
                             1 if name == "Batching-v0" else 3))
-    _, (obs, rew, term, trunc, info) = jax.jit(
-        lambda k: rollout(env, params, k, 300))(jax.random.PRNGKey(0))
+    _, (obs, rew, term, trunc, info) = run(env, params, jax.random.PRNGKey(0), 300)
     for leaf in jax.tree.leaves((obs, rew, info)):
         assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
     assert int(info["dropped"].sum()) > 0

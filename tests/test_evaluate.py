@@ -84,6 +84,10 @@ def test_every_request_accounted_for(setup):
         assert r["gpu_seconds"] == pytest.approx(r["utilisation"].sum() * r["sim_seconds"])
         assert r["busy_time_log"] == pytest.approx(r["busy_time_total"], rel=1e-4)
         assert r["invalid_actions"] == 0 and r["decisions"] == E * N
+        # The engine's time-in-system counter (the reward) agrees with the per-request log.
+        pen = float(hot.drop_penalty_s)
+        assert r["cost_per_request"] * E * N == pytest.approx(
+            r["latencies"].sum() + pen * r["dropped_total"], rel=1e-4)
     # Common random numbers: both policies saw the same requests (same sizes per class).
     np.testing.assert_array_equal(res["rr"]["class_mix"].sum(0), res["jsq"]["class_mix"].sum(0))
 

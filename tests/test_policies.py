@@ -324,6 +324,11 @@ def test_smdp_prediction_matches_simulation(batching_grid):
     assert r["dropped_total"] == 0
     # Model: the stationary mean latency. Simulation: finite runs from an empty system (a small
     # downward bias) -> within 3 CI half-widths plus 3%.
+    # The engine's time-in-system counter (the reward) agrees with the per-request log:
+    # cost = (sum of latencies + drop_penalty_s * drops) / arrivals, for every grid point.
+    for row in rows.values():
+        total = row["mean_latency"] * row["completed"] + 60.0 * row["dropped_total"]
+        assert row["cost_per_request"] == pytest.approx(total / row["arrived"], rel=1e-4)
     pred = opt.info["mean_latency"]
     assert abs(r["mean_latency"] - pred) <= 3 * r["mean_latency_ci95"] + 0.03 * pred
 

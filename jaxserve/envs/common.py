@@ -9,6 +9,7 @@ rates, token distributions, SLO, reward weights, episode length) is an array lea
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from functools import partial
 
 import jax
@@ -207,8 +208,8 @@ class StaticConfig:
 
     Subclasses list their constructor's shape arguments in `STATIC_FIELDS`; `replace_static`
     returns a new instance with some of them changed (e.g. a longer trace window or a request
-    log). Instances with equal static configuration and the same default params compare
-    equal, so jit reuses compiled code across them.
+    log). Instances with equal static configuration and equal default params (by value)
+    compare equal, so jit reuses compiled code across them.
 
     `step` keeps gymnax 1.0's contract exactly (auto-reset, `(obs, state, reward, terminated,
     truncated, info)`, `info["final_observation"]`) but does not select the queues' slot
@@ -224,7 +225,15 @@ class StaticConfig:
         return self._default
 
     def _key(self):
-        return (type(self), tuple(self.static_config().items()), id(self.default_params))
+        # Default params are part of the identity: gymnax's `step(..., params=None)` bakes them
+        # into the compiled program. Hashed by value so equal scenarios share compiled code.
+        if "_default_digest" not in self.__dict__:
+            h = hashlib.sha1(str(jax.tree.structure(self.default_params)).encode())
+            for leaf in jax.tree.leaves(self.default_params):
+                a = np.asarray(leaf)
+                h.update(str((a.dtype, a.shape)).encode() + a.tobytes())
+            self._default_digest = h.hexdigest()
+        return (type(self), tuple(self.static_config().items()), self._default_digest)
 
     def __eq__(self, other):
         return isinstance(other, StaticConfig) and self._key() == other._key()

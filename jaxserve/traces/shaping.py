@@ -297,9 +297,9 @@ def _replay_windows(env, policy, num_steps, key, params, wins, actions):
         (_, state, done, tot), taken = jax.lax.scan(step, (obs, state, done0, zero), xs)
         tot["terminated"] = done
         tot["actions"] = taken
-        # The draining step reports elapsed = 0 (core.cluster.advance_static with an infinite
-        # horizon); the episode's span runs to its last completion, stored in free_at.
-        tot["makespan"] = tot["elapsed"] + jnp.maximum(state.cluster.servers.free_at.max(), 0.0)
+        # The draining step's `elapsed` runs to the last completion, so the episode's summed
+        # `elapsed` is its span from first arrival to last completion.
+        tot["makespan"] = tot["elapsed"]
         return tot
 
     keys = jax.random.split(key, wins.gap.shape[0])
@@ -340,8 +340,8 @@ def replay_windows(env, params, wins: TraceArrays,
       `slo_met`, `busy_time`, `in_system_time`, `elapsed`, `invalid_actions`),
       `terminated` (whether the window's episode ended within `num_steps`), `makespan`
       (seconds from the window's first arrival to its last completion, for a terminated
-      episode; `elapsed` stops at the last arrival because the draining step reports 0 s, so
-      a busy fraction is `busy_time / (num_gpus * makespan)`), and `actions`
+      episode: the summed `elapsed`, kept under this name; a busy fraction is
+      `busy_time / (num_gpus * makespan)`), and `actions`
       `(W, num_steps)` int32: the action of each step, -1 after the episode ended (so a
       window can be replayed request by request, e.g. with `jaxserve.replay`).
     """

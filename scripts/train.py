@@ -1,0 +1,283 @@
+"""jaxserve-train: train PPO or REINFORCE on an environment, then compare it with the heuristics.
+
+Example::
+
+    jaxserve-train                                   # PPO on Routing-v0, a few minutes on CPU
+    jaxserve-train --env Routing-v0 --set arrival_rate=2.5 --set slo_s=10 --seed 1
+    jaxserve-train --algo reinforce --total-steps 2000000 --lr 3e-4 --out runs/rf
+    jaxserve-train --out runs/rf --algo reinforce --total-steps 2000000 --lr 3e-4 --resume
+
+Trains with `agents.train` (progress bar, `metrics.csv`, orbax checkpoints, learning-curve
+plot in `--out`, default `runs/<env>-<algo>-<seed>`), then evaluates the greedy learned policy
+and the environment's heuristics (Routing-v0: random, round_robin, jsq, sed,
+least_work_left; Batching-v0: static, tuned_static, smdp_optimal) with
+`jaxserve.evaluate_many` on fresh arrivals (key `--eval-seed`, default seed + 1000000, never
+the training key) with common random numbers across policies, prints a table (mean and p99
+latency, goodput, drops, 95% CIs) and writes `results.json` and `results.csv`. gymnax
+environments (e.g. CartPole-v1) are trained but not evaluated. Errors print one line on
+stderr and exit with status 2; Ctrl-C saves a checkpoint and exits with status 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left")
+BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
+EVAL_SEED_OFFSET = 1_000_000
+
+# Hyperparameter flags: (flag, config field, type).
+HPARAM_FLAGS = (
+    ("--lr", "lr", float), ("--ent-coef", "ent_coef", float), ("--clip-eps", "clip_eps", float),
+    ("--num-steps", "num_steps", int), ("--gamma", "gamma", float),
+    ("--gae-lambda", "gae_lambda", float), ("--vf-coef", "vf_coef", float),
+    ("--update-epochs", "update_epochs", int), ("--num-minibatches", "num_minibatches", int),
+    ("--max-grad-norm", "max_grad_norm", float), ("--network", "network", str),
+    ("--set-mixer", "set_mixer", str),
+)
+
+
+class _CLIError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise _CLIError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="jaxserve-train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--env", default="Routing-v0",
+                    help="jaxserve id (Routing-v0, Batching-v0) or gymnax id (CartPole-v1, ...)")
+    ap.add_argument("--algo", default="ppo", choices=("ppo", "reinforce"))
+    ap.add_argument("--total-steps", type=int, default=None,
+                    help="environment steps (default: the environment's tuned budget)")
+    ap.add_argument("--num-envs", type=int, default=None, help="parallel training environments")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="run directory (default runs/<env>-<algo>-<seed>)")
+    ap.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    ap.add_argument("--overwrite", action="store_true", help="replace a run saved in --out")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment override, repeatable (e.g. arrival_rate=2.5, slo_s=10)")
+    for flag, field, typ in HPARAM_FLAGS:
+        ap.add_argument(flag, dest=field, type=typ, default=None, help=f"config.{field}")
+    ap.add_argument("--hidden-sizes", default=None, help="comma-separated widths, e.g. 64,64")
+    ap.add_argument("--hp", dest="hparams", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other config field, repeatable (e.g. anneal_lr=false)")
+    ap.add_argument("--checkpoint-every", type=int, default=5, help="chunks between checkpoints")
+    ap.add_argument("--eval-envs", type=int, default=16, help="evaluation replicates")
+    ap.add_argument("--eval-steps", type=int, default=1000, help="requests per replicate")
+    ap.add_argument("--eval-seed", type=int, default=None,
+                    help=f"evaluation seed (default seed + {EVAL_SEED_OFFSET}: fresh arrivals)")
+    ap.add_argument("--policies", default=None,
+                    help="comma-separated heuristics to compare (default: the env's baselines)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="also evaluate the sampling (non-greedy) learned policy")
+    ap.add_argument("--no-eval", action="store_true", help="train only")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def parse_value(text: str):
+    """A `--set`/`--hp` value: JSON (numbers, true/false, lists) or else the plain string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        low = text.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        return text
+
+
+def parse_pairs(pairs: list[str], flag: str) -> dict:
+    out = {}
+    for p in pairs:
+        k, sep, v = p.partition("=")
+        if not sep or not k.strip():
+            raise _CLIError(f"{flag} expects KEY=VALUE, got {p!r}")
+        out[k.strip()] = parse_value(v.strip())
+    return out
+
+
+def hparams_from_args(args) -> dict:
+    hp = parse_pairs(args.hparams, "--hp")
+    for _, field, _ in HPARAM_FLAGS:
+        v = getattr(args, field)
+        if v is not None:
+            hp[field] = v
+    if args.hidden_sizes is not None:
+        try:
+            hp["hidden_sizes"] = tuple(int(h) for h in args.hidden_sizes.split(",") if h.strip())
+        except ValueError:
+            raise _CLIError(f"--hidden-sizes must be comma-separated ints, got "
+                            f"{args.hidden_sizes!r}") from None
+    return hp
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _jsonable(x.tolist())
+    if isinstance(x, (float, np.floating)):
+        return float(x) if np.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+SCALARS = ("mean_latency", "mean_latency_ci95", "p50_latency", "p90_latency", "p99_latency",
+           "p99_latency_ci95", "throughput", "throughput_ci95", "goodput", "goodput_ci95",
+           "slo_attainment", "dropped", "drop_rate", "cost_per_request", "cost_ci95",
+           "invalid_actions")
+
+
+def print_table(results: dict, title: str, learned: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def ci(v, h, fmt="{:.2f}"):
+        return fmt.format(v) + ("" if not np.isfinite(h) else " ± " + fmt.format(h))
+
+    t = Table(title=title)
+    for col in ("policy", "mean latency (s)", "p99 latency (s)", "goodput (req/s)",
+                "throughput", "SLO met", "drops"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for name, r in sorted(results.items(), key=lambda kv: kv[1]["mean_latency"]):
+        style = "bold green" if name.startswith(learned) else None
+        t.add_row(name, ci(r["mean_latency"], r["mean_latency_ci95"]),
+                  ci(r["p99_latency"], r["p99_latency_ci95"], "{:.1f}"),
+                  ci(r["goodput"], r["goodput_ci95"], "{:.3f}"), f"{r['throughput']:.3f}",
+                  f"{100 * r['slo_attainment']:.1f}%", str(r["dropped"]), style=style)
+    Console(width=max(Console().width, 120)).print(t)
+
+
+def evaluate_run(result, args) -> tuple[dict, dict]:
+    """Evaluates the learned policy and the baselines; returns `(results, info)`."""
+    import jax
+
+    import jaxserve
+    from jaxserve import policies as P
+
+    env, params = result.env, result.env_params
+    kind = P.env_kind(env)
+    if args.policies is not None:
+        names = [n.strip() for n in args.policies.split(",") if n.strip()]
+        for n in names:
+            if n not in P.names(kind):
+                raise _CLIError(f"unknown {kind} policy {n!r}; choose from "
+                                f"{', '.join(P.names(kind))}")
+    else:
+        wanted = ROUTING_BASELINES if kind == "routing" else BATCHING_BASELINES
+        names = [n for n in wanted if n in P.names(kind)]
+    pols = {result.algo: result.policy}
+    if args.sampled:
+        pols[result.algo + "-sampled"] = result.make_policy(greedy=False)
+    for n in names:
+        pols[n] = P.get(n, env=env, params=params)
+    eval_seed = args.seed + EVAL_SEED_OFFSET if args.eval_seed is None else args.eval_seed
+    if eval_seed == args.seed:
+        raise _CLIError("--eval-seed must differ from --seed (evaluate on fresh arrivals)")
+    t0 = time.perf_counter()
+    results = jaxserve.evaluate_many(env, params, pols, jax.random.key(eval_seed),
+                                     args.eval_envs, args.eval_steps)
+    info = {"eval_seed": eval_seed, "eval_envs": args.eval_envs, "eval_steps": args.eval_steps,
+            "eval_wall_s": time.perf_counter() - t0, "policies": list(pols)}
+    return results, info
+
+
+def run(args, argv) -> int:
+    if args.num_envs is not None and args.num_envs < 1:
+        raise _CLIError("--num-envs must be >= 1")
+    if args.total_steps is not None and args.total_steps < 1:
+        raise _CLIError("--total-steps must be >= 1")
+    if args.eval_envs < 2 or args.eval_steps < 1:
+        raise _CLIError("--eval-envs must be >= 2 (for CIs) and --eval-steps >= 1")
+    if args.checkpoint_every < 1:
+        raise _CLIError("--checkpoint-every must be >= 1")
+    overrides = parse_pairs(args.overrides, "--set")
+    hparams = hparams_from_args(args)
+    out = Path(args.out or f"runs/{args.env}-{args.algo}-{args.seed}")
+
+    import agents
+    from agents.train import make_env
+
+    make_env(args.env, overrides)  # fail fast, before compiling anything
+    t0 = time.perf_counter()
+    try:
+        result = agents.train(args.env, overrides, args.algo, args.total_steps, args.seed,
+                              num_envs=args.num_envs, progress=not args.no_progress,
+                              out_dir=out, checkpoint_every=args.checkpoint_every,
+                              resume=args.resume, overwrite=args.overwrite, **hparams)
+    except KeyboardInterrupt:
+        print(f"jaxserve-train: interrupted; checkpoint in {out}/checkpoints, continue with the "
+              f"same command plus --resume", file=sys.stderr)
+        return 130
+    cfg = result.config
+    print(f"trained {result.algo} on {result.env_name}: {cfg.num_updates} updates, "
+          f"{cfg.num_updates * cfg.batch_size:,} env steps in {result.wall_time_s:.1f} s "
+          f"(compile {result.compile_time_s:.1f} s); final return {result.final_return():.4g}; "
+          f"overrides {result.env_overrides}")
+
+    doc = {"command": "jaxserve-train " + " ".join(sys.argv[1:] if argv is None else argv),
+           "env": args.env, "algo": args.algo, "seed": args.seed,
+           "env_overrides": result.env_overrides, "config": cfg.to_dict(),
+           "train_wall_s": result.wall_time_s, "compile_s": result.compile_time_s,
+           "final_return": result.final_return(), "checkpoints": str(out / "checkpoints")}
+    results = {}
+    from jaxserve.policies import env_kind
+    try:
+        env_kind(result.env)
+        evaluable = True
+    except ValueError:
+        evaluable = False
+    if evaluable and not args.no_eval:
+        results, info = evaluate_run(result, args)
+        doc["evaluation"] = info
+        title = (f"{args.env}: {args.eval_envs} envs x {args.eval_steps} requests, eval seed "
+                 f"{info['eval_seed']} (fresh arrivals; 95% CIs over envs)")
+        print_table(results, title, args.algo)
+        learned = results[args.algo]["mean_latency"]
+        doc["learned_beats_on_mean_latency"] = {
+            n: bool(learned < r["mean_latency"]) for n, r in results.items()
+            if not n.startswith(args.algo)}
+        doc["results"] = {n: {k: r[k] for k in SCALARS} | {"utilisation": r["utilisation"]}
+                          for n, r in results.items()}
+        with open(out / "results.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["policy", *SCALARS])
+            for n, r in results.items():
+                w.writerow([n, *[r[k] for k in SCALARS]])
+    elif not evaluable and not args.no_eval:
+        print(f"{args.env} is not a jaxserve serving environment: no heuristic comparison")
+    doc["total_wall_s"] = time.perf_counter() - t0
+    with open(out / "results.json", "w") as f:
+        json.dump(_jsonable(doc), f, indent=1)
+    print(f"wrote {out}/ (checkpoints, metrics.csv, learning_curve.png, results.json"
+          + (", results.csv)" if results else ")"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point (`jaxserve-train`); returns the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+        return run(args, argv)
+    except (_CLIError, ValueError, TypeError, OSError) as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"jaxserve-train: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
