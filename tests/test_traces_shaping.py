@@ -311,8 +311,10 @@ def test_numpy_sampler_matches_engine_sampler():
     pj, oj = jax.jit(jax.vmap(A.sample_tokens, in_axes=(0, None)))(keys, dist)
     for a, b in ((p, np.asarray(pj)), (o, np.asarray(oj))):
         assert a.min() >= 1 and b.min() >= 1 and a.max() == b.max()
+        # Lengths are rounded to whole tokens, so a quantile near a half-token may land on
+        # either neighbour: allow one token on top of 4%.
         np.testing.assert_allclose(np.percentile(a, [10, 50, 90]), np.percentile(b, [10, 50, 90]),
-                                   rtol=0.04)
+                                   rtol=0.04, atol=1.0)
 
 
 def test_fit_recovers_a_known_mmpp():

@@ -238,22 +238,56 @@ def validate_tokens(dist: TokenDist, where: str = "tokens") -> None:
             raise ValueError(f"{where}.{f} must be >= 1 token")
 
 
-def sample_tokens(key: jax.Array, dist: TokenDist):
-    """One request's (prompt, output) token lengths, float32 integers in `[1, max]`."""
+def uniforms(key: jax.Array, n: int) -> jax.Array:
+    """`n` uniforms in (0, 1) from one PRNG call (float32).
+
+    The engine draws all of a request's randomness this way: one counter-based PRNG call
+    instead of a split and a call per quantity, which dominates step cost on CPUs.
+    """
+    return jax.random.uniform(key, (n,), jnp.float32, minval=jnp.finfo(jnp.float32).tiny,
+                              maxval=1.0)
+
+
+def tokens_from_uniforms(u: jax.Array, dist: TokenDist):
+    """(prompt, output) token lengths from three uniforms `u` (class or row, two normals).
+
+    Float32 integers in `[1, max]`; the law of `sample_tokens`.
+    """
     if dist.table_prompt.shape[-1] > 0:
-        i = jax.random.randint(key, (), 0, dist.table_prompt.shape[-1])
+        m = dist.table_prompt.shape[-1]
+        i = jnp.minimum((u[0] * m).astype(jnp.int32), m - 1)
         return dist.table_prompt[i], dist.table_output[i]
-    k_c, k_p, k_o = jax.random.split(key, 3)
-    c = jax.random.categorical(k_c, jnp.log(jnp.maximum(dist.weights, 1e-30)))
-    zp, zo = jax.random.normal(k_p, dtype=jnp.float32), jax.random.normal(k_o, dtype=jnp.float32)
+    cdf = jnp.cumsum(dist.weights)
+    c = jnp.minimum(jnp.searchsorted(cdf, u[0] * cdf[-1], side="right"),
+                    dist.weights.shape[-1] - 1)
+    zp, zo = jax.scipy.special.ndtri(u[1]), jax.scipy.special.ndtri(u[2])
     p = jnp.round(dist.prompt_median[c] * jnp.exp(dist.prompt_sigma[c] * zp))
     o = jnp.round(dist.output_median[c] * jnp.exp(dist.output_sigma[c] * zo))
     return jnp.clip(p, 1.0, dist.max_prompt), jnp.clip(o, 1.0, dist.max_output)
 
 
+def sample_tokens(key: jax.Array, dist: TokenDist):
+    """One request's (prompt, output) token lengths, float32 integers in `[1, max]`."""
+    return tokens_from_uniforms(uniforms(key, 3), dist)
+
+
 def size_class(output, size_edges):
     """Size class of an output length: the number of `size_edges` (tokens) it exceeds (int32)."""
     return jnp.sum(output[..., None] > size_edges, axis=-1).astype(jnp.int32)
+
+
+def estimate_from_uniform(u, output, mode, noise_sigma, size_edges, size_values):
+    """The output estimate and size class from one uniform `u`; see `output_estimate`."""
+    true_cls = size_class(output, size_edges)
+    z = jax.scipy.special.ndtri(u)
+    noisy = jnp.round(output * jnp.exp(noise_sigma * z))
+    est = jnp.select([mode == ESTIMATE_EXACT, mode == ESTIMATE_NOISY],
+                     [output, noisy], size_values[true_cls])
+    est = jnp.maximum(est, 1.0).astype(jnp.float32)
+    # The class a scheduler sees is its estimate's class: with noisy estimates the true class
+    # must not leak through it.
+    cls = jnp.where(mode == ESTIMATE_CLASS, true_cls, size_class(est, size_edges))
+    return est, cls
 
 
 def output_estimate(key: jax.Array, output, mode, noise_sigma, size_edges, size_values):
@@ -269,10 +303,8 @@ def output_estimate(key: jax.Array, output, mode, noise_sigma, size_edges, size_
       size_values: `(E + 1,)` representative length of each class (tokens).
 
     Returns:
-      (estimate float32 >= 1, class int32).
+      (estimate float32 >= 1, class int32: the class of the estimate, which in size-class
+      mode is the true class).
     """
-    cls = size_class(output, size_edges)
-    noisy = jnp.round(output * jnp.exp(noise_sigma * jax.random.normal(key, dtype=jnp.float32)))
-    est = jnp.select([mode == ESTIMATE_EXACT, mode == ESTIMATE_NOISY],
-                     [output, noisy], size_values[cls])
-    return jnp.maximum(est, 1.0).astype(jnp.float32), cls
+    return estimate_from_uniform(uniforms(key, 1)[0], output, mode, noise_sigma, size_edges,
+                                 size_values)

@@ -146,13 +146,15 @@ def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | N
         raise ValueError("params.size_values must have one entry more than params.size_edges")
 
 
-def draw_request(key: jax.Array, params: ServingParams, arrival, req_id, tokens=None) -> Request:
-    """A request arriving at `arrival` (s): tokens drawn from `params.tokens` (or given as a
-    `(prompt, output)` pair, e.g. from a trace) and its output estimate and size class."""
-    k_tok, k_est = jax.random.split(key)
-    p, o = A.sample_tokens(k_tok, params.tokens) if tokens is None else tokens
-    est, cls = A.output_estimate(k_est, o, params.estimate_mode, params.estimate_noise,
-                                 params.size_edges, params.size_values)
+def draw_request(u: jax.Array, params: ServingParams, arrival, req_id, tokens=None) -> Request:
+    """A request arriving at `arrival` (s), from four uniforms `u`.
+
+    Tokens come from `params.tokens` (`u[0:3]`) unless given as a `(prompt, output)` pair
+    (e.g. from a trace); `u[3]` draws the output estimate.
+    """
+    p, o = A.tokens_from_uniforms(u[:3], params.tokens) if tokens is None else tokens
+    est, cls = A.estimate_from_uniform(u[3], o, params.estimate_mode, params.estimate_noise,
+                                       params.size_edges, params.size_values)
     return Request(arrival=jnp.asarray(arrival, jnp.float32), prompt=p, output=o, estimate=est,
                    size_class=cls, req_id=jnp.asarray(req_id, jnp.int32))
 
@@ -160,22 +162,27 @@ def draw_request(key: jax.Array, params: ServingParams, arrival, req_id, tokens=
 def next_arrival(key: jax.Array, params: ServingParams, phase, trace_pos, req_id):
     """The next request and the gap (s) before it, from the trace or the arrival process.
 
+    One PRNG call draws all of it (a second only for a multi-phase MMPP's gap).
+
     Args:
       trace_pos: trace row of the request to produce (ignored without a trace).
     Returns:
       (gap, request arriving at time 0 of the new frame, new phase, exhausted). `exhausted` is
       True when a trace has no row `trace_pos` (the gap is then `inf`).
     """
-    k_gap, k_req = jax.random.split(key)
+    u = A.uniforms(key, 5)
     tr = params.trace
     if tr.gap.shape[0] > 0:
         exhausted = trace_pos >= tr.length
         i = jnp.minimum(trace_pos, tr.gap.shape[0] - 1)
         gap = jnp.where(exhausted, jnp.inf, tr.gap[i])
-        req = draw_request(k_req, params, 0.0, req_id, (tr.prompt[i], tr.output[i]))
+        req = draw_request(u, params, 0.0, req_id, (tr.prompt[i], tr.output[i]))
         return gap, req, phase, exhausted
-    gap, phase = A.sample_gap(k_gap, phase, params.arrivals)
-    return gap, draw_request(k_req, params, 0.0, req_id), phase, jnp.bool_(False)
+    if params.arrivals.rates.shape[-1] == 1:  # Poisson: an exponential from u[4]
+        gap = -jnp.log(u[4]) / params.arrivals.rates[0]
+    else:
+        gap, phase = A.sample_gap(jax.random.fold_in(key, 1), phase, params.arrivals)
+    return gap, draw_request(u, params, 0.0, req_id), phase, jnp.bool_(False)
 
 
 def first_phase(key: jax.Array, params: ServingParams) -> jax.Array:

@@ -127,7 +127,8 @@ def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
     if arrivals is None and arrival_rate is None:
         arrival_rate = 2.0
     kw.setdefault("tokens", routing_tokens())
-    kw.setdefault("slo_s", 20.0)
+    # A long request alone takes ~15 s on a fast replica and ~29 s on a slow one.
+    kw.setdefault("slo_s", 40.0)
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = _static_sizes(queue_buffer, params)
     env = Routing(num_gpus=len(gpus), queue_buffer=qb, max_batch=mb,
@@ -142,7 +143,8 @@ def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None
     if len(gpus) != 1:
         raise ValueError(f"Batching-v0 runs exactly one GPU, got {len(gpus)}")
     if arrivals is None and arrival_rate is None:
-        arrival_rate = 3.0
+        # A full batch of 16 takes ~33 s on this replica (at most ~0.48 req/s): load ~0.7.
+        arrival_rate = 0.35
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = _static_sizes(queue_buffer, params)
     env = Batching(max_batch=mb, queue_buffer=qb,
