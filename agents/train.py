@@ -2,7 +2,7 @@
 
     result = agents.train("Routing-v0", {"arrival_rate": 2.5}, "ppo", 2_000_000, seed=0,
                           out_dir="runs/demo", checkpoint_every=10)
-    jaxserve.evaluate(env, params, result.policy, key)     # greedy learned router
+    jaxserve.evaluate(result.env, result.env_params, result.policy, key)  # greedy router
 
 The loop runs the agent's jitted `train_chunk` (a `lax.scan` of updates) chunk after chunk;
 between chunks, on the host, it updates a tqdm bar (env steps/s, latest episode return),
@@ -22,10 +22,10 @@ live in `ENV_DEFAULTS` (docs/training.md records how they were chosen).
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
 import json
-import math
 import os
 import shutil
 import sys
@@ -58,11 +58,17 @@ ALGOS: dict[str, tuple[type[TrainConfig], Callable[..., Trainer]]] = {
 ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     "Routing-v0": {
         "env_overrides": dict(latency_scale=100.0),
-        "ppo": dict(total_steps=1_000_000, num_envs=32, num_steps=64, lr=1e-3,
-                    num_minibatches=4, update_epochs=4, gamma=0.99, gae_lambda=0.95,
+        "ppo": dict(total_steps=500_000, num_envs=32, num_steps=32, lr=1e-3,
+                    num_minibatches=4, update_epochs=8, gamma=0.99, gae_lambda=0.95,
                     ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
-        "reinforce": dict(total_steps=1_000_000, num_envs=32, num_steps=64, lr=1e-3,
+        "reinforce": dict(total_steps=1_000_000, num_envs=32, num_steps=16, lr=3e-3,
                           gamma=0.99, ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
+    },
+    # Batching-v0: batch shape for throughput only; PPO does not learn a good batcher here
+    # (per-decision discounting of an SMDP, see docs/training.md "Acceptance").
+    "Batching-v0": {
+        "ppo": dict(num_envs=32, num_steps=32, update_epochs=8),
+        "reinforce": dict(num_envs=32, num_steps=16, lr=3e-3),
     },
 }
 
@@ -316,12 +322,24 @@ def _metadata(env_name, overrides, algo, curves, wall, chunk):
             "curves": _curves_to_json(curves), "wall_time_s": wall, "chunk_updates": chunk}
 
 
+def _pack(runner_state: RunnerState) -> RunnerState:
+    """Zero-size leaves -> None: orbax refuses to save empty arrays (Routing-v0's state has
+    some: the request log and ids of an environment built without a log), and they hold no
+    data, so `_unpack` rebuilds them exactly from the template's shapes."""
+    return jax.tree.map(lambda x: None if x.size == 0 else x, runner_state)
+
+
+def _unpack(packed: RunnerState, template: RunnerState) -> RunnerState:
+    return jax.tree.map(lambda t, p: jnp.zeros(t.shape, t.dtype) if t.size == 0 else p,
+                        template, packed)
+
+
 def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo):
     if latest_step(ckpt_dir) is None:
         raise FileNotFoundError(f"resume=True but there is no checkpoint under {ckpt_dir}")
     template = jax.eval_shape(trainer.init, key)
     try:
-        ckpt = restore_checkpoint(ckpt_dir, template)
+        ckpt = restore_checkpoint(ckpt_dir, _pack(template))
     except ValueError as e:
         raise ValueError(f"cannot resume: {e}") from None
     meta = ckpt.metadata
@@ -342,7 +360,36 @@ def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo):
     if len(curves.get("update", [])) != ckpt.step:
         raise ValueError(f"cannot resume: checkpoint step {ckpt.step} does not match its "
                          f"{len(curves.get('update', []))} recorded updates")
-    return ckpt.runner_state, ckpt.step, curves, float(meta.get("wall_time_s", 0.0))
+    return (_unpack(ckpt.runner_state, template), ckpt.step, curves,
+            float(meta.get("wall_time_s", 0.0)))
+
+
+_TRAINERS: collections.OrderedDict = collections.OrderedDict()
+_TRAINERS_MAX = 8
+
+
+def _cached_trainer(env_name, overrides, algo, config, env, env_params, shard):
+    """The trainer for this run, reused from an earlier `train` call of this process when the
+    env, overrides, algorithm and config (up to the seed, which the program does not read)
+    match, so repeated runs (seeds, resumes, notebooks) skip compiling."""
+    ov = jsonable_overrides(overrides)
+    key = None
+    if not any(isinstance(v, dict) and set(v) == {"repr"} for v in ov.values()):
+        key = (env_name, json.dumps(ov, sort_keys=True), algo,
+               dataclasses.replace(config, seed=0), bool(shard))
+    if key in _TRAINERS:
+        _TRAINERS.move_to_end(key)
+        env, env_params, trainer = _TRAINERS[key]
+        return env, env_params, dataclasses.replace(trainer, config=config)
+    trainer = ALGOS[algo][1](config, env, env_params)
+    if shard:
+        from agents.sharding import shard_trainer
+        trainer = shard_trainer(trainer)
+    if key is not None:
+        _TRAINERS[key] = (env, env_params, trainer)
+        while len(_TRAINERS) > _TRAINERS_MAX:
+            _TRAINERS.popitem(last=False)
+    return env, env_params, trainer
 
 
 def _compile_chunk(trainer: Trainer, runner: RunnerState, n: int):
@@ -412,10 +459,8 @@ def train(
                  **(env_overrides or {})}
     env, env_params = make_env(env_name, overrides)
     config = make_config(algo, env_name, env, total_steps, seed, num_envs, **hparams)
-    trainer = ALGOS[algo][1](config, env, env_params)
-    if shard:
-        from agents.sharding import shard_trainer
-        trainer = shard_trainer(trainer)
+    env, env_params, trainer = _cached_trainer(env_name, overrides, algo, config, env,
+                                               env_params, shard)
     num_updates = config.num_updates
     chunk = chunk_size(num_updates, chunk_updates)
     if checkpoint_every is not None and checkpoint_every < 1:
@@ -461,10 +506,15 @@ def train(
     last_saved = done if resume else -1
     last_return = _last_finite(curves.get("episode_return"))
 
+    saving = False
+
     def save(step):
+        nonlocal saving, last_saved
+        saving = True
         meta = _metadata(env_name, overrides, algo, curves, wall_before
                          + time.perf_counter() - t_start, chunk)
-        save_checkpoint(ckpt_dir, step, runner, config, meta, max_to_keep=3)
+        save_checkpoint(ckpt_dir, step, _pack(runner), config, meta, max_to_keep=3)
+        saving, last_saved = False, step
 
     try:
         while done < num_updates:
@@ -504,19 +554,24 @@ def train(
             if (ckpt_dir is not None and checkpoint_every is not None
                     and chunks_done % checkpoint_every == 0 and done < num_updates):
                 save(done)
-                last_saved = done
             if callback is not None and callback({
                     "updates": done, "num_updates": num_updates,
                     "env_steps": done * config.batch_size, "metrics": metrics,
                     "runner_state": runner}) is True:
                 break
+    except KeyboardInterrupt:
+        # `runner` is the state after the last finished chunk, so saving it is consistent.
+        if bar is not None:
+            bar.close()
+            bar = None
+        if ckpt_dir is not None and done > 0 and done != last_saved and not saving:
+            save(done)
+        raise
     finally:
         if bar is not None:
             bar.close()
-        # The runner state is that of the last finished chunk: saving it is always consistent,
-        # also when a chunk was interrupted (KeyboardInterrupt) or a callback raised.
-        if ckpt_dir is not None and done > 0 and done != last_saved:
-            save(done)
+    if ckpt_dir is not None and done != last_saved:
+        save(done)
     if out is not None and main_process and done > 0:
         plot_learning_curve(curves, out / CURVE_PNG, f"{algo} on {env_name} (seed {seed})")
     runner = jax.block_until_ready(runner)

@@ -1,4 +1,4 @@
-"""Hyperparameter sweep as ONE compiled program: `vmap` over seeds and over (lr, ent_coef, clip_eps).
+"""Hyperparameter sweep as ONE compiled program: vmap over seeds and (lr, ent_coef, clip_eps).
 
 Example::
 

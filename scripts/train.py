@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hp", dest="hparams", action="append", default=[], metavar="KEY=VALUE",
                     help="any other config field, repeatable (e.g. anneal_lr=false)")
     ap.add_argument("--checkpoint-every", type=int, default=5, help="chunks between checkpoints")
+    ap.add_argument("--chunk-updates", type=int, default=None,
+                    help="updates per jitted chunk (default: about 25 chunks per run)")
     ap.add_argument("--eval-envs", type=int, default=16, help="evaluation replicates")
     ap.add_argument("--eval-steps", type=int, default=1000, help="requests per replicate")
     ap.add_argument("--eval-seed", type=int, default=None,
@@ -218,7 +220,8 @@ def run(args, argv) -> int:
         result = agents.train(args.env, overrides, args.algo, args.total_steps, args.seed,
                               num_envs=args.num_envs, progress=not args.no_progress,
                               out_dir=out, checkpoint_every=args.checkpoint_every,
-                              resume=args.resume, overwrite=args.overwrite, **hparams)
+                              resume=args.resume, overwrite=args.overwrite,
+                              chunk_updates=args.chunk_updates, **hparams)
     except KeyboardInterrupt:
         print(f"jaxserve-train: interrupted; checkpoint in {out}/checkpoints, continue with the "
               f"same command plus --resume", file=sys.stderr)
