@@ -10,7 +10,7 @@ Example::
 Trains with `agents.train` (progress bar, `metrics.csv`, orbax checkpoints, learning-curve
 plot in `--out`, default `runs/<env>-<algo>-<seed>`), then evaluates the greedy learned policy
 and the environment's heuristics (Routing-v0: random, round_robin, jsq, sed,
-least_work_left; Batching-v0: static, tuned_static, smdp_optimal) with
+least_work_left, sita; Batching-v0: static, tuned_static, smdp_optimal) with
 `jaxserve.evaluate_many` on fresh arrivals (key `--eval-seed`, default seed + 1000000, never
 the training key) with common random numbers across policies, prints a table (mean and p99
 latency, goodput, drops, 95% CIs) and writes `results.json` and `results.csv`. gymnax
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left")
+ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita")
 BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
 EVAL_SEED_OFFSET = 1_000_000
 
