@@ -198,6 +198,8 @@ class TrainResult:
         `value_loss`, `entropy`, PPO also `approx_kl`, `clip_frac`).
       wall_time_s: seconds this call took; compile_time_s: of that, compiling the chunk.
       out_dir: where files went (None without `out_dir`).
+      resumed_from: updates restored from a checkpoint (0 for a fresh run; equal to
+        `config.num_updates` when a finished run was only loaded).
       policy: greedy `LearnedPolicy` (the jaxserve policy signature).
     """
 
@@ -214,6 +216,7 @@ class TrainResult:
     wall_time_s: float
     compile_time_s: float
     out_dir: Path | None
+    resumed_from: int = 0
 
     @property
     def policy(self) -> LearnedPolicy:
@@ -504,6 +507,7 @@ def train(
     run_chunk = None
     chunks_done = 0
     last_saved = done if resume else -1
+    resumed_from = done
     last_return = _last_finite(curves.get("episode_return"))
 
     saving = False
@@ -577,7 +581,7 @@ def train(
     runner = jax.block_until_ready(runner)
     return TrainResult(env_name, overrides, algo, config, env, env_params, trainer.network,
                        runner.train_state.params, runner, curves,
-                       time.perf_counter() - t_start, compile_s, out)
+                       time.perf_counter() - t_start, compile_s, out, resumed_from)
 
 
 def _last_finite(values, default: float = float("nan")) -> float:

@@ -227,10 +227,14 @@ def run(args, argv) -> int:
               f"same command plus --resume", file=sys.stderr)
         return 130
     cfg = result.config
-    print(f"trained {result.algo} on {result.env_name}: {cfg.num_updates} updates, "
-          f"{cfg.num_updates * cfg.batch_size:,} env steps in {result.wall_time_s:.1f} s "
-          f"(compile {result.compile_time_s:.1f} s); final return {result.final_return():.4g}; "
-          f"overrides {result.env_overrides}")
+    total = f"{cfg.num_updates} updates, {cfg.num_updates * cfg.batch_size:,} env steps"
+    if result.resumed_from == cfg.num_updates:
+        what = f"loaded the finished run in {out} ({total}, no training)"
+    else:
+        resumed = (f", resumed at update {result.resumed_from}" if result.resumed_from else "")
+        what = (f"trained {result.algo} on {result.env_name}: {total} in "
+                f"{result.wall_time_s:.1f} s (compile {result.compile_time_s:.1f} s{resumed})")
+    print(f"{what}; final return {result.final_return():.4g}; overrides {result.env_overrides}")
 
     doc = {"command": "jaxserve-train " + " ".join(sys.argv[1:] if argv is None else argv),
            "env": args.env, "algo": args.algo, "seed": args.seed,
