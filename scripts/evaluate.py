@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.evaluation.serialize import to_jsonable
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage dump
@@ -62,20 +64,6 @@ def _floats(text: str, what: str) -> list[float]:
     if any(not np.isfinite(v) or v <= 0 for v in vals):
         raise _CLIError(f"{what} must be positive numbers, got {text!r}")
     return vals
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, (np.floating, float)):
-        return float(x) if np.isfinite(x) else None
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    return x
 
 
 SCALARS = ("mean_latency", "mean_latency_ci95", "p50_latency", "p90_latency", "p99_latency",
@@ -212,7 +200,7 @@ def run(args) -> int:
         "wall_seconds": time.time() - t0,
     }
     with open(out / "results.json", "w") as f:
-        json.dump(_jsonable(doc), f, indent=1)
+        json.dump(to_jsonable(doc), f, indent=1)
     if not args.no_plots:
         from jaxserve.evaluation import plots
         plots.latency_cdf(results, out / "latency_cdf.png", f"{args.env}: latency CDF")

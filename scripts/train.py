@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.evaluation.serialize import to_jsonable
+
 ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita")
 BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
 EVAL_SEED_OFFSET = 1_000_000
@@ -122,20 +124,6 @@ def hparams_from_args(args) -> dict:
             raise _CLIError(f"--hidden-sizes must be comma-separated ints, got "
                             f"{args.hidden_sizes!r}") from None
     return hp
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, (float, np.floating)):
-        return float(x) if np.isfinite(x) else None
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
 
 
 SCALARS = ("mean_latency", "mean_latency_ci95", "p50_latency", "p90_latency", "p99_latency",
@@ -269,7 +257,7 @@ def run(args, argv) -> int:
         print(f"{args.env} is not a jaxserve serving environment: no heuristic comparison")
     doc["total_wall_s"] = time.perf_counter() - t0
     with open(out / "results.json", "w") as f:
-        json.dump(_jsonable(doc), f, indent=1)
+        json.dump(to_jsonable(doc), f, indent=1)
     print(f"wrote {out}/ (checkpoints, metrics.csv, learning_curve.png, results.json"
           + (", results.csv)" if results else ")"))
     return 0
