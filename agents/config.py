@@ -27,7 +27,13 @@ class TrainConfig:
         `total_timesteps // (num_envs * num_steps)`.
       lr: Adam learning rate.
       anneal_lr: anneal the learning rate linearly to 0 over all gradient steps.
-      gamma: discount factor.
+      gamma: discount factor, applied once per step, or once per `discount_time_s` seconds of
+        simulated time when that is set.
+      discount_time_s: for semi-Markov environments whose steps last different amounts of
+        simulated time (Batching-v0: a wait lasts one arrival gap, a dispatch until the GPU
+        frees): discount each step by `gamma ** (info["elapsed"] / discount_time_s)`, so the
+        horizon is a span of time rather than a number of decisions. `None` discounts per
+        step. The env must report `info["elapsed"]` (seconds).
       ent_coef: weight of the entropy bonus.
       vf_coef: weight of the value loss.
       max_grad_norm: global-norm gradient clipping threshold.
@@ -48,6 +54,7 @@ class TrainConfig:
     lr: float = 2.5e-4
     anneal_lr: bool = True
     gamma: float = 0.99
+    discount_time_s: float | None = None
     ent_coef: float = 0.01
     vf_coef: float = 0.5
     max_grad_norm: float = 0.5
@@ -76,6 +83,8 @@ class TrainConfig:
             _positive_int(self, name)
         _in_range(self, "lr", 0.0, None, low_open=True)
         _in_range(self, "gamma", 0.0, 1.0)
+        if self.discount_time_s is not None:
+            _in_range(self, "discount_time_s", 0.0, None, low_open=True)
         for name in ("ent_coef", "vf_coef"):
             _in_range(self, name, 0.0, None)
         _in_range(self, "max_grad_norm", 0.0, None, low_open=True)

@@ -112,9 +112,10 @@ def make_update(config: PPOConfig, env: Any, env_params: Any):
         return (train_state, key, data), aux
 
     def update(runner: RunnerState) -> tuple[RunnerState, Metrics]:
-        runner, traj = collect_rollout(runner, env, env_params, config.num_steps)
+        runner, traj = collect_rollout(runner, env, env_params, config.num_steps,
+                                       config.gamma, config.discount_time_s)
         advantages, targets = gae(traj.reward, traj.value, traj.next_value, traj.terminated,
-                                  traj.done, config.gamma, config.gae_lambda)
+                                  traj.done, traj.discount, config.gae_lambda)
         flat = jax.tree.map(lambda x: x.reshape((batch_size,) + x.shape[2:]),
                             (traj, advantages, targets))
         key, k_epochs = jax.random.split(runner.key)

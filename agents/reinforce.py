@@ -66,9 +66,10 @@ def make_update(config: REINFORCEConfig, env: Any, env_params: Any):
     """Returns the pure REINFORCE update `runner_state -> (runner_state, metrics)`."""
 
     def update(runner: RunnerState) -> tuple[RunnerState, Metrics]:
-        runner, traj = collect_rollout(runner, env, env_params, config.num_steps)
+        runner, traj = collect_rollout(runner, env, env_params, config.num_steps,
+                                       config.gamma, config.discount_time_s)
         _, returns = gae(traj.reward, traj.value, traj.next_value, traj.terminated, traj.done,
-                         config.gamma, 1.0)
+                         traj.discount, 1.0)
         train_state = runner.train_state
         grad_fn = jax.value_and_grad(reinforce_loss, has_aux=True)
         (_, aux), grads = grad_fn(train_state.params, train_state.apply_fn, traj, returns, config,

@@ -16,7 +16,7 @@ def gae(
     next_values: jax.Array,
     terminated: jax.Array,
     dones: jax.Array,
-    gamma: float,
+    gamma: float | jax.Array,
     gae_lambda: float,
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation over a rollout, time-major.
@@ -24,8 +24,8 @@ def gae(
     The TD error bootstraps from the value of the pre-reset observation unless the episode
     terminated naturally; the recursion stops at every episode end (terminated or truncated):
 
-        delta_t = r_t + gamma * (1 - terminated_t) * next_value_t - value_t
-        A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1},   A_T = 0
+        delta_t = r_t + gamma_t * (1 - terminated_t) * next_value_t - value_t
+        A_t     = delta_t + gamma_t * lambda * (1 - done_t) * A_{t+1},   A_T = 0
 
     For the last step of the rollout `next_value` is the value of the state it stopped in, so
     no separate bootstrap value is needed.
@@ -36,7 +36,8 @@ def gae(
       next_values: `(T, ...)` V(final_observation_t), the observation before any auto-reset.
       terminated: `(T, ...)` bool, natural termination (no bootstrap).
       dones: `(T, ...)` bool, terminated or truncated (episode boundary).
-      gamma: discount.
+      gamma: discount: a scalar, or `(T, ...)` per-step discounts (semi-Markov envs, where
+        `gamma_t` discounts what follows step t by the simulated time it took).
       gae_lambda: GAE lambda; 1 gives bootstrapped Monte Carlo returns.
 
     Returns:
@@ -45,15 +46,16 @@ def gae(
     rewards, values, next_values = (x.astype(jnp.float32) for x in (rewards, values, next_values))
     not_terminated = 1.0 - terminated.astype(jnp.float32)
     not_done = 1.0 - dones.astype(jnp.float32)
-    deltas = rewards + gamma * not_terminated * next_values - values
+    gammas = jnp.broadcast_to(jnp.asarray(gamma, jnp.float32), rewards.shape)
+    deltas = rewards + gammas * not_terminated * next_values - values
 
     def backward(next_adv, x):
-        delta, cont = x
-        adv = delta + gamma * gae_lambda * cont * next_adv
+        delta, cont, g = x
+        adv = delta + g * gae_lambda * cont * next_adv
         return adv, adv
 
     _, advantages = jax.lax.scan(
-        backward, jnp.zeros_like(deltas[0]), (deltas, not_done), reverse=True
+        backward, jnp.zeros_like(deltas[0]), (deltas, not_done, gammas), reverse=True
     )
     return advantages, advantages + values
 

@@ -47,6 +47,7 @@ class Transition(NamedTuple):
     value: jax.Array  # (T, E) float32, V(obs)
     next_value: jax.Array  # (T, E) float32, V(final_observation), pre-reset
     reward: jax.Array  # (T, E) float32
+    discount: jax.Array  # (T, E) float32, discount applied to what follows this step
     terminated: jax.Array  # (T, E) bool, natural end: no bootstrap
     done: jax.Array  # (T, E) bool, terminated or truncated: the episode ended here
     episode_return: jax.Array  # (T, E) float32, return of the episode ended here, else 0
@@ -110,8 +111,25 @@ def episode_metrics(traj: Transition) -> dict[str, jax.Array]:
     }
 
 
+def step_discount(gamma: float, discount_time_s: float | None, info: dict) -> jax.Array:
+    """Discount between a step and the next: `gamma`, or `gamma ** (elapsed / discount_time_s)`.
+
+    Raises:
+      ValueError: `discount_time_s` is set but the env reports no `info["elapsed"]`.
+    """
+    if discount_time_s is None:
+        return jnp.float32(gamma)
+    if "elapsed" not in info:
+        raise ValueError("discount_time_s needs an environment that reports info['elapsed'] "
+                         "(simulated seconds per step); this one does not")
+    elapsed = jnp.maximum(info["elapsed"].astype(jnp.float32), 0.0)
+    # A step that took no simulated time does not discount (and avoids 0 ** 0 with gamma 0).
+    return jnp.where(elapsed > 0, jnp.float32(gamma) ** (elapsed / discount_time_s), 1.0)
+
+
 def collect_rollout(
-    runner: RunnerState, env: Any, env_params: Any, num_steps: int
+    runner: RunnerState, env: Any, env_params: Any, num_steps: int,
+    gamma: float = 0.99, discount_time_s: float | None = None,
 ) -> tuple[RunnerState, Transition]:
     """Steps all envs `num_steps` times with the current policy (a `lax.scan`).
 
@@ -120,6 +138,7 @@ def collect_rollout(
       env: a gymnax-1.0 environment (auto-resetting `step`, `info["final_observation"]`).
       env_params: env parameters, shared by all envs.
       num_steps: rollout length T (static).
+      gamma, discount_time_s: how each transition's `discount` is set (see `step_discount`).
 
     Returns:
       `(runner, traj)`: the runner state after the rollout (train_state unchanged) and the
@@ -142,8 +161,9 @@ def collect_rollout(
         _, next_value = apply_fn(params, info["final_observation"])
         done = jnp.logical_or(terminated, truncated)
         reward = reward.astype(jnp.float32)
+        discount = jnp.broadcast_to(step_discount(gamma, discount_time_s, info), reward.shape)
         stats, ep_return, ep_length = update_episode_stats(stats, reward, done)
-        transition = Transition(obs, action, log_prob, value, next_value, reward,
+        transition = Transition(obs, action, log_prob, value, next_value, reward, discount,
                                 terminated.astype(bool), done, ep_return, ep_length)
         return (env_state, next_obs, stats, key), transition
 

@@ -64,11 +64,13 @@ ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "reinforce": dict(total_steps=1_000_000, num_envs=32, num_steps=16, lr=3e-3,
                           gamma=0.99, ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
     },
-    # Batching-v0: batch shape for throughput only; PPO does not learn a good batcher here
-    # (per-decision discounting of an SMDP, see docs/training.md "Acceptance").
+    # Batching-v0 is semi-Markov (a wait lasts one arrival gap, a dispatch until the GPU frees):
+    # discount by simulated time, not per decision, or "always wait" looks cheap; and scale the
+    # reward to O(1) per step. Both are needed (docs/training.md, "Batching-v0").
     "Batching-v0": {
-        "ppo": dict(num_envs=32, num_steps=32, update_epochs=8),
-        "reinforce": dict(num_envs=32, num_steps=16, lr=3e-3),
+        "env_overrides": dict(latency_scale=1000.0),
+        "ppo": dict(num_envs=32, num_steps=32, update_epochs=8, discount_time_s=5.0),
+        "reinforce": dict(num_envs=32, num_steps=16, lr=3e-3, discount_time_s=5.0),
     },
 }
 

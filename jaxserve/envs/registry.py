@@ -8,6 +8,10 @@ Each entry builds a default scenario; keyword overrides replace parts of it:
   tokens: a `TokenDist` (`fixed_tokens`, `lognormal_tokens`, `bimodal_tokens`, `empirical_tokens`).
   trace: a `Trace` to replay instead of synthetic arrivals (episode = the trace).
   Any scalar field of `ServingParams` (slo_s, max_steps_in_episode, estimate_mode, ...).
+Autoscaling-v0 also takes `max_replicas`, `gpu` (one profile for every replica slot),
+`history_len` and the scalar fields of `AutoscalingParams` (control_interval_s, warmup_s,
+gpu_price, latency_weight, slo_penalty_s, diurnal_amplitude, diurnal_period_s,
+diurnal_phase_s, initial_replicas).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from jaxserve.core import arrivals as A
 from jaxserve.core.profiles import get_profile
 from jaxserve.core.types import GPUProfile, stack_profiles
 from jaxserve.envs import common
+from jaxserve.envs import autoscaling as AS
 from jaxserve.envs.batching import Batching
 from jaxserve.envs.routing import Routing
 
@@ -149,4 +154,54 @@ def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None
     qb, mb = _static_sizes(queue_buffer, params)
     env = Batching(max_batch=mb, queue_buffer=qb,
                    trace_len=params.trace.gap.shape[0], default=params)
+    return env, params
+
+
+# Autoscaling-v0 defaults: a compressed day (2 h) of diurnal Poisson traffic, decided every
+# 15 s (Kubernetes HPA's sync period); a replica of Llama-2-70B needs ~2 min to load.
+AUTOSCALING_DEFAULTS = dict(control_interval_s=15.0, warmup_s=120.0, gpu_price=4.0,
+                            latency_weight=1.0, slo_penalty_s=0.0, diurnal_amplitude=0.6,
+                            diurnal_period_s=7200.0, diurnal_phase_s=0.0, initial_replicas=2)
+
+
+def scaling_params(serving: common.ServingParams, **scalars) -> AS.AutoscalingParams:
+    """`AutoscalingParams` around `serving`, from `AUTOSCALING_DEFAULTS` and `scalars`."""
+    unknown = set(scalars) - set(AS.SCALING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown Autoscaling-v0 parameter(s) {sorted(unknown)}; known: "
+                         f"{sorted(AS.SCALING_FIELDS)}")
+    values = {**AUTOSCALING_DEFAULTS, **scalars}
+    return AS.AutoscalingParams(serving=serving, **{
+        k: jnp.asarray(values[k], AS.SCALING_FIELDS[k]) for k in AS.SCALING_FIELDS})
+
+
+@register("Autoscaling-v0")
+def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arrival_rate=None,
+                     arrivals=None, history_len=64, **kw):
+    """Autoscaling-v0: up to 8 A100 replicas of Llama-2-70B under a diurnal load."""
+    if gpu is not None and gpus is not None:
+        raise ValueError("give either gpu= (one profile for every slot) or gpus=, not both")
+    if gpus is None:
+        gpus = [get_profile("mid") if gpu is None else gpu] * int(max_replicas)
+    gpus = list(gpus)
+    max_replicas = len(gpus)
+    scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
+    if "trace" in kw and kw["trace"] is not None:
+        scalars.setdefault("diurnal_amplitude", 0.0)
+    if arrivals is None and arrival_rate is None and kw.get("trace") is None:
+        # Mean offered load ~2.7 replicas (peak ~4.3 at amplitude 0.6); see docs/scaling.md.
+        arrival_rate = 2.5
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 1.0  # unused: the trace replaces the arrival process
+    kw.setdefault("tokens", routing_tokens())
+    kw.setdefault("slo_s", 60.0)
+    kw.setdefault("latency_scale", 1000.0)
+    kw.setdefault("max_steps_in_episode", 480)
+    serving = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb, mb = _static_sizes(queue_buffer, serving)
+    params = scaling_params(serving, **scalars)
+    env = AS.Autoscaling(max_replicas=max_replicas, queue_buffer=qb, max_batch=mb,
+                         trace_len=serving.trace.gap.shape[0], history_len=history_len,
+                         default=params)
+    env.check_params(params)
     return env, params

@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 from typing import Any, Callable
 
-KINDS = ("routing", "batching")
+KINDS = ("routing", "batching", "autoscaling")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -22,7 +22,7 @@ class Policy:
 
     Attributes:
       name: registry name (or a user label).
-      kind: "routing" or "batching", the environment family the policy acts in.
+      kind: "routing", "batching" or "autoscaling", the environment family the policy acts in.
       fn: the pure JAX function `fn(key, obs, state, params) -> action`.
       info: host-side facts about the policy (fitted thresholds, the SMDP table, a tuning
         grid...). Not used by `fn`.
@@ -74,19 +74,22 @@ def names(kind: str | None = None) -> tuple[str, ...]:
 
 
 def kind_of(name: str) -> str:
-    """The kind ("routing" or "batching") of a registered policy; ValueError if unknown."""
+    """The kind (one of `KINDS`) of a registered policy; ValueError if unknown."""
     _check(name)
     return _FACTORIES[name][0]
 
 
 def env_kind(env: Any) -> str:
-    """"routing" or "batching" for a jaxserve environment (by its class); ValueError otherwise."""
-    from jaxserve.envs import Batching, Routing
+    """The policy kind of a jaxserve environment (by its class); ValueError otherwise."""
+    from jaxserve.envs import Autoscaling, Batching, Routing
+    if isinstance(env, Autoscaling):
+        return "autoscaling"
     if isinstance(env, Routing):
         return "routing"
     if isinstance(env, Batching):
         return "batching"
-    raise ValueError(f"not a jaxserve Routing or Batching environment: {type(env).__name__}")
+    raise ValueError(f"not a jaxserve Routing, Batching or Autoscaling environment: "
+                     f"{type(env).__name__}")
 
 
 def _check(name: str) -> None:

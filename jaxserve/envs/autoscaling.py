@@ -1,0 +1,451 @@
+"""Autoscaling-v0: choose how many inference replicas to pay for, at fixed control intervals.
+
+The cluster is `max_replicas` replica slots behind a load balancer. Each slot is off, active
+(warming up, then serving) or draining. At every control instant the agent sets the number of
+active replicas; in between, requests arrive (Poisson/MMPP modulated by a diurnal cycle, or a
+replayed trace), the balancer sends each to the serving replica with the least queued work, and
+every replica runs the static batcher, exactly as in Routing-v0 (same engine, `core.cluster`).
+
+Scaling semantics (what real autoscalers do):
+  - scaling up first re-activates draining replicas (they are warm), then provisions off slots,
+    which serve only after `warmup_s` (model load) but cost from the moment they are provisioned;
+  - scaling down first cancels replicas still warming up, then drains the serving replicas with
+    the least queued work: a draining replica takes no new requests, finishes what it holds and
+    is released (stops costing) at its last completion;
+  - at least one replica always serves, so the balancer always has a destination.
+
+GPU-seconds of an interval are the integral of provisioned replicas over it, computed exactly
+from the release instants. The reward charges them at `gpu_price` (request-seconds per
+GPU-second), so `vmap` over prices trains or evaluates a family of cost-latency trade-offs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from gymnax.environments import environment, spaces
+
+from jaxserve.core import cluster as C
+from jaxserve.core import queues as Q
+from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.service import per_request_work
+from jaxserve.envs import common
+
+OFF, ACTIVE, DRAINING = 0, 1, 2
+FEATURE_CLIP = 1e3
+
+# Per-interval record kept in `AutoscalingState.history` (most recent first), read by the
+# baseline autoscalers (`jaxserve.policies.autoscaling`), which need windows of past metrics.
+HISTORY_FIELDS = (
+    "arrivals",        # requests that arrived in the interval
+    "completed",       # requests completed in the interval
+    "dropped",         # requests refused by a full queue
+    "concurrency",     # time-average requests in system (waiting + running)
+    "utilization",     # busy GPU-seconds / serving replica-seconds, in [0, 1]
+    "active",          # replicas active (warming or serving) after the interval's decision
+    "serving",         # replicas serving at the interval's end
+    "provisioned",     # replicas costing at the interval's end (active + draining)
+    "offered_load",    # arrived work (per_request_work, from estimates) / interval: replicas
+    "latency_sum",     # summed latency of the interval's completions (s)
+    "slo_violations",  # completions over the SLO
+    "gpu_seconds",     # provisioned GPU-seconds in the interval
+)
+H = {name: i for i, name in enumerate(HISTORY_FIELDS)}
+NUM_FEATURES = 16
+
+
+@struct.dataclass
+class AutoscalingParams:
+    """Vmappable parameters of Autoscaling-v0.
+
+    Attributes:
+      serving: the request/GPU model shared with the other environments (`gpus` has one entry
+        per replica slot; arrivals, tokens, SLO, latency_scale, drop penalty, episode length).
+      control_interval_s: seconds between scaling decisions (one env step).
+      warmup_s: seconds from provisioning a replica until it serves (it costs meanwhile).
+      gpu_price: cost of one provisioned replica-second, in request-seconds of latency.
+      latency_weight: cost of one request-second in system (0 leaves only SLO/drop costs).
+      slo_penalty_s: extra cost of each completion over `serving.slo_s`, in request-seconds.
+      diurnal_amplitude: relative amplitude `a` in [0, 1) of the arrival-rate cycle
+        `1 + a sin(2 pi (t + diurnal_phase_s) / diurnal_period_s)`; 0 with a trace. The rate
+        is held at its value at the start of each control interval (piecewise constant), and
+        the arrival process runs in time warped by it: exact for Poisson arrivals.
+      diurnal_period_s: the cycle's period (s).
+      diurnal_phase_s: time of day at reset (s).
+      initial_replicas: replicas serving at reset (warm). int32.
+    """
+
+    serving: common.ServingParams
+    control_interval_s: jax.Array
+    warmup_s: jax.Array
+    gpu_price: jax.Array
+    latency_weight: jax.Array
+    slo_penalty_s: jax.Array
+    diurnal_amplitude: jax.Array
+    diurnal_period_s: jax.Array
+    diurnal_phase_s: jax.Array
+    initial_replicas: jax.Array
+
+    @property
+    def max_steps_in_episode(self) -> jax.Array:
+        return self.serving.max_steps_in_episode
+
+
+SCALING_FIELDS = {
+    "control_interval_s": jnp.float32, "warmup_s": jnp.float32, "gpu_price": jnp.float32,
+    "latency_weight": jnp.float32, "slo_penalty_s": jnp.float32,
+    "diurnal_amplitude": jnp.float32, "diurnal_period_s": jnp.float32,
+    "diurnal_phase_s": jnp.float32, "initial_replicas": jnp.int32,
+}
+
+
+@struct.dataclass
+class AutoscalingState:
+    """State of an Autoscaling-v0 episode at a control instant (time 0 of the relative clock).
+
+    Attributes:
+      cluster: queues and running batches of every replica slot.
+      upcoming: the next request to arrive; its `arrival` is when (s, relative; inf if none).
+      mode: `(R,)` int32, OFF / ACTIVE / DRAINING per slot.
+      ready_at: `(R,)` when each active slot finishes warming up (s, relative; <= 0: serving).
+      phase: arrival-process phase. int32.
+      trace_pos: trace row of `upcoming`. int32.
+      clock: time of day (s), in `[0, diurnal_period_s)`; kept modulo the period so it stays
+        precise in float32 however long the episode runs.
+      since_scale_up, since_scale_down: seconds since the active count last rose / fell
+        (capped at 1e6).
+      history: `(history_len, len(HISTORY_FIELDS))` per-interval records, row 0 the latest.
+      time: control intervals taken this episode. int32.
+    """
+
+    cluster: C.Cluster
+    upcoming: Q.Request
+    mode: jax.Array
+    ready_at: jax.Array
+    phase: jax.Array
+    trace_pos: jax.Array
+    clock: jax.Array
+    since_scale_up: jax.Array
+    since_scale_down: jax.Array
+    history: jax.Array
+    time: jax.Array
+
+
+def rate_multiplier(clock, params: AutoscalingParams) -> jax.Array:
+    """Diurnal arrival-rate multiplier at time of day `clock` (s); 1 without a cycle."""
+    angle = 2.0 * jnp.pi * clock / params.diurnal_period_s
+    return (1.0 + params.diurnal_amplitude * jnp.sin(angle)).astype(jnp.float32)
+
+
+def serving_mask(mode, ready_at) -> jax.Array:
+    """Slots that take new requests now: active and warmed up."""
+    return (mode == ACTIVE) & (ready_at <= 0.0)
+
+
+def counts(state: AutoscalingState) -> dict[str, jax.Array]:
+    """Replica counts (int32): active, serving, warming, draining, provisioned."""
+    active = state.mode == ACTIVE
+    serving = serving_mask(state.mode, state.ready_at)
+    draining = state.mode == DRAINING
+    return {"active": active.sum(), "serving": serving.sum(), "warming": (active & ~serving).sum(),
+            "draining": draining.sum(), "provisioned": (active | draining).sum()}
+
+
+def apply_target(state: AutoscalingState, target, params: AutoscalingParams, work):
+    """Sets the number of active replicas to `target` at the current instant (see module doc).
+
+    Args:
+      target: int32 in `[1, R]`.
+      work: `(R,)` queued work per slot (s), to pick which serving replicas drain.
+
+    Returns:
+      `(mode, ready_at, scaled_up, scaled_down)`.
+    """
+    mode, ready_at = state.mode, state.ready_at
+    r = mode.shape[0]
+    idx = jnp.arange(r)
+    active = mode == ACTIVE
+    serving = serving_mask(mode, ready_at)
+    n_active = active.sum()
+    up = jnp.maximum(target - n_active, 0)
+    down = jnp.maximum(n_active - target, 0)
+
+    def choose(priority, n):
+        # The n slots of lowest priority (finite priorities only): rank by a stable sort.
+        rank = jnp.argsort(jnp.argsort(priority, stable=True), stable=True)
+        return (rank < n) & jnp.isfinite(priority)
+
+    # Up: draining slots first (warm, no warm-up), then off slots, lowest index first.
+    up_priority = jnp.where(mode == DRAINING, idx, jnp.where(mode == OFF, r + idx, jnp.inf))
+    pick_up = choose(up_priority.astype(jnp.float32), up)
+    # Down: warming slots first (latest ready first), then serving slots with least work.
+    warming = active & ~serving
+    down_priority = jnp.where(warming, -1e9 - ready_at, jnp.where(serving, work, jnp.inf))
+    pick_down = choose(down_priority.astype(jnp.float32), down)
+
+    new_mode = jnp.where(pick_up, ACTIVE, mode)
+    new_ready = jnp.where(pick_up & (mode == OFF), params.warmup_s, ready_at)
+    new_mode = jnp.where(pick_down & warming, OFF, new_mode)
+    new_mode = jnp.where(pick_down & serving, DRAINING, new_mode)
+    return new_mode, new_ready.astype(jnp.float32), up > 0, down > 0
+
+
+class Autoscaling(common.StaticConfig,
+                  environment.Environment[AutoscalingState, AutoscalingParams]):
+    """Set the number of active replicas every `control_interval_s`; pay GPU-seconds.
+
+    Decision epochs: every `control_interval_s` seconds of simulated time.
+    Action: `Discrete(max_replicas)`; action `a` asks for `a + 1` active replicas. Out-of-range
+      actions are clipped into `[0, max_replicas)` and counted in `info["invalid_actions"]`.
+    Observation: float32 `(16,)` in [0, 1000] (`FEATURES` names them): replica counts as
+      fractions of `max_replicas` (active, serving, warming, draining), last interval's offered
+      load in replicas (arrived work / interval), the one before it, requests in system per
+      serving replica / max_batch, utilisation, waiting / total queue capacity, mean latency /
+      SLO, SLO-violation and drop fractions, the time of day as `(1 + sin, 1 + cos) / 2`, the
+      price as `p / (1 + p)` and the mean remaining warm-up / `warmup_s`.
+    Reward: `-(latency_weight * time-in-system + slo_penalty_s * SLO violations
+      + drop_penalty_s * drops + gpu_price * GPU-seconds) / latency_scale` over the interval.
+    Termination: with a replayed trace, once it has ended and the cluster has drained.
+      Truncation after `max_steps_in_episode` intervals.
+    Info: `StepMetrics` fields plus `gpu_seconds`, `active`, `serving`, `provisioned` and
+      `slo_violations`.
+    """
+
+    STATIC_FIELDS = ("max_replicas", "queue_buffer", "max_batch", "trace_len", "history_len")
+
+    FEATURES = ("active", "serving", "warming", "draining", "offered_load", "offered_load_prev",
+                "concurrency_per_replica", "utilization", "waiting", "latency_over_slo",
+                "slo_violation_frac", "drop_frac", "day_sin", "day_cos", "price",
+                "warmup_left")
+
+    def __init__(self, max_replicas: int, queue_buffer: int = 64, max_batch: int = 16,
+                 trace_len: int = 0, history_len: int = 64,
+                 default: AutoscalingParams | None = None):
+        super().__init__()
+        for name, v in (("max_replicas", max_replicas), ("queue_buffer", queue_buffer),
+                        ("max_batch", max_batch), ("history_len", history_len)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.max_replicas = int(max_replicas)
+        self.num_gpus = self.max_replicas
+        self.queue_buffer = int(queue_buffer)
+        self.max_batch = int(max_batch)
+        self.trace_len = int(trace_len)
+        self.history_len = int(history_len)
+        self._default = default
+
+    @property
+    def name(self) -> str:
+        return "Autoscaling-v0"
+
+    @property
+    def num_actions(self) -> int:
+        return self.max_replicas
+
+    def check_params(self, params: AutoscalingParams) -> None:
+        """Raises ValueError (naming the field) if `params` do not fit this environment."""
+        validate_scaling_params(params, self.queue_buffer, self.max_batch, self.max_replicas)
+
+    # ------------------------------------------------------------------------------- reset
+    def reset_env(self, key, params):
+        sp = params.serving
+        k_phase, k_req = jax.random.split(key)
+        phase = common.first_phase(k_phase, sp)
+        gap, req, phase, _ = common.next_arrival(k_req, sp, phase, jnp.int32(0), jnp.int32(0))
+        clock = jnp.mod(params.diurnal_phase_s, params.diurnal_period_s).astype(jnp.float32)
+        # A synthetic first request arrives after one gap at the current rate; a trace's at 0.
+        is_trace = sp.trace.gap.shape[0] > 0
+        first = gap if is_trace else gap / rate_multiplier(clock, params)
+        n0 = jnp.clip(params.initial_replicas, 1, self.max_replicas)
+        r = self.max_replicas
+        state = AutoscalingState(
+            cluster=C.empty_cluster(r, self.queue_buffer, self.max_batch, with_ids=False),
+            upcoming=req.replace(arrival=jnp.asarray(first, jnp.float32)),
+            mode=jnp.where(jnp.arange(r) < n0, ACTIVE, OFF).astype(jnp.int32),
+            ready_at=jnp.zeros((r,), jnp.float32), phase=phase, trace_pos=jnp.int32(0),
+            clock=clock, since_scale_up=jnp.float32(1e6), since_scale_down=jnp.float32(1e6),
+            history=jnp.zeros((self.history_len, len(HISTORY_FIELDS)), jnp.float32),
+            time=jnp.int32(0))
+        return self.get_obs(state, params), state
+
+    # -------------------------------------------------------------------------------- step
+    def step_env(self, key, state, action, params):
+        sp = params.serving
+        gpus = sp.gpus
+        dt = params.control_interval_s
+        action = jnp.asarray(action, jnp.int32)
+        invalid = (action < 0) | (action >= self.max_replicas)
+        target = jnp.clip(action, 0, self.max_replicas - 1) + 1
+        mode, ready_at, up, down = apply_target(state, target, params,
+                                                C.queued_work(state.cluster, gpus))
+        provisioned0 = mode != OFF
+        # Serving time of each slot inside [0, dt] starts when its warm-up ends.
+        serve_from = jnp.clip(ready_at, 0.0, dt)
+        mult = rate_multiplier(state.clock, params)
+
+        def cond(c):
+            nxt, t = c[1], c[5]
+            return nxt.arrival < dt - t
+
+        def body(c):
+            cl, nxt, phase, pos, rdy, t, m, work_in, key = c
+            key, k_next = jax.random.split(key)
+            gap = nxt.arrival
+            cl, m_adv, _ = C.advance_static(cl, gpus, gap, sp.slo_s)
+            cl = C.rebase(cl, gap)
+            rdy = rdy - gap
+            # Least queued work among serving slots (ties: lowest index).
+            serving = serving_mask(mode, rdy)
+            work = jnp.where(serving, C.queued_work(cl, gpus), jnp.inf)
+            gpu = jnp.argmin(work).astype(jnp.int32)
+            req = nxt.replace(arrival=jnp.float32(0.0))
+            cl, dropped = C.route(cl, gpus, req, gpu)
+            share = per_request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt,
+                                     req.estimate)
+            ogap, new, phase, exhausted = common.next_arrival(k_next, sp, phase, pos + 1,
+                                                              nxt.req_id + 1)
+            rgap = jnp.where(exhausted | (sp.trace.gap.shape[0] > 0), ogap, ogap / mult)
+            m = m + m_adv.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32))
+            return (cl, new.replace(arrival=rgap.astype(jnp.float32)), phase, pos + 1, rdy,
+                    t + gap, m, work_in + share, key)
+
+        carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, ready_at,
+                 jnp.float32(0.0), StepMetrics.zeros(), jnp.float32(0.0), key)
+        cl, nxt, phase, pos, rdy, t, m, work_in, _ = jax.lax.while_loop(cond, body, carry)
+        rest = dt - t
+        cl, m_adv, _ = C.advance_static(cl, gpus, rest, sp.slo_s)
+        m = m + m_adv
+        cl = C.rebase(cl, rest)
+        rdy = rdy - rest
+        arrival_left = nxt.arrival - rest
+
+        # Release drained replicas at their last completion (relative to the interval end).
+        s, q = cl.servers, cl.queues
+        empty = (q.count == 0) & (s.run_count == 0)
+        released = (mode == DRAINING) & empty
+        release_at = jnp.where(released, jnp.clip(dt + s.free_at, 0.0, dt), dt)
+        gpu_seconds = jnp.where(provisioned0, release_at, 0.0).sum()
+        mode = jnp.where(released, OFF, mode)
+        # Replica-seconds able to serve (warmed up, not yet released): utilisation's base.
+        serving_seconds = jnp.where(provisioned0, jnp.maximum(release_at - serve_from, 0.0),
+                                    0.0).sum()
+
+        # The next interval's rate: rescale the pending gap (exact for the time-warped
+        # process, since its remaining operational time is memoryless at a fixed phase).
+        clock = jnp.mod(state.clock + dt, params.diurnal_period_s)
+        new_mult = rate_multiplier(clock, params)
+        is_trace = sp.trace.gap.shape[0] > 0
+        arrival_left = jnp.where(is_trace | ~jnp.isfinite(arrival_left), arrival_left,
+                                 arrival_left * mult / new_mult)
+
+        slo_violations = m.completed - m.slo_met
+        m = m.replace(elapsed=dt, invalid_actions=invalid.astype(jnp.int32))
+        new_state = state.replace(
+            cluster=cl, upcoming=nxt.replace(arrival=arrival_left.astype(jnp.float32)),
+            mode=mode.astype(jnp.int32), ready_at=jnp.maximum(rdy, -1.0).astype(jnp.float32),
+            phase=phase, trace_pos=pos, clock=clock.astype(jnp.float32),
+            since_scale_up=jnp.minimum(jnp.where(up, 0.0, state.since_scale_up) + dt, 1e6),
+            since_scale_down=jnp.minimum(jnp.where(down, 0.0, state.since_scale_down) + dt, 1e6),
+            time=state.time + 1)
+        c = counts(new_state)
+        record = jnp.zeros((len(HISTORY_FIELDS),), jnp.float32)
+        values = {
+            "arrivals": m.arrived, "completed": m.completed, "dropped": m.dropped,
+            "concurrency": m.in_system_time / dt,
+            "utilization": m.busy_time / jnp.maximum(serving_seconds, 1e-6),
+            "active": (mode == ACTIVE).sum(), "serving": c["serving"],
+            "provisioned": c["provisioned"], "offered_load": work_in / dt,
+            "latency_sum": m.latency_sum, "slo_violations": slo_violations,
+            "gpu_seconds": gpu_seconds,
+        }
+        for name, v in values.items():
+            record = record.at[H[name]].set(jnp.asarray(v, jnp.float32))
+        record = jnp.clip(jnp.nan_to_num(record), 0.0, 1e9)
+        record = record.at[H["utilization"]].set(jnp.minimum(record[H["utilization"]], 1.0))
+        history = jnp.concatenate([record[None], state.history[:-1]], axis=0)
+        new_state = new_state.replace(history=history)
+
+        cost = (params.latency_weight * m.in_system_time + params.slo_penalty_s * slo_violations
+                + sp.drop_penalty_s * m.dropped + params.gpu_price * gpu_seconds)
+        reward = (-cost / sp.latency_scale).astype(jnp.float32)
+        info = {**m.as_dict(), "gpu_seconds": gpu_seconds.astype(jnp.float32),
+                "slo_violations": slo_violations, "active": values["active"].astype(jnp.int32),
+                "serving": c["serving"], "provisioned": c["provisioned"]}
+        return (self.get_obs(new_state, params), new_state, reward,
+                self.is_terminated(new_state, params), info)
+
+    # ------------------------------------------------------------------------- observation
+    def get_obs(self, state, params=None, key=None):
+        p = params
+        sp = p.serving
+        r = jnp.float32(self.max_replicas)
+        c = counts(state)
+        h0, h1 = state.history[0], state.history[1 % self.history_len]
+        serving = jnp.maximum(c["serving"].astype(jnp.float32), 1.0)
+        completed = jnp.maximum(h0[H["completed"]], 1.0)
+        arrivals = jnp.maximum(h0[H["arrivals"]], 1.0)
+        cl = state.cluster
+        in_system = (cl.queues.count + cl.servers.run_count).sum().astype(jnp.float32)
+        waiting_cap = jnp.maximum(sp.gpus.queue_cap.sum(), 1).astype(jnp.float32)
+        angle = 2.0 * jnp.pi * state.clock / p.diurnal_period_s
+        warming = (state.mode == ACTIVE) & (state.ready_at > 0)
+        warm_left = jnp.where(warming, state.ready_at, 0.0).sum() / jnp.maximum(warming.sum(), 1)
+        feats = jnp.stack([
+            c["active"] / r, c["serving"] / r, c["warming"] / r, c["draining"] / r,
+            h0[H["offered_load"]], h1[H["offered_load"]],
+            in_system / serving / jnp.maximum(sp.gpus.max_batch[0], 1),
+            h0[H["utilization"]],
+            cl.queues.count.sum() / waiting_cap,
+            h0[H["latency_sum"]] / completed / sp.slo_s,
+            h0[H["slo_violations"]] / completed,
+            h0[H["dropped"]] / arrivals,
+            (1.0 + jnp.sin(angle)) / 2.0, (1.0 + jnp.cos(angle)) / 2.0,
+            p.gpu_price / (1.0 + p.gpu_price),
+            warm_left / jnp.maximum(p.warmup_s, 1e-6),
+        ])
+        return jnp.clip(jnp.nan_to_num(feats), 0.0, FEATURE_CLIP).astype(jnp.float32)
+
+    def is_terminated(self, state, params):
+        cl = state.cluster
+        empty = (cl.queues.count.sum() == 0) & (cl.servers.run_count.sum() == 0)
+        return (params.serving.trace.gap.shape[0] > 0) & ~jnp.isfinite(state.upcoming.arrival) \
+            & empty
+
+    def action_space(self, params=None):
+        return spaces.Discrete(self.max_replicas)
+
+    def observation_space(self, params=None):
+        return spaces.Box(0.0, FEATURE_CLIP, (NUM_FEATURES,), jnp.float32)
+
+    def state_space(self, params=None) -> Any:
+        raise NotImplementedError("Autoscaling-v0 exposes its state as the AutoscalingState "
+                                  "pytree")
+
+
+def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_batch: int,
+                            max_replicas: int) -> None:
+    """Host-side checks of `AutoscalingParams`; raises ValueError naming the field."""
+    if not isinstance(params, AutoscalingParams):
+        raise ValueError(f"Autoscaling-v0 needs AutoscalingParams, got {type(params).__name__}")
+    common.validate_params(params.serving, queue_buffer, max_batch, max_replicas)
+    for f in SCALING_FIELDS:
+        v = np.asarray(getattr(params, f), np.float64)
+        if not np.all(np.isfinite(v)) or np.any(v < 0):
+            raise ValueError(f"params.{f} must be finite and >= 0, got {v}")
+    for f in ("control_interval_s", "diurnal_period_s"):
+        if np.any(np.asarray(getattr(params, f)) <= 0):
+            raise ValueError(f"params.{f} must be > 0, got {np.asarray(getattr(params, f))}")
+    if np.any(np.asarray(params.diurnal_amplitude) >= 1):
+        raise ValueError(f"params.diurnal_amplitude must be in [0, 1), got "
+                         f"{np.asarray(params.diurnal_amplitude)}")
+    n0 = np.asarray(params.initial_replicas)
+    if np.any(n0 < 1) or np.any(n0 > max_replicas):
+        raise ValueError(f"params.initial_replicas must be in [1, {max_replicas}], got {n0}")
+    has_trace = np.asarray(params.serving.trace.length) > 0
+    if np.any(has_trace & (np.asarray(params.diurnal_amplitude) > 0)):
+        raise ValueError("params.diurnal_amplitude must be 0 when a trace is replayed "
+                         "(the trace carries its own time variation)")

@@ -1,0 +1,204 @@
+"""Autoscaling-v0: gymnax contract, GPU-second accounting, warm-up, draining, diurnal load."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve.core import arrivals as A
+from jaxserve.core.profiles import get_profile
+from jaxserve.core.service import batch_service_time
+from jaxserve.envs import autoscaling as AS
+
+
+def small(**kw):
+    kw.setdefault("max_replicas", 3)
+    kw.setdefault("max_steps_in_episode", 16)
+    kw.setdefault("arrival_rate", 0.6)
+    return jaxserve.make("Autoscaling-v0", **kw)
+
+
+def rollout(env, params, key, num_steps, actions=None):
+    """Scans `num_steps` steps of random (or the given per-step) actions."""
+    obs, state = env.reset(key, params)
+
+    def step(state, x):
+        k, a = x
+        k_a, k_s = jax.random.split(k)
+        a = jnp.where(a < 0, env.action_space(params).sample(k_a), a)
+        obs, state, r, term, trunc, info = env.step(k_s, state, a, params)
+        return state, (obs, r, term, trunc, info)
+
+    acts = -jnp.ones((num_steps,), jnp.int32) if actions is None else jnp.asarray(actions)
+    return jax.lax.scan(step, state, (jax.random.split(key, num_steps), acts))
+
+
+run = jax.jit(rollout, static_argnums=(0, 3))
+
+
+def trace_of(times, prompt, output):
+    n = len(times)
+    return jaxserve.Trace(arrival_s=np.asarray(times, float), prompt_tokens=np.full(n, prompt),
+                          output_tokens=np.full(n, output))
+
+
+def test_contract_jit_vmap_and_spaces():
+    env, params = small()
+    obs, state = env.reset(jax.random.key(0), params)
+    assert obs.shape == (AS.NUM_FEATURES,) == (len(env.FEATURES),)
+    assert env.observation_space(params).contains(obs)
+    assert env.num_actions == 3 and env.action_space(params).n == 3
+    out = env.step(jax.random.key(1), state, jnp.int32(2), params)
+    assert len(out) == 6
+    obs, state, reward, terminated, truncated, info = out
+    assert reward.dtype == jnp.float32 and obs.dtype == jnp.float32
+    assert {"gpu_seconds", "active", "serving", "provisioned", "slo_violations",
+            "final_observation"} <= set(info)
+    # vmap over environments equals a Python loop over them.
+    keys = jax.random.split(jax.random.key(2), 3)
+    _, (obs_b, r_b, *_ ) = jax.vmap(lambda k: run(env, params, k, 6))(keys)
+    for i in range(3):
+        _, (obs_i, r_i, *_) = run(env, params, keys[i], 6)
+        np.testing.assert_allclose(r_b[i], r_i, rtol=1e-6)
+    # Truncation after max_steps_in_episode intervals.
+    _, (_, _, term, trunc, _) = run(env, params, jax.random.key(3), 17)
+    assert bool(trunc[15]) and not bool(trunc[:15].any()) and not bool(term.any())
+
+
+def test_vmap_over_prices_changes_only_the_cost_term():
+    env, params = small()
+    prices = jnp.asarray([0.0, 1.0, 10.0], jnp.float32)
+    batched = params.replace(gpu_price=prices)
+    acts = jnp.asarray([2, 0, 1, 2, 2, 0, 1, 1], jnp.int32)
+    axes = jax.tree.map(lambda _: None, params).replace(gpu_price=0)
+    _, (_, r, _, _, info) = jax.vmap(lambda p: rollout(env, p, jax.random.key(4), 8, acts),
+                                     in_axes=(axes,))(batched)
+    scale = float(params.serving.latency_scale)
+    for i in range(1, 3):
+        expect = r[0] - float(prices[i]) * info["gpu_seconds"][0] / scale
+        np.testing.assert_allclose(r[i], expect, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(info["completed"][i], info["completed"][0])
+
+
+def test_reward_is_the_documented_cost():
+    env, params = small(gpu_price=3.0, slo_penalty_s=50.0, latency_weight=0.5, slo_s=5.0,
+                        arrival_rate=2.0)
+    _, (_, r, _, _, info) = run(env, params, jax.random.key(5), 12)
+    cost = (0.5 * info["in_system_time"] + 50.0 * info["slo_violations"]
+            + float(params.serving.drop_penalty_s) * info["dropped"] + 3.0 * info["gpu_seconds"])
+    np.testing.assert_allclose(r, -cost / float(params.serving.latency_scale), rtol=1e-5)
+    assert int(info["slo_violations"].sum()) > 0
+
+
+def test_gpu_seconds_integral_with_a_drain():
+    """Two replicas each run a batch of two long requests; one drains at the next decision and
+    is released at its batch's end: GPU-seconds = 3 intervals x 1 replica + that end time."""
+    gpu = get_profile("mid")
+    dt = 15.0
+    env, params = jaxserve.make("Autoscaling-v0", gpu=gpu, max_replicas=2, initial_replicas=2,
+                                control_interval_s=dt, warmup_s=0.0,
+                                trace=trace_of([0.0] * 4, 100, 1000), max_steps_in_episode=10)
+    s = float(batch_service_time(gpu, 2, 200.0, 2 * 100.0 ** 2, 1000.0))
+    assert 2 * dt < s < 3 * dt  # the batch ends in the third interval
+    _, (_, _, term, _, info) = run(env, params, jax.random.key(0), 3, jnp.asarray([1, 0, 0]))
+    gpu_s = np.asarray(info["gpu_seconds"])
+    np.testing.assert_allclose(gpu_s[0], 2 * dt, rtol=1e-6)
+    np.testing.assert_allclose(gpu_s.sum(), 3 * dt + s, rtol=1e-5)
+    assert info["provisioned"].tolist() == [2, 2, 1]
+    assert bool(term[2]) and int(info["completed"].sum()) == 4
+
+
+def test_warmup_delays_service_but_not_cost_and_cancel_is_free():
+    dt, warm = 15.0, 30.0
+    times = np.arange(0.0, 90.0, 1.0) + 0.5
+    env, params = jaxserve.make("Autoscaling-v0", max_replicas=3, initial_replicas=1,
+                                control_interval_s=dt, warmup_s=warm,
+                                trace=trace_of(times, 64, 400), max_steps_in_episode=10)
+    _, state = env.reset(jax.random.key(0), params)
+    served_new = []
+    for i, a in enumerate([1, 1, 1, 1]):
+        _, state, _, _, _, info = env.step(jax.random.key(i + 1), state, jnp.int32(a), params)
+        assert float(info["gpu_seconds"]) == pytest.approx(2 * dt)
+        served_new.append(int(state.cluster.servers.batches[1]))
+        c = AS.counts(state)
+        assert int(c["provisioned"]) == 2
+    # The new replica takes requests only once warmed up (after 30 s = 2 intervals).
+    assert served_new[0] == 0 and served_new[1] == 0 and served_new[3] > 0
+    # Scale up by two then cancel both before they are warm: cancelled replicas cost nothing.
+    _, state = env.reset(jax.random.key(0), params)
+    _, state, *_ = env.step(jax.random.key(1), state, jnp.int32(2), params)
+    assert int(AS.counts(state)["warming"]) == 2
+    _, state, _, _, _, info = env.step(jax.random.key(2), state, jnp.int32(0), params)
+    assert float(info["gpu_seconds"]) == pytest.approx(dt)
+    assert int(AS.counts(state)["warming"]) == 0 and int(AS.counts(state)["draining"]) == 0
+
+
+def test_invariants_under_random_scaling_and_overload():
+    """At 10x overload with random actions: a replica always serves, requests are conserved,
+    every output is finite, and the time-of-day clock stays in [0, period) (float32)."""
+    env, params = small(arrival_rate=6.0, max_steps_in_episode=5000, diurnal_period_s=600.0,
+                        warmup_s=40.0)
+    state, (obs, r, _, _, info) = run(env, params, jax.random.key(7), 300)
+    assert np.isfinite(np.asarray(obs)).all() and np.isfinite(np.asarray(r)).all()
+    assert int(info["dropped"].sum()) > 0
+    assert (np.asarray(info["serving"]) >= 1).all()
+    assert (np.asarray(info["active"]) >= 1).all()
+    cl = state.cluster
+    in_system = int((cl.queues.count + cl.servers.run_count).sum())
+    assert int(info["arrived"].sum()) == (int(info["completed"].sum())
+                                          + int(info["dropped"].sum()) + in_system)
+    assert 0.0 <= float(state.clock) < 600.0
+    gpu_s = np.asarray(info["gpu_seconds"])
+    prov_hi = np.concatenate([[1], np.asarray(info["provisioned"])[:-1]]) + 3  # loose bound
+    assert (gpu_s >= 0).all() and (gpu_s <= prov_hi * 15.0 + 1e-3).all()
+    assert (np.asarray(info["invalid_actions"]) == 0).all()
+    assert env.observation_space(params).contains(obs[-1])
+
+
+def test_invalid_actions_are_clipped_and_counted():
+    env, params = small()
+    _, state = env.reset(jax.random.key(0), params)
+    _, state, _, _, _, info = env.step(jax.random.key(1), state, jnp.int32(99), params)
+    assert int(info["invalid_actions"]) == 1 and int(info["active"]) == 3
+    _, state, _, _, _, info = env.step(jax.random.key(2), state, jnp.int32(-5), params)
+    assert int(info["invalid_actions"]) == 1 and int(info["active"]) == 1
+
+
+def test_diurnal_arrival_counts_follow_the_rate():
+    """Mean arrivals per interval at each time of day match base * (1 + a sin) * dt.
+
+    8 envs x 5 periods = 40 samples per phase of ~15-45 Poisson arrivals; each phase mean is
+    checked within 5 standard errors (a false failure has probability < 1e-4 over 40 phases).
+    """
+    base, amp, period, dt = 2.0, 0.5, 600.0, 15.0
+    env, params = small(arrival_rate=base, diurnal_amplitude=amp, diurnal_period_s=period,
+                        control_interval_s=dt, max_replicas=8, max_steps_in_episode=10_000)
+    steps = int(5 * period / dt)
+    keys = jax.random.split(jax.random.key(11), 8)
+    _, (_, _, _, _, info) = jax.vmap(
+        lambda k: rollout(env, params, k, steps, jnp.full((steps,), 7, jnp.int32)))(keys)
+    counts = np.asarray(info["arrived"], float).reshape(8, 5, -1)  # env, period, phase
+    per_phase = counts.reshape(40, -1)
+    clock = np.arange(per_phase.shape[1]) * dt
+    expect = base * (1 + amp * np.sin(2 * np.pi * clock / period)) * dt
+    se = np.sqrt(expect / per_phase.shape[0])
+    assert np.all(np.abs(per_phase.mean(0) - expect) < 5 * se)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(diurnal_amplitude=1.0), "diurnal_amplitude"),
+    (dict(initial_replicas=9), "initial_replicas"),
+    (dict(control_interval_s=0.0), "control_interval_s"),
+    (dict(gpu_price=-1.0), "gpu_price"),
+    (dict(bogus=1), "bogus"),
+])
+def test_bad_parameters_raise_value_error(bad, match):
+    with pytest.raises(ValueError, match=match):
+        jaxserve.make("Autoscaling-v0", **bad)
+
+
+def test_trace_rejects_a_diurnal_cycle():
+    with pytest.raises(ValueError, match="diurnal_amplitude"):
+        jaxserve.make("Autoscaling-v0", trace=trace_of([0.0, 1.0], 10, 10),
+                      diurnal_amplitude=0.3)
