@@ -10,8 +10,9 @@ Example::
 Trains with `agents.train` (progress bar, `metrics.csv`, orbax checkpoints, learning-curve
 plot in `--out`, default `runs/<env>-<algo>-<seed>`), then evaluates the greedy learned policy
 and the environment's heuristics (Routing-v0: random, round_robin, jsq, sed,
-least_work_left, sita; Batching-v0: static, tuned_static, smdp_optimal) with
-`jaxserve.evaluate_many` on fresh arrivals (key `--eval-seed`, default seed + 1000000, never
+least_work_left, sita; Batching-v0: static, tuned_static, smdp_optimal; Autoscaling-v0: every
+fixed replica count, hpa, knative, ray_serve) with `jaxserve.evaluate_many` (Autoscaling-v0:
+`jaxserve.evaluation.scaling.evaluate_autoscalers`, cost and GPU-hours) on fresh arrivals (key `--eval-seed`, default seed + 1000000, never
 the training key) with common random numbers across policies, prints a table (mean and p99
 latency, goodput, drops, 95% CIs) and writes `results.json` and `results.csv`. gymnax
 environments (e.g. CartPole-v1) are trained but not evaluated. Errors print one line on
@@ -33,6 +34,7 @@ from jaxserve.evaluation.serialize import to_jsonable
 
 ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita")
 BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
+AUTOSCALING_BASELINES = ("hpa", "knative", "ray_serve")  # plus "fixed-<n>" for every n
 EVAL_SEED_OFFSET = 1_000_000
 
 # Hyperparameter flags: (flag, config field, type).
@@ -78,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-updates", type=int, default=None,
                     help="updates per jitted chunk (default: about 25 chunks per run)")
     ap.add_argument("--eval-envs", type=int, default=16, help="evaluation replicates")
-    ap.add_argument("--eval-steps", type=int, default=1000, help="requests per replicate")
+    ap.add_argument("--eval-steps", type=int, default=None,
+                    help="requests per replicate (default 1000); Autoscaling-v0: control "
+                         "intervals (default: one episode)")
     ap.add_argument("--eval-seed", type=int, default=None,
                     help=f"evaluation seed (default seed + {EVAL_SEED_OFFSET}: fresh arrivals)")
     ap.add_argument("--policies", default=None,
@@ -152,6 +156,59 @@ def print_table(results: dict, title: str, learned: str) -> None:
     Console(width=max(Console().width, 120)).print(t)
 
 
+def baseline_policies(kind: str, env, params, requested: str | None) -> dict:
+    """`{label: Policy}` of the heuristics to compare (`--policies`, or the env's defaults).
+
+    Autoscaling-v0 labels `fixed-<n>` are the fixed count `n`; `fixed` alone means all of them.
+    """
+    from jaxserve import policies as P
+
+    defaults = {"routing": ROUTING_BASELINES, "batching": BATCHING_BASELINES,
+                "autoscaling": ("fixed",) + AUTOSCALING_BASELINES}[kind]
+    names = ([n.strip() for n in requested.split(",") if n.strip()] if requested is not None
+             else [n for n in defaults if n in P.names(kind)])
+    pols = {}
+    for n in names:
+        if kind == "autoscaling" and n.startswith("fixed"):
+            counts = range(1, env.max_replicas + 1) if n == "fixed" else [n[len("fixed-"):]]
+            for c in counts:
+                try:
+                    pols[f"fixed-{int(c)}"] = P.get("fixed", env=env, params=params,
+                                                    replicas=int(c))
+                except ValueError as e:
+                    raise _CLIError(f"bad fixed count {n!r}: {e}") from None
+            continue
+        if n not in P.names(kind):
+            raise _CLIError(f"unknown {kind} policy {n!r}; choose from "
+                            f"{', '.join(P.names(kind))}")
+        pols[n] = P.get(n, env=env, params=params)
+    return pols
+
+
+AUTOSCALING_SCALARS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas",
+                       "mean_latency", "mean_latency_ci95", "slo_violation_rate", "drop_rate",
+                       "in_flight", "return")
+
+
+def print_scaling_table(results: dict, title: str, learned: str) -> None:
+    """Rich table of autoscalers: cost (request-seconds), GPU-hours, latency, SLO, drops."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("policy", "cost (req-s)", "GPU-hours", "replicas", "mean latency (s)",
+                "SLO violated", "drops"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for name, r in sorted(results.items(), key=lambda kv: kv[1]["cost"]):
+        style = "bold green" if name.startswith(learned) else None
+        t.add_row(name, f"{r['cost']:,.0f} ± {r['cost_ci95']:,.0f}",
+                  f"{r['gpu_hours']:.2f}", f"{r['mean_replicas']:.2f}",
+                  f"{r['mean_latency']:.1f} ± {r['mean_latency_ci95']:.1f}",
+                  f"{100 * r['slo_violation_rate']:.1f}%", f"{100 * r['drop_rate']:.2f}%",
+                  style=style)
+    Console(width=max(Console().width, 120)).print(t)
+
+
 def evaluate_run(result, args) -> tuple[dict, dict]:
     """Evaluates the learned policy and the baselines; returns `(results, info)`."""
     import jax
@@ -161,26 +218,22 @@ def evaluate_run(result, args) -> tuple[dict, dict]:
 
     env, params = result.env, result.env_params
     kind = P.env_kind(env)
-    if args.policies is not None:
-        names = [n.strip() for n in args.policies.split(",") if n.strip()]
-        for n in names:
-            if n not in P.names(kind):
-                raise _CLIError(f"unknown {kind} policy {n!r}; choose from "
-                                f"{', '.join(P.names(kind))}")
-    else:
-        wanted = ROUTING_BASELINES if kind == "routing" else BATCHING_BASELINES
-        names = [n for n in wanted if n in P.names(kind)]
+    baselines = baseline_policies(kind, env, params, args.policies)
     pols = {result.algo: result.policy}
     if args.sampled:
         pols[result.algo + "-sampled"] = result.make_policy(greedy=False)
-    for n in names:
-        pols[n] = P.get(n, env=env, params=params)
+    pols.update(baselines)
     eval_seed = args.seed + EVAL_SEED_OFFSET if args.eval_seed is None else args.eval_seed
     if eval_seed == args.seed:
         raise _CLIError("--eval-seed must differ from --seed (evaluate on fresh arrivals)")
     t0 = time.perf_counter()
-    results = jaxserve.evaluate_many(env, params, pols, jax.random.key(eval_seed),
-                                     args.eval_envs, args.eval_steps)
+    if kind == "autoscaling":
+        from jaxserve.evaluation.scaling import evaluate_autoscalers
+        results = evaluate_autoscalers(env, params, pols, jax.random.key(eval_seed),
+                                       args.eval_envs, args.eval_steps)
+    else:
+        results = jaxserve.evaluate_many(env, params, pols, jax.random.key(eval_seed),
+                                         args.eval_envs, args.eval_steps or 1000)
     info = {"eval_seed": eval_seed, "eval_envs": args.eval_envs, "eval_steps": args.eval_steps,
             "eval_wall_s": time.perf_counter() - t0, "policies": list(pols)}
     return results, info
@@ -191,7 +244,7 @@ def run(args, argv) -> int:
         raise _CLIError("--num-envs must be >= 1")
     if args.total_steps is not None and args.total_steps < 1:
         raise _CLIError("--total-steps must be >= 1")
-    if args.eval_envs < 2 or args.eval_steps < 1:
+    if args.eval_envs < 2 or (args.eval_steps is not None and args.eval_steps < 1):
         raise _CLIError("--eval-envs must be >= 2 (for CIs) and --eval-steps >= 1")
     if args.checkpoint_every < 1:
         raise _CLIError("--checkpoint-every must be >= 1")
@@ -239,20 +292,30 @@ def run(args, argv) -> int:
     if evaluable and not args.no_eval:
         results, info = evaluate_run(result, args)
         doc["evaluation"] = info
-        title = (f"{args.env}: {args.eval_envs} envs x {args.eval_steps} requests, eval seed "
-                 f"{info['eval_seed']} (fresh arrivals; 95% CIs over envs)")
-        print_table(results, title, args.algo)
-        learned = results[args.algo]["mean_latency"]
-        doc["learned_beats_on_mean_latency"] = {
-            n: bool(learned < r["mean_latency"]) for n, r in results.items()
+        scaling = "cost" in next(iter(results.values()))
+        if scaling:
+            title = (f"{args.env}: {args.eval_envs} episodes of "
+                     f"{next(iter(results.values()))['intervals']:.0f} intervals, eval seed "
+                     f"{info['eval_seed']} (fresh arrivals; 95% CIs over episodes)")
+            print_scaling_table(results, title, args.algo)
+            metric, columns = "cost", AUTOSCALING_SCALARS
+        else:
+            title = (f"{args.env}: {args.eval_envs} envs x {args.eval_steps or 1000} requests, "
+                     f"eval seed {info['eval_seed']} (fresh arrivals; 95% CIs over envs)")
+            print_table(results, title, args.algo)
+            metric, columns = "mean_latency", SCALARS
+        learned = results[args.algo][metric]
+        doc[f"learned_beats_on_{metric}"] = {
+            n: bool(learned < r[metric]) for n, r in results.items()
             if not n.startswith(args.algo)}
-        doc["results"] = {n: {k: r[k] for k in SCALARS} | {"utilisation": r["utilisation"]}
+        doc["results"] = {n: {k: r[k] for k in columns}
+                          | ({} if scaling else {"utilisation": r["utilisation"]})
                           for n, r in results.items()}
         with open(out / "results.csv", "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["policy", *SCALARS])
+            w.writerow(["policy", *columns])
             for n, r in results.items():
-                w.writerow([n, *[r[k] for k in SCALARS]])
+                w.writerow([n, *[r[k] for k in columns]])
     elif not evaluable and not args.no_eval:
         print(f"{args.env} is not a jaxserve serving environment: no heuristic comparison")
     doc["total_wall_s"] = time.perf_counter() - t0

@@ -202,3 +202,22 @@ def test_trace_rejects_a_diurnal_cycle():
     with pytest.raises(ValueError, match="diurnal_amplitude"):
         jaxserve.make("Autoscaling-v0", trace=trace_of([0.0, 1.0], 10, 10),
                       diurnal_amplitude=0.3)
+
+
+def test_delta_action_mode_and_action_for_target():
+    env, params = small(max_replicas=8, initial_replicas=2, action_mode=1)
+    _, state = env.reset(jax.random.key(0), params)
+    # action a changes the active count by a - 4.
+    _, state, _, _, _, info = env.step(jax.random.key(1), state, jnp.int32(6), params)
+    assert int(info["active"]) == 4 and int(info["invalid_actions"]) == 0
+    _, state, _, _, _, info = env.step(jax.random.key(2), state, jnp.int32(3), params)
+    assert int(info["active"]) == 3
+    _, state, _, _, _, info = env.step(jax.random.key(3), state, jnp.int32(0), params)
+    assert int(info["active"]) == 1 and int(info["invalid_actions"]) == 1  # asked for -1
+    for mode in (0, 1):
+        p = params.replace(action_mode=jnp.int32(mode))
+        for target in (1, 5, 8):
+            a = AS.action_for_target(target, state, p, 8)
+            got, bad = AS.target_from_action(a, state, p, 8)
+            want = target if mode == 0 else min(target, 1 + 3)  # delta mode: at most +3
+            assert int(got) == want and not bool(bad)

@@ -34,7 +34,9 @@ BATCHING = ("static", "greedy", "tuned_static", "smdp_optimal")
 def test_registry_names_and_kinds():
     assert set(ROUTING) == set(P.names("routing"))
     assert set(BATCHING) == set(P.names("batching"))
-    assert set(P.names()) == set(ROUTING) | set(BATCHING)
+    assert set(P.names()) == (set(ROUTING) | set(BATCHING)
+                              | {"fixed", "hpa", "knative", "ray_serve"})
+    assert set(P.names("autoscaling")) == {"fixed", "hpa", "knative", "ray_serve"}
     assert P.kind_of("jsq") == "routing" and P.kind_of("smdp_optimal") == "batching"
 
 
@@ -46,7 +48,7 @@ def test_registry_errors():
     with pytest.raises(ValueError, match="already registered"):
         P.register("jsq", "routing", lambda env=None, params=None: None)
     with pytest.raises(ValueError, match="kind"):
-        P.register("x", "autoscaling", lambda: None)
+        P.register("x", "scheduling", lambda: None)
     with pytest.raises(ValueError, match="needs params"):
         P.get("sita")
     with pytest.raises(ValueError, match="fallback"):

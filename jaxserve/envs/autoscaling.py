@@ -77,6 +77,10 @@ class AutoscalingParams:
       diurnal_period_s: the cycle's period (s).
       diurnal_phase_s: time of day at reset (s).
       initial_replicas: replicas serving at reset (warm). int32.
+      action_mode: 0: action `a` asks for `a + 1` active replicas (a target); 1: it changes
+        the active count by `a - max_replicas // 2` (a step, e.g. -4..+3 with 8 slots), which
+        explores more smoothly (a random policy random-walks instead of thrashing warm-ups).
+        Use `action_for_target` to act by target in either mode. int32.
     """
 
     serving: common.ServingParams
@@ -89,6 +93,7 @@ class AutoscalingParams:
     diurnal_period_s: jax.Array
     diurnal_phase_s: jax.Array
     initial_replicas: jax.Array
+    action_mode: jax.Array
 
     @property
     def max_steps_in_episode(self) -> jax.Array:
@@ -99,8 +104,9 @@ SCALING_FIELDS = {
     "control_interval_s": jnp.float32, "warmup_s": jnp.float32, "gpu_price": jnp.float32,
     "latency_weight": jnp.float32, "slo_penalty_s": jnp.float32,
     "diurnal_amplitude": jnp.float32, "diurnal_period_s": jnp.float32,
-    "diurnal_phase_s": jnp.float32, "initial_replicas": jnp.int32,
+    "diurnal_phase_s": jnp.float32, "initial_replicas": jnp.int32, "action_mode": jnp.int32,
 }
+TARGET, DELTA = 0, 1
 
 
 @struct.dataclass
@@ -155,6 +161,27 @@ def counts(state: AutoscalingState) -> dict[str, jax.Array]:
             "draining": draining.sum(), "provisioned": (active | draining).sum()}
 
 
+def target_from_action(action, state: AutoscalingState, params: AutoscalingParams,
+                       max_replicas: int):
+    """The active count an action asks for, clipped to `[1, R]`, and whether it was invalid."""
+    action = jnp.asarray(action, jnp.int32)
+    in_range = (action >= 0) & (action < max_replicas)
+    a = jnp.clip(action, 0, max_replicas - 1)
+    asked = jnp.where(params.action_mode == DELTA,
+                      (state.mode == ACTIVE).sum() + a - max_replicas // 2, a + 1)
+    target = jnp.clip(asked, 1, max_replicas)
+    return target.astype(jnp.int32), ~in_range | (asked != target)
+
+
+def action_for_target(target, state: AutoscalingState, params: AutoscalingParams,
+                      max_replicas: int) -> jax.Array:
+    """The action that asks for `target` active replicas (clipped to what one step can do)."""
+    target = jnp.clip(jnp.asarray(target, jnp.int32), 1, max_replicas)
+    delta = target - (state.mode == ACTIVE).sum() + max_replicas // 2
+    return jnp.where(params.action_mode == DELTA, jnp.clip(delta, 0, max_replicas - 1),
+                     target - 1).astype(jnp.int32)
+
+
 def apply_target(state: AutoscalingState, target, params: AutoscalingParams, work):
     """Sets the number of active replicas to `target` at the current instant (see module doc).
 
@@ -182,9 +209,10 @@ def apply_target(state: AutoscalingState, target, params: AutoscalingParams, wor
     # Up: draining slots first (warm, no warm-up), then off slots, lowest index first.
     up_priority = jnp.where(mode == DRAINING, idx, jnp.where(mode == OFF, r + idx, jnp.inf))
     pick_up = choose(up_priority.astype(jnp.float32), up)
-    # Down: warming slots first (latest ready first), then serving slots with least work.
+    # Down: warming slots first (latest ready first: their ready_at > 0 sorts them before any
+    # serving slot's work >= 0), then serving slots with least work.
     warming = active & ~serving
-    down_priority = jnp.where(warming, -1e9 - ready_at, jnp.where(serving, work, jnp.inf))
+    down_priority = jnp.where(warming, -ready_at, jnp.where(serving, work, jnp.inf))
     pick_down = choose(down_priority.astype(jnp.float32), down)
 
     new_mode = jnp.where(pick_up, ACTIVE, mode)
@@ -199,8 +227,9 @@ class Autoscaling(common.StaticConfig,
     """Set the number of active replicas every `control_interval_s`; pay GPU-seconds.
 
     Decision epochs: every `control_interval_s` seconds of simulated time.
-    Action: `Discrete(max_replicas)`; action `a` asks for `a + 1` active replicas. Out-of-range
-      actions are clipped into `[0, max_replicas)` and counted in `info["invalid_actions"]`.
+    Action: `Discrete(max_replicas)`; action `a` asks for `a + 1` active replicas, or with
+      `params.action_mode = 1` for `active + a - max_replicas // 2`. Out-of-range actions, and
+      steps past `[1, max_replicas]`, are clipped and counted in `info["invalid_actions"]`.
     Observation: float32 `(16,)` in [0, 1000] (`FEATURES` names them): replica counts as
       fractions of `max_replicas` (active, serving, warming, draining), last interval's offered
       load in replicas (arrived work / interval), the one before it, requests in system per
@@ -277,9 +306,7 @@ class Autoscaling(common.StaticConfig,
         sp = params.serving
         gpus = sp.gpus
         dt = params.control_interval_s
-        action = jnp.asarray(action, jnp.int32)
-        invalid = (action < 0) | (action >= self.max_replicas)
-        target = jnp.clip(action, 0, self.max_replicas - 1) + 1
+        target, invalid = target_from_action(action, state, params, self.max_replicas)
         mode, ready_at, up, down = apply_target(state, target, params,
                                                 C.queued_work(state.cluster, gpus))
         provisioned0 = mode != OFF
@@ -442,6 +469,9 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
     if np.any(np.asarray(params.diurnal_amplitude) >= 1):
         raise ValueError(f"params.diurnal_amplitude must be in [0, 1), got "
                          f"{np.asarray(params.diurnal_amplitude)}")
+    if not np.all(np.isin(np.asarray(params.action_mode), (TARGET, DELTA))):
+        raise ValueError(f"params.action_mode must be 0 (target) or 1 (delta), got "
+                         f"{np.asarray(params.action_mode)}")
     n0 = np.asarray(params.initial_replicas)
     if np.any(n0 < 1) or np.any(n0 > max_replicas):
         raise ValueError(f"params.initial_replicas must be in [1, {max_replicas}], got {n0}")

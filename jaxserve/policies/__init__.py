@@ -21,12 +21,17 @@ Routing (`routing.py`): random, round_robin, weighted_round_robin, jsq, least_wo
 power_of_two, join_idle_queue, sita (+ `fit_sita`).
 Batching (`batching.py`, `smdp.py`): static, greedy, tuned_static (+ `tune_static`),
 smdp_optimal (+ `solve_smdp`).
+Autoscaling (`autoscaling.py`, Autoscaling-v0): fixed, hpa (Kubernetes HPA on utilisation),
+knative (Knative KPA on concurrency, stable/panic windows), ray_serve (Ray Serve's ongoing-
+requests rule with up/down delays); stateless, their windows recomputed from the env state's
+`history`.
 """
 
 from jaxserve.policies.registry import KINDS, Policy, env_kind, get, kind_of, names, register
 from jaxserve.policies import routing  # noqa: E402  (registers the routing policies)
 from jaxserve.policies import batching  # noqa: E402  (registers the batching policies)
 from jaxserve.policies import smdp  # noqa: E402  (registers smdp_optimal)
+from jaxserve.policies import autoscaling  # noqa: E402 (registers the autoscalers)
 from jaxserve.policies.batching import make_static, tune_static
 from jaxserve.policies.routing import SitaFit, fit_sita
 from jaxserve.policies.smdp import SMDPModel, SMDPSolution, build_model, solve_smdp

@@ -1,0 +1,145 @@
+"""Evaluation of autoscalers on Autoscaling-v0: cost and latency on common random numbers.
+
+Every policy runs `num_envs` episodes of `num_steps` control intervals with the same keys.
+Autoscaling-v0 draws each interval's arrivals from that interval's step key alone, and how many
+requests arrive does not depend on the replicas, so all policies see exactly the same requests
+(common random numbers); a replayed trace is the same for all by construction. With a trace
+the run stops at the episode's natural end (trace over, cluster drained); intervals after it
+are masked out.
+
+Reported per policy (mean over episodes, with the 95% Student-t half-width `*_ci95` over the
+episodes): `gpu_hours` per episode, `mean_replicas` provisioned, `mean_latency` (s, over the
+completed requests), `slo_violation_rate` and `drop_rate` (per arrived request), `in_flight`
+(requests still in the system at the end: their latency is in `cost` but not `mean_latency`),
+`latency_cost` (request-seconds in system), `cost` (the environment's own cost: latency,
+SLO and drop penalties and `gpu_price` x GPU-seconds, in request-seconds) and `return`.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.envs.autoscaling import Autoscaling, AutoscalingParams
+from jaxserve.evaluation.evaluate import switch_policy, t_halfwidth
+
+SUMS = ("arrived", "completed", "dropped", "latency_sum", "slo_violations", "gpu_seconds",
+        "in_system_time", "cost", "reward", "intervals")
+
+
+def episode_totals(env: Autoscaling, policy: Callable, params: AutoscalingParams, key,
+                   num_steps: int) -> dict[str, jax.Array]:
+    """Runs one episode of `num_steps` intervals under `policy`; sums its per-interval info.
+
+    The episode is not truncated inside the run (`max_steps_in_episode` is raised to cover it)
+    and intervals after a natural termination are masked. Returns float32 totals (`SUMS`)
+    plus `in_flight`, the requests left in the system at the end.
+    """
+    sp = params.serving
+    params = params.replace(serving=sp.replace(
+        max_steps_in_episode=jnp.maximum(sp.max_steps_in_episode, num_steps + 1)))
+    k_reset, k_run = jax.random.split(key)
+    obs, state = env.reset(k_reset, params)
+
+    def step(carry, k):
+        obs, state, done = carry
+        k_pol, k_env = jax.random.split(k)
+        action = policy(k_pol, obs, state, params)
+        obs2, state2, reward, term, info = env.step_env(k_env, state, action, params)
+        live = ~done
+        cost = -reward * sp.latency_scale
+        row = {name: jnp.where(live, jnp.asarray(info[name], jnp.float32), 0.0)
+               for name in SUMS[:-3]}
+        row.update(cost=jnp.where(live, cost, 0.0), reward=jnp.where(live, reward, 0.0),
+                   intervals=live.astype(jnp.float32))
+        state = jax.tree.map(lambda a, b: jnp.where(done, a, b), state, state2)
+        obs = jnp.where(done, obs, obs2)
+        return (obs, state, done | term), row
+
+    (_, state, _), rows = jax.lax.scan(step, (obs, state, jnp.bool_(False)),
+                                       jax.random.split(k_run, num_steps))
+    totals = {k: v.sum() for k, v in rows.items()}
+    cl = state.cluster
+    totals["in_flight"] = (cl.queues.count + cl.servers.run_count).sum().astype(jnp.float32)
+    return totals
+
+
+@partial(jax.jit, static_argnames=("env", "policies", "num_steps"))
+def _run(env, policies, params, keys, num_steps):
+    def per_policy(i):
+        pol = switch_policy(policies, i)
+        return jax.vmap(lambda k: episode_totals(env, pol, params, k, num_steps))(keys)
+    return jax.vmap(per_policy)(jnp.arange(len(policies)))
+
+
+def summarise(totals: dict, control_interval_s: float) -> dict:
+    """Host-side per-policy metrics from `(E,)` episode totals (see the module docstring)."""
+    t = {k: np.asarray(v, np.float64) for k, v in totals.items()}
+    completed = np.maximum(t["completed"], 1.0)
+    arrived = np.maximum(t["arrived"], 1.0)
+    duration = np.maximum(t["intervals"] * control_interval_s, 1e-9)
+    per_env = {
+        "gpu_hours": t["gpu_seconds"] / 3600.0,
+        "mean_replicas": t["gpu_seconds"] / duration,
+        "mean_latency": np.where(t["completed"] > 0, t["latency_sum"] / completed, np.nan),
+        "slo_violation_rate": t["slo_violations"] / arrived,
+        "drop_rate": t["dropped"] / arrived,
+        "in_flight": t["in_flight"],
+        "latency_cost": t["in_system_time"],
+        "cost": t["cost"],
+        "return": t["reward"],
+    }
+    out: dict = {"num_envs": int(t["cost"].shape[0]),
+                 "intervals": float(t["intervals"].mean()),
+                 "arrived": float(t["arrived"].mean()), "dropped": int(t["dropped"].sum())}
+    for k, v in per_env.items():
+        out[k] = float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
+        out[k + "_ci95"] = t_halfwidth(v)
+    return out
+
+
+def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
+                         policies: Mapping[str, Callable], key, num_envs: int = 8,
+                         num_steps: int | None = None) -> dict[str, dict]:
+    """Evaluates autoscaling policies on common random numbers (one compiled program).
+
+    Args:
+      env, params: an Autoscaling-v0 environment and its parameters.
+      policies: `{name: policy}`, each `policy(key, obs, state, params) -> int32 action`.
+      key: PRNG key; the same episodes for every policy.
+      num_envs: independent episodes (replicates for the CIs).
+      num_steps: control intervals per episode (default `max_steps_in_episode`; with a trace,
+        default: enough to replay it and drain, its duration plus 10%, plus 40 intervals).
+
+    Returns:
+      `{name: metrics}` (see the module docstring).
+
+    Raises:
+      ValueError: not an Autoscaling-v0 environment, no policies, or bad sizes.
+    """
+    if not isinstance(env, Autoscaling):
+        raise ValueError(f"evaluate_autoscalers needs an Autoscaling-v0 environment, got "
+                         f"{type(env).__name__}")
+    if not policies:
+        raise ValueError("policies must name at least one policy")
+    if int(num_envs) < 1:
+        raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+    env.check_params(params)
+    dt = float(params.control_interval_s)
+    if num_steps is None:
+        tr = params.serving.trace
+        if int(tr.length) > 0:
+            duration = float(np.asarray(tr.gap, np.float64)[: int(tr.length)].sum())
+            num_steps = int(np.ceil(1.1 * duration / dt)) + 40
+        else:
+            num_steps = int(params.serving.max_steps_in_episode)
+    if int(num_steps) < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    names = list(policies)
+    keys = jax.random.split(key, int(num_envs))
+    totals = _run(env, tuple(policies[n] for n in names), params, keys, int(num_steps))
+    return {n: summarise({k: v[i] for k, v in totals.items()}, dt) for i, n in enumerate(names)}
