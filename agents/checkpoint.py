@@ -3,7 +3,9 @@
 Layout: an `ocp.CheckpointManager` directory with one sub-directory per step, each holding the
 items `state` (the `RunnerState` arrays, `StandardSave`), `config` (`TrainConfig.to_dict()`,
 JSON) and `metadata` (any JSON-serialisable dict). Typed PRNG keys are stored as their raw
-key data and re-wrapped on restore. Restoring and continuing with `Trainer.train_chunk` gives
+key data and re-wrapped on restore. Zero-size arrays (e.g. the empty request log of a
+jaxserve environment built without one), which orbax refuses to save, are stored as nothing
+and rebuilt from the template's shapes on restore. Restoring and continuing with `Trainer.train_chunk` gives
 bit-identical results to an uninterrupted run.
 """
 
@@ -13,6 +15,7 @@ import os
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from agents.config import TrainConfig, config_from_dict
@@ -42,6 +45,18 @@ def _key_impl(key: Any) -> Any:
 
 def _keys_to_data(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _drop_empty(tree: Any) -> Any:
+    # Zero-size leaves hold no data; orbax cannot save them, so they become None (no leaf).
+    return jax.tree.map(lambda x: None if x.size == 0 else x, tree)
+
+
+def _refill_empty(template: Any, restored: Any) -> Any:
+    # The inverse of `_drop_empty`: zero-size leaves come back from the template's shapes.
+    is_leaf = lambda x: x is None  # noqa: E731
+    return jax.tree.map(lambda t, r: jnp.zeros(t.shape, t.dtype) if t.size == 0 else r,
+                        template, restored, is_leaf=is_leaf)
 
 
 def _manager(directory: str, max_to_keep: int | None = None) -> ocp.CheckpointManager:
@@ -75,7 +90,7 @@ def save_checkpoint(
     """
     directory = os.path.abspath(os.fspath(directory))
     args = ocp.args.Composite(
-        state=ocp.args.StandardSave(_keys_to_data(runner_state)),
+        state=ocp.args.StandardSave(_drop_empty(_keys_to_data(runner_state))),
         config=ocp.args.JsonSave(config.to_dict()),
         metadata=ocp.args.JsonSave(dict(metadata or {})),
     )
@@ -125,7 +140,7 @@ def restore_checkpoint(
         elif step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {directory} (has {steps})")
         path = os.path.join(directory, str(step))
-        abstract = jax.eval_shape(_keys_to_data, template)
+        abstract = _drop_empty(jax.eval_shape(_keys_to_data, template))
         try:
             restored = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract),
@@ -135,8 +150,9 @@ def restore_checkpoint(
             config = config_from_dict(restored["config"])
         except Exception as e:  # orbax raises many types for a damaged checkpoint.
             raise ValueError(f"could not restore checkpoint at {path}: {e}") from e
+    state = _refill_empty(jax.eval_shape(_keys_to_data, template), restored["state"])
     runner_state = jax.tree.map(
         lambda t, x: jax.random.wrap_key_data(x, impl=_key_impl(t)) if _is_key(t) else x,
-        template, restored["state"],
+        template, state,
     )
     return Checkpoint(runner_state, config, dict(restored["metadata"] or {}), int(step))

@@ -72,6 +72,16 @@ ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "ppo": dict(num_envs=32, num_steps=32, update_epochs=8, discount_time_s=5.0),
         "reinforce": dict(num_envs=32, num_steps=16, lr=3e-3, discount_time_s=5.0),
     },
+    # Autoscaling-v0 trains with step actions (action_mode=1): a random policy then
+    # random-walks the replica count instead of re-drawing it (and restarting warm-ups) every
+    # 15 s; the baselines act by target through `action_for_target` in either mode. With the
+    # registry's latency_scale (1000) value targets are ~-100 and the value-loss gradient
+    # swamps the actor's after clipping (approx_kl ~1e-9); 10x keeps the actor learning.
+    "Autoscaling-v0": {
+        "env_overrides": dict(action_mode=1, latency_scale=10_000.0),
+        "ppo": dict(total_steps=400_000, num_envs=32, num_steps=64, lr=3e-4, update_epochs=4),
+        "reinforce": dict(total_steps=400_000, num_envs=32, num_steps=32, lr=1e-3),
+    },
 }
 
 # Arguments of `train` that are not config hyperparameters.
@@ -327,24 +337,12 @@ def _metadata(env_name, overrides, algo, curves, wall, chunk):
             "curves": _curves_to_json(curves), "wall_time_s": wall, "chunk_updates": chunk}
 
 
-def _pack(runner_state: RunnerState) -> RunnerState:
-    """Zero-size leaves -> None: orbax refuses to save empty arrays (Routing-v0's state has
-    some: the request log and ids of an environment built without a log), and they hold no
-    data, so `_unpack` rebuilds them exactly from the template's shapes."""
-    return jax.tree.map(lambda x: None if x.size == 0 else x, runner_state)
-
-
-def _unpack(packed: RunnerState, template: RunnerState) -> RunnerState:
-    return jax.tree.map(lambda t, p: jnp.zeros(t.shape, t.dtype) if t.size == 0 else p,
-                        template, packed)
-
-
 def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo):
     if latest_step(ckpt_dir) is None:
         raise FileNotFoundError(f"resume=True but there is no checkpoint under {ckpt_dir}")
     template = jax.eval_shape(trainer.init, key)
     try:
-        ckpt = restore_checkpoint(ckpt_dir, _pack(template))
+        ckpt = restore_checkpoint(ckpt_dir, template)
     except ValueError as e:
         raise ValueError(f"cannot resume: {e}") from None
     meta = ckpt.metadata
@@ -365,7 +363,7 @@ def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo):
     if len(curves.get("update", [])) != ckpt.step:
         raise ValueError(f"cannot resume: checkpoint step {ckpt.step} does not match its "
                          f"{len(curves.get('update', []))} recorded updates")
-    return (_unpack(ckpt.runner_state, template), ckpt.step, curves,
+    return (ckpt.runner_state, ckpt.step, curves,
             float(meta.get("wall_time_s", 0.0)))
 
 
@@ -519,7 +517,7 @@ def train(
         saving = True
         meta = _metadata(env_name, overrides, algo, curves, wall_before
                          + time.perf_counter() - t_start, chunk)
-        save_checkpoint(ckpt_dir, step, _pack(runner), config, meta, max_to_keep=3)
+        save_checkpoint(ckpt_dir, step, runner, config, meta, max_to_keep=3)
         saving, last_saved = False, step
 
     try:

@@ -1,4 +1,4 @@
-"""Throughput benchmark: env-steps/s of Routing-v0 and Batching-v0 under jit(vmap(lax.scan)).
+"""Throughput benchmark: env-steps/s of the jaxserve environments under jit(vmap(lax.scan)).
 
 Measures, with random actions and observations consumed inside the scan (XLA would otherwise
 drop the observation work):
@@ -139,7 +139,9 @@ def main(argv=None):
     res = {"device": str(jax.devices()[0]), "backend": jax.default_backend(),
            "jax": jax.__version__, "machine": platform.machine(), "results": {}}
     envs = {"Routing-v0 (8 GPUs, queue 64)": routing_env(),
-            "Batching-v0": jaxserve.make("Batching-v0")}
+            "Batching-v0": jaxserve.make("Batching-v0"),
+            # One step is a 15 s control interval (~18 arrivals at the default diurnal load).
+            "Autoscaling-v0 (8 replicas)": jaxserve.make("Autoscaling-v0")}
     for name, (env, params) in envs.items():
         rows = []
         for n in counts:

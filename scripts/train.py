@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint-every", type=int, default=5, help="chunks between checkpoints")
     ap.add_argument("--chunk-updates", type=int, default=None,
                     help="updates per jitted chunk (default: about 25 chunks per run)")
+    ap.add_argument("--eval-set", dest="eval_overrides", action="append", default=[],
+                    metavar="KEY=VALUE",
+                    help="environment override for the evaluation only, repeatable (e.g. "
+                         "workload=azure_conv: train on the fitted MMPP, test on the replay)")
     ap.add_argument("--eval-envs", type=int, default=16, help="evaluation replicates")
     ap.add_argument("--eval-steps", type=int, default=None,
                     help="requests per replicate (default 1000); Autoscaling-v0: control "
@@ -217,6 +221,14 @@ def evaluate_run(result, args) -> tuple[dict, dict]:
     from jaxserve import policies as P
 
     env, params = result.env, result.env_params
+    eval_overrides = parse_pairs(args.eval_overrides, "--eval-set")
+    if eval_overrides:
+        from agents.train import make_env
+        env, params = make_env(result.env_name, {**result.env_overrides, **eval_overrides})
+        if (env.observation_space(params).shape != result.env.observation_space(
+                result.env_params).shape or env.num_actions != result.env.num_actions):
+            raise _CLIError("--eval-set changed the observation or action space; the learned "
+                            "policy cannot act in that environment")
     kind = P.env_kind(env)
     baselines = baseline_policies(kind, env, params, args.policies)
     pols = {result.algo: result.policy}
@@ -235,6 +247,7 @@ def evaluate_run(result, args) -> tuple[dict, dict]:
         results = jaxserve.evaluate_many(env, params, pols, jax.random.key(eval_seed),
                                          args.eval_envs, args.eval_steps or 1000)
     info = {"eval_seed": eval_seed, "eval_envs": args.eval_envs, "eval_steps": args.eval_steps,
+            "eval_overrides": eval_overrides,
             "eval_wall_s": time.perf_counter() - t0, "policies": list(pols)}
     return results, info
 

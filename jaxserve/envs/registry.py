@@ -178,14 +178,32 @@ def scaling_params(serving: common.ServingParams, **scalars) -> AS.AutoscalingPa
 
 @register("Autoscaling-v0")
 def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arrival_rate=None,
-                     arrivals=None, history_len=64, **kw):
-    """Autoscaling-v0: up to 8 A100 replicas of Llama-2-70B under a diurnal load."""
+                     arrivals=None, history_len=64, workload="diurnal", load=None, **kw):
+    """Autoscaling-v0: up to 8 A100 replicas of Llama-2-70B under a diurnal load.
+
+    `workload` names a trace-based workload instead (`envs.autoscaling_workloads`), at offered
+    load `load` of the whole cluster.
+    """
+    from jaxserve.envs.autoscaling_workloads import workload_overrides
+
     if gpu is not None and gpus is not None:
         raise ValueError("give either gpu= (one profile for every slot) or gpus=, not both")
     if gpus is None:
         gpus = [get_profile("mid") if gpu is None else gpu] * int(max_replicas)
     gpus = list(gpus)
     max_replicas = len(gpus)
+    named = workload_overrides(workload, gpus, load)
+    if named and (arrivals is not None or arrival_rate is not None or "trace" in kw
+                  or "tokens" in kw):
+        raise ValueError(f"workload={workload!r} sets the arrivals and tokens itself; do not "
+                         f"also pass arrivals, arrival_rate, trace or tokens")
+    if "arrivals" in named:
+        arrivals = named.pop("arrivals")
+    for k, v in named.items():
+        kw.setdefault(k, v)
+    if "trace" in named:
+        # One episode replays the whole trace (it terminates when the trace has drained).
+        kw.setdefault("max_steps_in_episode", 1_000_000)
     scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
     if "trace" in kw and kw["trace"] is not None:
         scalars.setdefault("diurnal_amplitude", 0.0)

@@ -1,0 +1,66 @@
+"""Named workloads for Autoscaling-v0 built from the real traces in `../shared/traces`.
+
+`jaxserve.make("Autoscaling-v0", workload=NAME, load=RHO)` accepts:
+  - "diurnal" (the default): Poisson arrivals under a compressed-day sine cycle.
+  - "azure_conv" / "azure_code": replay of the Azure LLM inference trace 2023 (conversation /
+    code), time-stretched (`traces.rescale_to_load`) so that its offered load on the
+    `max_replicas` cluster is `load`; one episode is the whole trace.
+  - "azure_conv_mmpp" / "azure_code_mmpp": the same trace's statistics, not its requests: a
+    2-phase MMPP fitted to the stretched trace (rate, inter-arrival CV, index of dispersion at
+    1 s and 60 s; `traces.fit_mmpp`) and its empirical token lengths. Train on these, evaluate
+    on the replay: the agent never sees the evaluation requests.
+Trace files are read from `jaxserve.traces.default_traces_dir()` (override with the
+`JAXSERVE_TRACES` environment variable); a missing file raises a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+TRACE_FILES = {
+    "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
+    "azure_code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
+}
+WORKLOADS = ("diurnal", *TRACE_FILES, *(f"{k}_mmpp" for k in TRACE_FILES))
+DEFAULT_LOAD = 0.2
+
+
+@functools.lru_cache(maxsize=4)
+def _load(name: str):
+    from jaxserve import traces as T
+
+    path = T.default_traces_dir() / TRACE_FILES[name]
+    if not path.exists():
+        raise ValueError(f"workload {name!r} needs the trace file {path}, which does not exist "
+                         f"(set JAXSERVE_TRACES to the traces directory)")
+    return T.load(path)
+
+
+def workload_overrides(workload: str, gpus, load: float | None) -> dict:
+    """Keyword overrides of `make_autoscaling` for a named workload (see the module doc).
+
+    Returns `{}` for "diurnal"; otherwise `trace=` (replay) or `arrivals=` and `tokens=`
+    (fitted), with `diurnal_amplitude=0`.
+
+    Raises:
+      ValueError: unknown workload, a missing trace file, or `load` not in (0, 1.5].
+    """
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown Autoscaling-v0 workload {workload!r}; choose from {WORKLOADS}")
+    if workload == "diurnal":
+        if load is not None:
+            raise ValueError("load= applies to trace workloads; for 'diurnal' set arrival_rate")
+        return {}
+    load = DEFAULT_LOAD if load is None else float(load)
+    if not 0.0 < load <= 1.5:
+        raise ValueError(f"load must be in (0, 1.5] (offered load of the whole cluster), got "
+                         f"{load}")
+    from jaxserve import traces as T
+
+    base = workload.removesuffix("_mmpp")
+    trace, _ = T.rescale_to_load(_load(base), list(gpus), load)
+    if workload == base:
+        return {"trace": trace, "diurnal_amplitude": 0.0}
+    fit = T.fit_mmpp(trace)
+    return {"arrivals": fit.arrivals, "tokens": T.fit_tokens(trace, "empirical"),
+            "diurnal_amplitude": 0.0}

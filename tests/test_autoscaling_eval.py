@@ -1,0 +1,82 @@
+"""Autoscaler evaluation harness and the jaxserve-autoscale CLI."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve import policies as P
+from jaxserve.evaluation.scaling import evaluate_autoscalers
+from scripts import autoscale
+
+
+def small(**kw):
+    kw.setdefault("max_replicas", 3)
+    kw.setdefault("max_steps_in_episode", 12)
+    kw.setdefault("arrival_rate", 0.8)
+    return jaxserve.make("Autoscaling-v0", **kw)
+
+
+def test_fixed_counts_cost_exactly_and_share_arrivals():
+    env, params = small()
+    pols = {f"fixed-{n}": P.get("fixed", env=env, params=params, replicas=n) for n in (1, 2, 3)}
+    pols["hpa"] = P.get("hpa", env=env, params=params)
+    out = evaluate_autoscalers(env, params, pols, jax.random.key(0), num_envs=3)
+    duration_h = 12 * float(params.control_interval_s) / 3600.0
+    # Reset starts with initial_replicas=2 serving, so fixed counts hold from the first step.
+    for n in (1, 2, 3):
+        assert out[f"fixed-{n}"]["gpu_hours"] == pytest.approx(n * duration_h, rel=1e-5)
+        assert out[f"fixed-{n}"]["mean_replicas"] == pytest.approx(n, rel=1e-5)
+    # Common random numbers: every policy saw the same requests.
+    assert len({r["arrived"] for r in out.values()}) == 1
+    assert out["fixed-3"]["mean_latency"] <= out["fixed-1"]["mean_latency"]
+    for r in out.values():
+        assert all(np.isfinite(r[k]) for k in ("cost", "gpu_hours", "mean_latency", "return"))
+
+
+def test_trace_episode_stops_at_its_end():
+    times = np.arange(0.0, 60.0, 2.0)
+    trace = jaxserve.Trace(arrival_s=times, prompt_tokens=np.full(times.size, 128),
+                           output_tokens=np.full(times.size, 64))
+    env, params = jaxserve.make("Autoscaling-v0", max_replicas=2, trace=trace)
+    pols = {"fixed-1": P.get("fixed", env=env, params=params, replicas=1)}
+    out = evaluate_autoscalers(env, params, pols, jax.random.key(1), num_envs=2, num_steps=40)
+    r = out["fixed-1"]
+    assert r["arrived"] == times.size and r["in_flight"] == 0
+    assert 4 <= r["intervals"] < 40  # masked after the natural end
+    assert r["gpu_hours"] == pytest.approx(r["intervals"] * 15.0 / 3600.0, rel=1e-5)
+
+
+def test_bad_arguments():
+    env, params = small()
+    with pytest.raises(ValueError, match="policies"):
+        evaluate_autoscalers(env, params, {}, jax.random.key(0))
+    renv, rparams = jaxserve.make("Routing-v0")
+    with pytest.raises(ValueError, match="Autoscaling-v0"):
+        evaluate_autoscalers(renv, rparams, {"x": lambda *a: 0}, jax.random.key(0))
+
+
+def test_verdicts_and_frontier():
+    fixed = {"fixed-1": dict(gpu_hours=1.0, mean_latency=100.0, cost=50.0),
+             "fixed-2": dict(gpu_hours=2.0, mean_latency=40.0, cost=60.0)}
+    res = {**fixed, "hpa": dict(gpu_hours=2.0, mean_latency=45.0, cost=70.0),
+           "agent": dict(gpu_hours=1.5, mean_latency=60.0, cost=45.0)}
+    v = autoscale.verdicts(res)
+    assert v["agent"]["frontier_latency_s"] == pytest.approx(70.0)
+    assert v["agent"]["below_fixed_frontier"] and v["agent"]["cheaper_than_every_fixed"]
+    assert v["agent"]["cheaper_than_hpa"]
+    assert not v["hpa"]["below_fixed_frontier"] and v["hpa"]["cheaper_than_hpa"] is None
+
+
+def test_cli_writes_results_and_plot(tmp_path, capsys):
+    rc = autoscale.main(["--set", "max_replicas=2", "--set", "max_steps_in_episode=6",
+                         "--num-envs", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "autoscale.json").read_text())
+    assert {"fixed-1", "fixed-2", "hpa", "knative", "ray_serve"} <= set(doc["results"])
+    assert (tmp_path / "cost_latency.png").stat().st_size > 0
+    assert "fixed-2" in capsys.readouterr().out
+    assert autoscale.main(["--run", str(tmp_path / "nope")]) == 2
+    assert "not a jaxserve-train run" in capsys.readouterr().err
