@@ -55,8 +55,9 @@ def _drop_empty(tree: Any) -> Any:
 def _refill_empty(template: Any, restored: Any) -> Any:
     # The inverse of `_drop_empty`: zero-size leaves come back from the template's shapes.
     is_leaf = lambda x: x is None  # noqa: E731
-    return jax.tree.map(lambda t, r: jnp.zeros(t.shape, t.dtype) if t.size == 0 else r,
-                        template, restored, is_leaf=is_leaf)
+    return jax.tree.map(
+        lambda t, r: r if t is None else (jnp.zeros(t.shape, t.dtype) if t.size == 0 else r),
+        template, restored, is_leaf=is_leaf)
 
 
 def _manager(directory: str, max_to_keep: int | None = None) -> ocp.CheckpointManager:

@@ -129,6 +129,8 @@ def main(argv=None):
     ap.add_argument("--num-envs", default=None, help="comma-separated env counts")
     ap.add_argument("--num-steps", type=int, default=None, help="scan length per env")
     ap.add_argument("--ppo", action="store_true", help="also time PPO training")
+    ap.add_argument("--ppo-steps", type=int, default=None,
+                    help="PPO steps per environment (default 1M; 20k with --quick)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     counts = ([1, 256] if args.quick else [1, 256, 4096, 16384]) if args.num_envs is None \
@@ -175,7 +177,7 @@ def main(argv=None):
         "routing_fraction_of_bandwidth_bound": rrow["steps_per_s"] / bound,
     }
     if args.ppo:
-        tot = 20_000 if args.quick else 1_000_000
+        tot = args.ppo_steps or (20_000 if args.quick else 1_000_000)
         res["ppo"] = [ppo_steps_per_s("Routing-v0", big // 4, tot),
                       ppo_steps_per_s("CartPole-v1", big // 4, tot)]
         for p in res["ppo"]:

@@ -94,3 +94,47 @@ def test_rollout_records_value_of_final_observation():
     last_cont = ~np.asarray(traj.done)[-1]
     np.testing.assert_allclose(np.asarray(traj.next_value)[-1][last_cont],
                                np.asarray(last_value)[last_cont], rtol=1e-5, atol=1e-6)
+
+
+def _reference_gae_per_step(r, v, nv, term, done, gammas, lam):
+    """As `_reference_gae`, with a discount per step (semi-Markov envs)."""
+    adv, next_adv = [0.0] * len(r), 0.0
+    for t in reversed(range(len(r))):
+        delta = r[t] + gammas[t] * (0.0 if term[t] else nv[t]) - v[t]
+        next_adv = delta + gammas[t] * lam * (0.0 if done[t] else next_adv)
+        adv[t] = next_adv
+    return np.array(adv)
+
+
+def test_gae_with_per_step_discounts_matches_reference():
+    rng = np.random.default_rng(3)
+    t = 12
+    r, v, nv = (rng.normal(size=t) for _ in range(3))
+    term = rng.random(t) < 0.1
+    done = term | (rng.random(t) < 0.1)
+    gammas = rng.uniform(0.5, 1.0, size=t)
+    adv, targets = gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(nv), jnp.asarray(term),
+                       jnp.asarray(done), jnp.asarray(gammas, jnp.float32), LAM)
+    want = _reference_gae_per_step(r, v, nv, term, done, gammas, LAM)
+    np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(targets, want + v, rtol=1e-5, atol=1e-5)
+    # A constant per-step discount is the scalar case.
+    a1, _ = gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(nv), jnp.asarray(term),
+                jnp.asarray(done), jnp.full((t,), GAMMA, jnp.float32), LAM)
+    a2, _ = gae(jnp.asarray(r), jnp.asarray(v), jnp.asarray(nv), jnp.asarray(term),
+                jnp.asarray(done), GAMMA, LAM)
+    np.testing.assert_allclose(a1, a2, rtol=1e-6)
+
+
+def test_step_discount_by_elapsed_time():
+    from agents.rollout import step_discount
+
+    elapsed = jnp.asarray([0.0, 5.0, 10.0, 2.5], jnp.float32)
+    got = step_discount(0.9, 5.0, {"elapsed": elapsed})
+    np.testing.assert_allclose(got, [1.0, 0.9, 0.81, 0.9 ** 0.5], rtol=1e-6)
+    assert float(step_discount(0.9, None, {})) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="elapsed"):
+        step_discount(0.9, 5.0, {})
+    from agents.config import PPOConfig
+    with pytest.raises(ValueError, match="discount_time_s"):
+        PPOConfig(discount_time_s=0.0)

@@ -221,3 +221,24 @@ def test_delta_action_mode_and_action_for_target():
             got, bad = AS.target_from_action(a, state, p, 8)
             want = target if mode == 0 else min(target, 1 + 3)  # delta mode: at most +3
             assert int(got) == want and not bool(bad)
+
+
+def test_named_trace_workloads():
+    from jaxserve.envs import autoscaling_workloads as W
+    from jaxserve.traces import default_traces_dir
+
+    with pytest.raises(ValueError, match="unknown Autoscaling-v0 workload"):
+        jaxserve.make("Autoscaling-v0", workload="nope")
+    with pytest.raises(ValueError, match="load"):
+        jaxserve.make("Autoscaling-v0", load=0.3)
+    if not (default_traces_dir() / W.TRACE_FILES["azure_code"]).exists():
+        pytest.skip("shared traces not present")
+    with pytest.raises(ValueError, match="sets the arrivals"):
+        jaxserve.make("Autoscaling-v0", workload="azure_code", arrival_rate=1.0)
+    env, params = jaxserve.make("Autoscaling-v0", workload="azure_code", load=0.2)
+    assert int(params.serving.trace.length) == 8819 and env.trace_len == 8819
+    assert float(params.diurnal_amplitude) == 0.0
+    _, (_, r, term, _, info) = run(env, params, jax.random.key(0), 4)
+    assert int(info["arrived"].sum()) > 0 and np.isfinite(np.asarray(r)).all()
+    env2, params2 = jaxserve.make("Autoscaling-v0", workload="azure_code_mmpp", load=0.2)
+    assert env2.trace_len == 0 and params2.serving.arrivals.rates.shape == (2,)
