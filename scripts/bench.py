@@ -136,7 +136,8 @@ def main(argv=None):
     counts = ([1, 256] if args.quick else [1, 256, 4096, 16384]) if args.num_envs is None \
         else [int(x) for x in args.num_envs.split(",")]
     steps = args.num_steps or (20 if args.quick else 100)
-    big = 256 if args.quick else 4096
+    # The env count of the cross-environment comparisons: the largest one measured.
+    big = (256 if args.quick else 4096) if args.num_envs is None else max(counts)
 
     res = {"device": str(jax.devices()[0]), "backend": jax.default_backend(),
            "jax": jax.__version__, "machine": platform.machine(), "results": {}}
