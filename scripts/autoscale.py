@@ -18,7 +18,6 @@ Errors print one line on stderr and exit with status 2.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -28,18 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.evaluation.serialize import to_jsonable
+from scripts.train import _CLIError, _Parser, parse_pairs
 
 COLUMNS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas", "mean_latency",
            "mean_latency_ci95", "slo_violation_rate", "drop_rate", "in_flight")
-
-
-class _CLIError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise _CLIError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,8 +144,6 @@ def run(args) -> int:
     import jaxserve
     from jaxserve import policies as P
     from jaxserve.evaluation.scaling import evaluate_autoscalers
-
-    from scripts.train import parse_pairs
 
     if args.num_envs < 1:
         raise _CLIError("--num-envs must be >= 1")
