@@ -6,7 +6,8 @@ Example::
 
 Evaluates every fixed replica count, the HPA-, Knative- and Ray-Serve-style autoscalers
 (`jaxserve.policies`, kind "autoscaling"; Ray Serve twice: its default target of 2 ongoing
-requests and a target of one batch) and, with `--run DIR` (repeatable), policies trained by
+requests and a target of one batch), the `scheduled` reference that is told the daily cycle,
+and, with `--run DIR` (repeatable), policies trained by
 `jaxserve-train` (reloaded from their checkpoints), on the same episodes
 (`jaxserve.evaluation.scaling.evaluate_autoscalers`). Prints a table sorted by cost, says for
 each autoscaler whether it costs less than every fixed count and than HPA and whether its
@@ -164,7 +165,7 @@ def run(args) -> int:
             raise _CLIError(f"run {label} was trained with another action space or mode")
     pols = {f"fixed-{n}": P.get("fixed", env=env, params=params, replicas=n)
             for n in range(1, env.max_replicas + 1)}
-    for n in ("hpa", "knative", "ray_serve"):
+    for n in ("hpa", "knative", "ray_serve", "scheduled"):
         pols[n] = P.get(n, env=env, params=params)
     pols["ray_serve(target=B)"] = P.get("ray_serve", env=env, params=params,
                                         target_ongoing_requests=None)

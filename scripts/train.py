@@ -10,9 +10,10 @@ Example::
 Trains with `agents.train` (progress bar, `metrics.csv`, orbax checkpoints, learning-curve
 plot in `--out`, default `runs/<env>-<algo>-<seed>`), then evaluates the greedy learned policy
 and the environment's heuristics (Routing-v0: random, round_robin, jsq, sed,
-least_work_left, sita; Batching-v0: static, tuned_static, smdp_optimal; Autoscaling-v0: every
-fixed replica count, hpa, knative, ray_serve) with `jaxserve.evaluate_many` (Autoscaling-v0:
-`jaxserve.evaluation.scaling.evaluate_autoscalers`, cost and GPU-hours) on fresh arrivals (key `--eval-seed`, default seed + 1000000, never
+least_work_left, sita; Batching-v0: static, tuned_static, smdp_optimal; Autoscaling-v0:
+every fixed replica count, hpa, knative, ray_serve, scheduled) with `jaxserve.evaluate_many`
+(Autoscaling-v0: `jaxserve.evaluation.scaling.evaluate_autoscalers`, cost and GPU-hours) on
+fresh arrivals (key `--eval-seed`, default seed + 1000000, never
 the training key) with common random numbers across policies, prints a table (mean and p99
 latency, goodput, drops, 95% CIs) and writes `results.json` and `results.csv`. gymnax
 environments (e.g. CartPole-v1) are trained but not evaluated. Errors print one line on
@@ -34,7 +35,7 @@ from jaxserve.evaluation.serialize import to_jsonable
 
 ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita")
 BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
-AUTOSCALING_BASELINES = ("hpa", "knative", "ray_serve")  # plus "fixed-<n>" for every n
+AUTOSCALING_BASELINES = ("hpa", "knative", "ray_serve", "scheduled")  # plus "fixed-<n>" for every n
 EVAL_SEED_OFFSET = 1_000_000
 
 # Hyperparameter flags: (flag, config field, type).

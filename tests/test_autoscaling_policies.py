@@ -522,3 +522,25 @@ def test_jit_and_vmap_over_states(env8):
         assert out.dtype == jnp.int32 and out.shape == (3,)
         for i, s in enumerate(states):
             assert int(out[i]) + 1 == decide(pol, env, params, s), (name, i)
+
+
+def test_scheduled_follows_the_cycle_one_warmup_ahead():
+    import jax.numpy as jnp
+
+    from jaxserve.envs import autoscaling as AS
+
+    env, params = jaxserve.make("Autoscaling-v0", diurnal_amplitude=0.5,
+                                diurnal_period_s=3600.0)
+    _, state = env.reset(jax.random.key(0), params)
+    pol = P.get("scheduled", env=env, params=params, replicas_at_mean=4.0, lead_s=0.0)
+    # The multiplier peaks (1.5) a quarter period in and bottoms out (0.5) at three quarters.
+    for clock, want in ((900.0, 6), (2700.0, 2), (0.0, 4)):
+        a = pol(jax.random.key(1), None, state.replace(clock=jnp.float32(clock)), params)
+        assert int(AS.target_from_action(a, state, params, env.max_replicas)[0]) == want
+    # Without a cycle it is a fixed count.
+    flat = params.replace(diurnal_amplitude=jnp.float32(0.0))
+    a = P.get("scheduled", env=env, params=flat, replicas_at_mean=4.5)(
+        jax.random.key(2), None, state, flat)
+    assert int(AS.target_from_action(a, state, flat, env.max_replicas)[0]) == 5
+    with pytest.raises(ValueError, match="replicas_at_mean"):
+        P.get("scheduled", env=env, params=params, replicas_at_mean=0.0)

@@ -35,8 +35,9 @@ def test_registry_names_and_kinds():
     assert set(ROUTING) == set(P.names("routing"))
     assert set(BATCHING) == set(P.names("batching"))
     assert set(P.names()) == (set(ROUTING) | set(BATCHING)
-                              | {"fixed", "hpa", "knative", "ray_serve"})
-    assert set(P.names("autoscaling")) == {"fixed", "hpa", "knative", "ray_serve"}
+                              | {"fixed", "hpa", "knative", "ray_serve", "scheduled"})
+    assert set(P.names("autoscaling")) == {"fixed", "hpa", "knative", "ray_serve",
+                                           "scheduled"}
     assert P.kind_of("jsq") == "routing" and P.kind_of("smdp_optimal") == "batching"
 
 

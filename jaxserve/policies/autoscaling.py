@@ -196,6 +196,44 @@ def _fixed_factory(env=None, params=None, replicas: int | None = None, min_repli
                   info={"replicas": n, "min_replicas": lo, "max_replicas": hi})
 
 
+# ----------------------------------------------------------------------------- scheduled
+
+def make_scheduled(replicas_at_mean: float, lead_s: float | None = None, min_replicas: int = 1,
+                   max_replicas: int | None = None):
+    """Ask for `ceil(replicas_at_mean * m(t + lead))` replicas, `m` the scenario's diurnal rate
+    multiplier (`autoscaling.rate_multiplier`) one `lead_s` ahead (default: one warm-up plus
+    one interval, so replicas are warm when the load arrives)."""
+
+    def scheduled(key, obs, state, params):
+        hi = state.mode.shape[0] if max_replicas is None else max_replicas
+        lead = params.warmup_s + params.control_interval_s if lead_s is None else lead_s
+        m = AS.rate_multiplier(state.clock + lead, params)
+        return _finish(jnp.ceil(replicas_at_mean * m - 1e-4), state, params, min_replicas, hi)
+
+    return scheduled
+
+
+@register("scheduled", "autoscaling")
+def _scheduled_factory(env=None, params=None, replicas_at_mean: float = 6.0,
+                       lead_s: float | None = None, min_replicas: int = 1,
+                       max_replicas: int | None = None):
+    """Scheduled (predictive) scaling that knows the daily load pattern, in the style of cron
+    or scheduled-scaling rules (KEDA's cron scaler, AWS scheduled scaling): replicas follow the
+    diurnal rate multiplier one warm-up ahead, scaled so that the mean rate gets
+    `replicas_at_mean` (default 6, the best of 4, 4.5, ..., 6 on the default scenario; see
+    docs/scaling.md). It reads the scenario's `diurnal_*` parameters, i.e. it is told the
+    cycle: a reference for what anticipation is worth, not a reactive autoscaler. Without a
+    cycle (`diurnal_amplitude=0`, e.g. a replayed trace) it is `fixed` at
+    `ceil(replicas_at_mean)`."""
+    lo, hi = _replica_bounds("scheduled", env, min_replicas, max_replicas)
+    c = _number("scheduled", "replicas_at_mean", replicas_at_mean, lo=0.0, lo_open=True)
+    if lead_s is not None:
+        lead_s = _number("scheduled", "lead_s", lead_s, lo=0.0)
+    return Policy(name="scheduled", kind="autoscaling", fn=make_scheduled(c, lead_s, lo, hi),
+                  info={"replicas_at_mean": c, "lead_s": lead_s, "min_replicas": lo,
+                        "max_replicas": hi})
+
+
 # ----------------------------------------------------------------------------- HPA
 
 HPA_DEFAULTS = dict(target_utilization=0.7, tolerance=0.1, scale_up_stabilization_s=0.0,
