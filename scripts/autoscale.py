@@ -28,13 +28,16 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.evaluation.serialize import to_jsonable
-from scripts.train import _CLIError, _Parser, parse_pairs
+from scripts.cli import CLIError as _CLIError
+from scripts.cli import Parser as _Parser
+from scripts.cli import run_cli
+from scripts.train import parse_pairs
 
 COLUMNS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas", "mean_latency",
            "mean_latency_ci95", "slo_violation_rate", "drop_rate", "in_flight")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     ap = _Parser(prog="jaxserve-autoscale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="Autoscaling-v0 override, repeatable (e.g. workload=azure_conv, "
@@ -217,13 +220,7 @@ def print_table(results: dict, ver: dict, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (`jaxserve-autoscale`); returns the exit status."""
-    try:
-        return run(build_parser().parse_args(argv))
-    except (_CLIError, ValueError, TypeError, OSError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"jaxserve-autoscale: error: {msg}", file=sys.stderr)
-        return 2
-
+    return run_cli("jaxserve-autoscale", lambda: run(build_parser().parse_args(argv)))
 
 if __name__ == "__main__":
     sys.exit(main())

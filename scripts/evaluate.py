@@ -23,15 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.evaluation.serialize import to_jsonable
+from scripts.cli import CLIError as _CLIError
+from scripts.cli import Parser as _Parser
+from scripts.cli import run_cli
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise _CLIError(message)
-
-
-class _CLIError(Exception):
-    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,15 +215,11 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (`jaxserve-eval`); returns the exit status."""
-    try:
+    def body():
         args = build_parser().parse_args(argv)
         args.argv = argv
         return run(args)
-    except (_CLIError, ValueError, OSError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"jaxserve-eval: error: {msg}", file=sys.stderr)
-        return 2
-
+    return run_cli("jaxserve-eval", body)
 
 if __name__ == "__main__":
     sys.exit(main())

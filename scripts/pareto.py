@@ -28,6 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.evaluation.serialize import to_jsonable
+from scripts.cli import CLIError as _CLIError
+from scripts.cli import Parser as _Parser
+from scripts.cli import run_cli
 
 TRACE_NAMES = {
     "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
@@ -38,13 +41,6 @@ TRACE_NAMES = {
 COLLAPSE = 0.25
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise _CLIError(message)
-
-
-class _CLIError(Exception):
-    pass
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,15 +335,11 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (`jaxserve-pareto`); returns the exit status."""
-    try:
+    def body():
         args = build_parser().parse_args(argv)
         args.argv = argv
         return run(args)
-    except (_CLIError, ValueError, OSError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"jaxserve-pareto: error: {msg}", file=sys.stderr)
-        return 2
-
+    return run_cli("jaxserve-pareto", body)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,6 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.evaluation.serialize import to_jsonable
+from scripts.cli import CLIError as _CLIError
+from scripts.cli import Parser as _Parser
+from scripts.cli import run_cli
 
 ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita")
 BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
@@ -49,13 +52,6 @@ HPARAM_FLAGS = (
 )
 
 
-class _CLIError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump
-        raise _CLIError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -342,14 +338,10 @@ def run(args, argv) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (`jaxserve-train`); returns the exit status."""
-    try:
+    def body():
         args = build_parser().parse_args(argv)
         return run(args, argv)
-    except (_CLIError, ValueError, TypeError, OSError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"jaxserve-train: error: {msg}", file=sys.stderr)
-        return 2
-
+    return run_cli("jaxserve-train", body)
 
 if __name__ == "__main__":
     sys.exit(main())
