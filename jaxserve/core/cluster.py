@@ -39,6 +39,9 @@ class Servers:
         because a static batch's end time is.
       run_slo_met: requests of the running batch that will meet the SLO. int32.
       run_estimate: summed output estimates of the running batch (tokens), for features.
+      est_end: when the running batch is *expected* to end (s, relative): its start plus the
+        service time computed from output estimates instead of true lengths. What a real
+        scheduler can know; features and non-oracle heuristics use it, never `free_at`.
       batches: batches dispatched so far on each GPU. int32.
     """
 
@@ -48,6 +51,7 @@ class Servers:
     run_latency_sum: jax.Array
     run_slo_met: jax.Array
     run_estimate: jax.Array
+    est_end: jax.Array
     batches: jax.Array
 
 
@@ -99,7 +103,7 @@ def empty_cluster(num_gpus: int, capacity: int, max_batch: int | None = None,
     zf = jnp.zeros((num_gpus,), jnp.float32)
     zi = jnp.zeros((num_gpus,), jnp.int32)
     servers = Servers(free_at=zf, run_start=zf, run_count=zi, run_latency_sum=zf,
-                      run_slo_met=zi, run_estimate=zf, batches=zi)
+                      run_slo_met=zi, run_estimate=zf, est_end=zf, batches=zi)
     window = capacity if max_batch is None else max(1, min(int(max_batch), capacity))
     return Cluster(queues=Q.empty_queues(num_gpus, capacity, with_ids), servers=servers,
                    window=window)
@@ -169,6 +173,8 @@ def dispatch(cluster: Cluster, gpus: GPUProfile, go: jax.Array, k: jax.Array, st
     sum_p2 = (prompt * prompt).sum(-1)
     max_o = jnp.where(member, win.output, 0.0).max(-1)
     service = batch_service_time(gpus, k, sum_p, sum_p2, max_o)
+    est_o = jnp.where(member, win.estimate, 0.0)
+    est_service = batch_service_time(gpus, k, sum_p, sum_p2, est_o.max(-1))
     finish = start + service
     latency = finish[:, None] - win.arrival
     servers = s.replace(
@@ -179,8 +185,8 @@ def dispatch(cluster: Cluster, gpus: GPUProfile, go: jax.Array, k: jax.Array, st
                                   s.run_latency_sum),
         run_slo_met=jnp.where(go, (member & (latency <= slo_s)).sum(-1).astype(jnp.int32),
                               s.run_slo_met),
-        run_estimate=jnp.where(go, jnp.where(member, win.estimate, 0.0).sum(-1),
-                               s.run_estimate),
+        run_estimate=jnp.where(go, est_o.sum(-1), s.run_estimate),
+        est_end=jnp.where(go, start + est_service, s.est_end),
         batches=s.batches + go.astype(jnp.int32))
     shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), win.prompt, win.estimate)
     popped_work = jnp.where(member, shares, 0.0).sum(-1)
@@ -272,7 +278,8 @@ def rebase(cluster: Cluster, dt: jax.Array) -> Cluster:
     q, s = cluster.queues, cluster.servers
     return cluster.replace(
         queues=q.replace(arrival=q.arrival - dt),
-        servers=s.replace(free_at=s.free_at - dt, run_start=s.run_start - dt))
+        servers=s.replace(free_at=s.free_at - dt, run_start=s.run_start - dt,
+                          est_end=s.est_end - dt))
 
 
 def queued_work(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
