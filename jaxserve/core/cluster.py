@@ -285,10 +285,11 @@ def rebase(cluster: Cluster, dt: jax.Array) -> Cluster:
 def queued_work(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
     """Expected seconds each GPU needs to finish what it holds, from the current instant.
 
-    Remaining time of the running batch plus the waiting requests' shares of full-batch service
-    time (`service.per_request_work`, using output *estimates*, never true lengths), kept as a
-    running total by the queues. `(num_gpus,)`.
+    Expected remaining time of the running batch (`est_end`, from output estimates) plus the
+    waiting requests' shares of full-batch service time (`service.per_request_work`, using
+    output *estimates*, never true lengths), kept as a running total by the queues.
+    `(num_gpus,)`. A batch that outlives its estimate counts 0 remaining.
     """
     s = cluster.servers
-    remaining = jnp.where(s.run_count > 0, jnp.maximum(s.free_at, 0.0), 0.0)
+    remaining = jnp.where(s.run_count > 0, jnp.maximum(s.est_end, 0.0), 0.0)
     return remaining + jnp.maximum(cluster.queues.work, 0.0)
