@@ -67,7 +67,11 @@ DEFAULT_SIZE_VALUES = (48.0, 512.0)
 
 def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=None,
                  trace_pad=None, **scalars) -> common.ServingParams:
-    """Assembles `ServingParams` from user-level pieces (see the module docstring)."""
+    """Assembles `ServingParams` from user-level pieces (see the module docstring).
+
+    `gpus` is a list of `GPUProfile` (stacked here) or an already stacked profile pytree
+    (e.g. `replica.stack_replicas(...)` for LLMRouting-v0).
+    """
     if arrivals is not None and arrival_rate is not None:
         raise ValueError("give either arrivals= or arrival_rate=, not both")
     if arrival_rate is not None:
@@ -87,7 +91,8 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
     size_values = scalars.pop("size_values", DEFAULT_SIZE_VALUES)
     defaults.update(scalars)
     params = common.ServingParams(
-        gpus=stack_profiles(gpus), arrivals=arrivals, tokens=tokens,
+        gpus=stack_profiles(gpus) if isinstance(gpus, (list, tuple)) else gpus,
+        arrivals=arrivals, tokens=tokens,
         size_edges=jnp.asarray(size_edges, jnp.float32),
         size_values=jnp.asarray(size_values, jnp.float32),
         trace=common.no_trace() if trace is None else common.trace_arrays(trace, trace_pad),
@@ -225,5 +230,42 @@ def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arr
     env = AS.Autoscaling(max_replicas=max_replicas, queue_buffer=qb, max_batch=mb,
                          trace_len=serving.trace.gap.shape[0], history_len=history_len,
                          default=params)
+    env.check_params(params)
+    return env, params
+
+
+def llm_routing_replicas():
+    """Default LLMRouting-v0 cluster: two OPT-13B replicas on A100-80GB, two on A100-40GB.
+
+    Same DistServe iteration-time fit; the 40 GB cards hold a fifth of the KV cache
+    (`core/replica.py`, docs/continuous.md), so memory, not speed, separates them.
+    """
+    from jaxserve.core.replica import replica_profile
+
+    return [replica_profile("opt13b-a100-80g")] * 2 + [replica_profile("opt13b-a100-40g")] * 2
+
+
+@register("LLMRouting-v0")
+def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_rate=None,
+                     arrivals=None, **kw):
+    """LLMRouting-v0: heterogeneous continuous-batching replicas (KV cache, preemption).
+
+    `replicas`: list of `ReplicaProfile`; `max_seqs` (static running slots) defaults to the
+    largest `max_seqs` of the replicas, `queue_buffer` to the largest `queue_cap`.
+    """
+    from jaxserve.core.replica import stack_replicas
+    from jaxserve.envs.llm_routing import LLMRouting
+
+    replicas = llm_routing_replicas() if replicas is None else list(replicas)
+    prof = stack_replicas(replicas)
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 16.0
+    kw.setdefault("tokens", routing_tokens())
+    kw.setdefault("slo_s", 20.0)
+    params = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb = int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None else int(queue_buffer)
+    ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else int(max_seqs)
+    env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,
+                     trace_len=params.trace.gap.shape[0], default=params)
     env.check_params(params)
     return env, params

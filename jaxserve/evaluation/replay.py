@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
+from jaxserve.envs.llm_routing import LLMRouting
 from jaxserve.envs.routing import Routing
 from jaxserve.evaluation.evaluate import trace_env
 
@@ -62,7 +63,8 @@ def replay(env, params, trace: Trace, actions=None, *, policy=None,
     """Runs every request of `trace` through `env`'s cluster and drains it.
 
     Args:
-      env: a routing environment such as `make("Routing-v0")[0]`.
+      env: a routing environment such as `make("Routing-v0")[0]` or
+        `make("LLMRouting-v0")[0]` (continuous batching; see `token_log` for its result).
       params: its `ServingParams` (GPU profiles, SLO, estimate settings).
       trace: the requests (`jaxserve.Trace`), arrival times in seconds.
       actions: `(n,)` integer GPU index for each request, in `[0, num_gpus)`.
@@ -88,15 +90,15 @@ def replay(env, params, trace: Trace, actions=None, *, policy=None,
     if policy is not None:
         if actions is not None:
             raise ValueError("give replay either actions= or policy=, not both")
-        if not isinstance(env, Routing):
-            raise ValueError("replay(policy=...) needs a Routing environment")
+        if not isinstance(env, (Routing, LLMRouting)):
+            raise ValueError("replay(policy=...) needs a Routing or LLMRouting environment")
         if not callable(policy):
             raise ValueError(f"policy must be callable, got {type(policy).__name__}")
-        common.validate_params(params, env.queue_buffer, env.max_batch, env.num_gpus)
+        env.check_params(params)
         key = jax.random.PRNGKey(0) if key is None else key
         trace_params = params.replace(trace=common.trace_arrays(tr))
         log, dropped, gpu = _run_policy(trace_env(env, n), key, trace_params, policy)
-        return per_request_log(tr, np.asarray(gpu), log, dropped)
+        return _schedule_of(env, tr, np.asarray(gpu), log, dropped)
     if actions is None:
         raise ValueError("replay needs actions= (one GPU index per request) or policy=")
     acts = np.asarray(actions)
@@ -109,12 +111,33 @@ def replay(env, params, trace: Trace, actions=None, *, policy=None,
     if np.any(acts < 0) or np.any(acts >= num_gpus):
         bad = int(np.flatnonzero((acts < 0) | (acts >= num_gpus))[0])
         raise ValueError(f"actions[{bad}] = {acts[bad]} is not a GPU index in [0, {num_gpus})")
-    common.validate_params(params, env.queue_buffer, env.max_batch, env.num_gpus)
+    env.check_params(params)
     key = jax.random.PRNGKey(0) if key is None else key
     trace_params = params.replace(trace=common.trace_arrays(tr))
     log, dropped = _run_actions(trace_env(env, n), key, trace_params,
                                 jnp.asarray(acts, jnp.int32))
-    return per_request_log(tr, acts, log, dropped)
+    return _schedule_of(env, tr, acts, log, dropped)
+
+
+def _schedule_of(env, tr: Trace, gpu: np.ndarray, log, dropped) -> dict:
+    """The per-request result of a replay, in the form of the environment's engine."""
+    if isinstance(env, LLMRouting):
+        return token_log(tr, gpu, log, dropped)
+    return per_request_log(tr, gpu, log, dropped)
+
+
+def token_log(tr: Trace, replica: np.ndarray, log, dropped) -> dict:
+    """Per-request outcome of an LLMRouting-v0 replay in absolute float64 seconds.
+
+    `arrival`, `replica`, `first_token`, `finish` (NaN if dropped), `dropped` and
+    `preemptions`; the engine logs float32 spans from the arrival, added here to the
+    float64 arrival.
+    """
+    dropped = np.asarray(dropped, bool)
+    return {"arrival": tr.arrival_s.copy(), "replica": replica.astype(np.int64),
+            "first_token": tr.arrival_s + np.asarray(log.ttft, np.float64),
+            "finish": tr.arrival_s + np.asarray(log.e2e, np.float64), "dropped": dropped,
+            "preemptions": np.where(dropped, 0, np.asarray(log.preemptions)).astype(np.int64)}
 
 
 def per_request_log(tr: Trace, gpu: np.ndarray, log, dropped) -> dict:

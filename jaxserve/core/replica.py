@@ -1,0 +1,176 @@
+"""Continuous-batching replica profiles (`shared/MODEL_CONTINUOUS.md`).
+
+A `ReplicaProfile` holds one replica's iteration-time coefficients, KV-cache size and vLLM
+scheduler limits as scalars, or a whole cluster's as `(num_replicas,)` arrays
+(`stack_replicas`); both are valid leaf sets for `jax.vmap` over parameters. `name` is the only
+static field. Validation runs on the host and raises `ValueError` naming the field.
+
+Iteration time of a batch that computes `n_r` tokens of each scheduled request `r`:
+
+    T = c0 + alpha * sum n + alpha2 * sum_{prefilling} n (C + n)
+           + beta * [any decoding] + gamma * #decoding + delta * sum_{decoding} L
+
+`gamma` may be negative down to `-alpha`: a decoding sequence then costs `alpha + gamma >= 0`
+per iteration, which is what fits with a cheaper decode token than prefill token need
+(DistServe's OPT-13B fits below).
+
+Named profiles (`replica_profile(name)`), sources:
+
+* `opt13b-a100-80g`: OPT-13B on one A100-80GB, DistServe's fits (Zhong et al., OSDI 2024,
+  as quoted in MODEL_CONTINUOUS.md), in ms: prefill `18.10 + 0.1019 * sum l + 7.12e-6 * sum l^2`,
+  decode `19.93 + 6.27e-4 * sum context + 0.0385 * batch`. Mapped to the iteration form:
+  a prefill-only iteration gives `c0 = 18.10 ms`, `alpha = 0.1019 ms`, `alpha2 = 7.12e-6 ms`;
+  a decode-only iteration of `B` sequences gives `c0 + beta = 19.93 ms` (`beta = 1.83 ms`),
+  `alpha + gamma = 0.0385 ms` (`gamma = -0.0634 ms`), `delta = 6.27e-4 ms`.
+  KV blocks from `kv_blocks_for`: 40 layers, hidden 5120, fp16 (800 KiB per token), 80 GB at
+  vLLM's `gpu_memory_utilization = 0.9`, 25.7 GB of weights (12.85e9 params, fp16), 2 GB kept
+  for activations -> 3385 blocks of 16 tokens (54,160 tokens).
+* `opt13b-a100-40g`: the same coefficients with a 40 GB card's KV cache (1178 blocks).
+  DERIVED, not measured: A100-40GB has less memory bandwidth (1.56 vs 2.04 TB/s), so its
+  decode is slower than this profile says.
+
+Scheduler settings (not measurements): vLLM's `block_size = 16`, `watermark = 0.01`;
+`max_seqs = 64`, `max_tokens = 2048`, chunked prefill on, `queue_cap = 64`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+REPLICA_FLOAT_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "watermark")
+REPLICA_INT_FIELDS = ("kv_blocks", "block_size", "max_seqs", "max_tokens", "queue_cap")
+REPLICA_BOOL_FIELDS = ("chunked_prefill",)
+
+
+@struct.dataclass
+class ReplicaProfile:
+    """One continuous-batching replica (scalars) or a cluster of them (`(N,)` arrays).
+
+    Attributes:
+      c0: fixed cost of one iteration (s).
+      alpha: cost per token computed in the iteration, prefill or decode (s/token).
+      alpha2: prefill attention: a chunk of `n` tokens after `C` computed ones costs
+        `alpha2 * n * (C + n)` (s/token^2).
+      beta: extra cost of an iteration that holds any decode (s).
+      gamma: cost per decoding sequence (s); `>= -alpha`.
+      delta: decode attention, per token of context read (s/token).
+      kv_blocks: KV-cache blocks of the replica (M).
+      block_size: tokens per block (b).
+      max_seqs: most sequences running at once (S, vLLM `max_num_seqs`).
+      max_tokens: token budget of one iteration (K, vLLM `max_num_batched_tokens`).
+      chunked_prefill: whether a prompt may be split across iterations. bool.
+      watermark: fraction of M kept free when admitting (w).
+      queue_cap: most requests waiting to be admitted, preempted ones not counted (Q).
+      name: label, not a pytree leaf.
+    """
+
+    c0: float = 0.02
+    alpha: float = 1e-4
+    alpha2: float = 0.0
+    beta: float = 0.0
+    gamma: float = 0.0
+    delta: float = 0.0
+    kv_blocks: int = 2048
+    block_size: int = 16
+    max_seqs: int = 64
+    max_tokens: int = 2048
+    chunked_prefill: bool = True
+    watermark: float = 0.01
+    queue_cap: int = 64
+    name: str = struct.field(pytree_node=False, default="custom")
+
+
+def validate_replica(profile: ReplicaProfile, where: str = "ReplicaProfile") -> None:
+    """Raises ValueError naming the field if a profile (scalar or stacked) is invalid."""
+    if not isinstance(profile, ReplicaProfile):
+        raise ValueError(f"{where} must be a ReplicaProfile, got {type(profile).__name__}")
+    vals = {}
+    for f in REPLICA_FLOAT_FIELDS:
+        v = np.asarray(getattr(profile, f), dtype=np.float64)
+        if not np.all(np.isfinite(v)):
+            raise ValueError(f"{where}.{f} must be finite, got {v}")
+        if f != "gamma" and np.any(v < 0):
+            raise ValueError(f"{where}.{f} must be >= 0, got {v}")
+        vals[f] = v
+    if np.any(vals["alpha"] + vals["gamma"] < 0):
+        raise ValueError(f"{where}.gamma must be >= -alpha (a decoding sequence cannot cost "
+                         f"less than nothing), got gamma={vals['gamma']}, alpha={vals['alpha']}")
+    if np.any(vals["c0"] + vals["alpha"] <= 0):
+        raise ValueError(f"{where}: c0 + alpha must be > 0 (every iteration takes time)")
+    if np.any(vals["watermark"] >= 1):
+        raise ValueError(f"{where}.watermark must be in [0, 1), got {vals['watermark']}")
+    for f in REPLICA_INT_FIELDS:
+        v = np.asarray(getattr(profile, f))
+        if not np.all(np.isfinite(v)) or np.any(v != np.round(v)):
+            raise ValueError(f"{where}.{f} must be an integer, got {v}")
+        if np.any(v < 1):
+            raise ValueError(f"{where}.{f} must be >= 1, got {v}")
+    kv = np.asarray(profile.kv_blocks)
+    if np.any(kv - np.floor(vals["watermark"] * kv) < 1):
+        raise ValueError(f"{where}.kv_blocks leaves no block above the watermark")
+
+
+def stack_replicas(profiles: Sequence[ReplicaProfile]) -> ReplicaProfile:
+    """Stacks per-replica profiles into one with `(num_replicas,)` leaves (float32/int32/bool).
+
+    Raises ValueError for an empty sequence or an invalid profile.
+    """
+    profiles = list(profiles)
+    if not profiles:
+        raise ValueError("replicas must name at least one ReplicaProfile (got zero)")
+    for i, p in enumerate(profiles):
+        validate_replica(p, where=f"replicas[{i}]")
+    kw = {f: jnp.asarray([float(getattr(p, f)) for p in profiles], jnp.float32)
+          for f in REPLICA_FLOAT_FIELDS}
+    kw.update({f: jnp.asarray([int(getattr(p, f)) for p in profiles], jnp.int32)
+               for f in REPLICA_INT_FIELDS})
+    kw.update({f: jnp.asarray([bool(getattr(p, f)) for p in profiles], jnp.bool_)
+               for f in REPLICA_BOOL_FIELDS})
+    return ReplicaProfile(name="+".join(p.name for p in profiles), **kw)
+
+
+def kv_blocks_for(num_layers: int, kv_hidden: int, gpu_mem_gb: float, weight_gb: float, *,
+                  dtype_bytes: int = 2, mem_util: float = 0.9, activation_gb: float = 2.0,
+                  block_size: int = 16) -> int:
+    """KV-cache blocks a replica holds, the way vLLM sizes its cache.
+
+    `(gpu_mem_gb * mem_util - weight_gb - activation_gb) * 1e9` bytes are divided by the bytes
+    of one block: `2 (K and V) * num_layers * kv_hidden * dtype_bytes * block_size`.
+    `kv_hidden` is `num_kv_heads * head_dim` (the hidden size without grouped-query attention).
+    """
+    free = (gpu_mem_gb * mem_util - weight_gb - activation_gb) * 1e9
+    per_block = 2 * num_layers * kv_hidden * dtype_bytes * block_size
+    blocks = int(math.floor(free / per_block))
+    if blocks < 1:
+        raise ValueError(f"no memory left for the KV cache ({free / 1e9:.1f} GB)")
+    return blocks
+
+
+_MS = 1e-3
+_OPT13B = dict(c0=18.10 * _MS, alpha=0.1019 * _MS, alpha2=7.12e-6 * _MS,
+               beta=(19.93 - 18.10) * _MS, gamma=(0.0385 - 0.1019) * _MS, delta=6.27e-4 * _MS)
+_SCHED = dict(block_size=16, max_seqs=64, max_tokens=2048, chunked_prefill=True,
+              watermark=0.01, queue_cap=64)
+_OPT13B_WEIGHTS_GB = 12.85e9 * 2 / 1e9
+
+NAMED_REPLICAS = {
+    "opt13b-a100-80g": dict(**_OPT13B, **_SCHED,
+                            kv_blocks=kv_blocks_for(40, 5120, 80.0, _OPT13B_WEIGHTS_GB)),
+    "opt13b-a100-40g": dict(**_OPT13B, **_SCHED,
+                            kv_blocks=kv_blocks_for(40, 5120, 40.0, _OPT13B_WEIGHTS_GB)),
+}
+
+
+def replica_profile(name: str, **overrides) -> ReplicaProfile:
+    """The named profile (see the module docstring), with fields replaced by `overrides`."""
+    if name not in NAMED_REPLICAS:
+        raise ValueError(f"unknown replica profile {name!r}; known: {sorted(NAMED_REPLICAS)}")
+    fields = {**NAMED_REPLICAS[name], **overrides}
+    prof = ReplicaProfile(name=name, **fields)
+    validate_replica(prof, where=f"replica_profile({name!r})")
+    return prof

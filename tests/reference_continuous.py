@@ -1,0 +1,212 @@
+"""Event-by-event reference of the continuous-batching model in `shared/MODEL_CONTINUOUS.md`.
+
+Plain Python, float64, written from the contract's text (not from the JAX engine):
+
+* A replica holds a FIFO `waiting` deque and a `running` list in admission order. A running
+  request holds `ceil(C / b)` blocks; `free = M - sum of held blocks`.
+* At each iteration boundary (vLLM v1 FCFS):
+  1. running pass with budget `k = K`: for each running `r` while `k > 0`,
+     `n = min(L - C, k)`; while the free blocks are short of the extra blocks
+     `ceil((C + n) / b) - ceil(C / b)`, preempt the last running request (free its blocks,
+     `C = 0`, keep its `g`, put it at the front of `waiting`); if the victim is `r`, the pass
+     ends; otherwise `r` is scheduled and `k -= n`.
+  2. admission, only if nothing was preempted: while `|running| < S`, `k > 0` and `waiting`
+     is non-empty: head `h`, `n = L_h`, capped at `k` with chunked prefill; without it a head
+     with `L_h > k` waits. Stop if `free - ceil(n / b) < floor(w M)`. Else admit and schedule.
+  3. nothing scheduled: idle until the next arrival routed to the replica.
+  4. the iteration lasts `T = c0 + alpha sum n + alpha2 sum_{prefill} n (C + n) + beta [any
+     decode] + gamma #decode + delta sum_{decode} L` (decode: `g >= 1` and `C = L - 1` when
+     scheduled). At its end `C += n`; where `C = L` a token is sampled (`g += 1`); the first
+     sample sets the first-token time; `g = o` completes the request.
+* Arrivals: dropped when the replica holds `Q` waiting requests that were never preempted, or
+  when `ceil((p + o) / b) > M - floor(w M)`, or without chunked prefill `p + o > K`.
+* Event order at one instant: iteration ends, then arrivals (index order), then scheduling of
+  every idle replica that has work and is not stalled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+REPLICA_KEYS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "kv_blocks", "block_size",
+                "max_seqs", "max_tokens", "chunked_prefill", "watermark", "queue_cap")
+
+
+class _Req:
+    __slots__ = ("i", "a", "p", "o", "g", "C", "pre", "first", "finish")
+
+    def __init__(self, i, a, p, o):
+        self.i, self.a, self.p, self.o = i, a, p, o
+        self.g = 0
+        self.C = 0
+        self.pre = 0
+        self.first = None
+        self.finish = None
+
+    @property
+    def L(self):
+        return self.p + self.g
+
+
+class _Replica:
+    def __init__(self, prof):
+        self.c0, self.alpha, self.alpha2 = prof["c0"], prof["alpha"], prof["alpha2"]
+        self.beta, self.gamma, self.delta = prof["beta"], prof["gamma"], prof["delta"]
+        self.M, self.b = int(prof["kv_blocks"]), int(prof["block_size"])
+        self.S, self.K = int(prof["max_seqs"]), int(prof["max_tokens"])
+        self.chunked = bool(prof["chunked_prefill"])
+        self.wm = math.floor(prof["watermark"] * self.M)
+        self.Q = int(prof["queue_cap"])
+        self.waiting = deque()
+        self.running = []
+        self.end = None  # end time of the iteration in progress
+        self.scheduled = []
+        self.stalled = False
+        self.iterations = 0
+        self.preemptions = 0
+
+    def blocks(self, tokens):
+        return -(-tokens // self.b)
+
+    def never_fits(self, p, o):
+        return self.blocks(p + o) > self.M - self.wm or (not self.chunked and p + o > self.K)
+
+    def fresh_waiting(self):
+        return sum(1 for r in self.waiting if r.pre == 0)
+
+    def schedule(self, t):
+        free = self.M - sum(self.blocks(r.C) for r in self.running)
+        k = self.K
+        sched = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and k > 0:
+            r = self.running[i]
+            n = min(r.L - r.C, k)
+            extra = self.blocks(r.C + n) - self.blocks(r.C)
+            self_victim = False
+            while free < extra:
+                v = self.running.pop()
+                free += self.blocks(v.C)
+                v.C = 0
+                v.pre += 1
+                self.preemptions += 1
+                self.waiting.appendleft(v)
+                preempted = True
+                if v is r:
+                    self_victim = True
+                    break
+            if self_victim:
+                break
+            sched.append((r, n))
+            free -= extra
+            k -= n
+            i += 1
+        if not preempted:
+            while len(self.running) < self.S and k > 0 and self.waiting:
+                h = self.waiting[0]
+                if self.chunked:
+                    n = min(h.L, k)
+                elif h.L > k:
+                    break
+                else:
+                    n = h.L
+                if free - self.blocks(n) < self.wm:
+                    break
+                self.waiting.popleft()
+                self.running.append(h)
+                sched.append((h, n))
+                k -= n
+                free -= self.blocks(n)
+        if not sched:
+            self.stalled = True
+            return
+        T = self.c0
+        n_dec = 0
+        for r, n in sched:
+            T += self.alpha * n
+            if r.g >= 1 and r.C == r.L - 1:
+                n_dec += 1
+                T += self.gamma + self.delta * r.L
+            else:
+                T += self.alpha2 * n * (r.C + n)
+        if n_dec:
+            T += self.beta
+        self.scheduled = sched
+        self.end = t + T
+        self.iterations += 1
+
+    def finish_iteration(self, t):
+        for r, n in self.scheduled:
+            r.C += n
+            if r.C == r.L:
+                r.g += 1
+                if r.first is None:
+                    r.first = t
+                if r.g == r.o:
+                    r.finish = t
+        self.running = [r for r in self.running if r.finish is None]
+        self.scheduled = []
+        self.end = None
+
+
+def simulate(arrival, prompt, output, replica, profiles, check=None):
+    """Simulates the requests routed to `replica[i]` on replicas with the given profiles.
+
+    Args:
+      arrival, prompt, output, replica: per-request arrays (arrivals non-decreasing).
+      profiles: list of dicts with `REPLICA_KEYS`.
+      check: optional callback `check(t, arrived, completed, waiting, running, dropped)` called
+        after every event instant (conservation tests).
+
+    Returns:
+      dict of arrays: `first_token`, `finish` (NaN if dropped), `dropped`, `never_fit`,
+      `preemptions`; and `iterations`, `replica_preemptions` per replica.
+    """
+    n = len(arrival)
+    reqs = [_Req(i, float(arrival[i]), int(prompt[i]), int(output[i])) for i in range(n)]
+    reps = [_Replica(p) for p in profiles]
+    dropped = np.zeros(n, bool)
+    never = np.zeros(n, bool)
+    nxt = 0
+    arrived = 0
+    while True:
+        ends = [r.end for r in reps if r.end is not None]
+        t_arr = reqs[nxt].a if nxt < n else math.inf
+        t = min(ends + [t_arr])
+        if t == math.inf:
+            break
+        for rp in reps:
+            if rp.end is not None and rp.end == t:
+                rp.finish_iteration(t)
+        while nxt < n and reqs[nxt].a == t:
+            q = reqs[nxt]
+            rp = reps[int(replica[nxt])]
+            arrived += 1
+            if rp.never_fits(q.p, q.o):
+                dropped[nxt] = never[nxt] = True
+            elif rp.fresh_waiting() >= rp.Q:
+                dropped[nxt] = True
+            else:
+                rp.waiting.append(q)
+                rp.stalled = False
+            nxt += 1
+        for rp in reps:
+            if rp.end is None and not rp.stalled and (rp.waiting or rp.running):
+                rp.schedule(t)
+        if check is not None:
+            check(t, arrived, sum(r.finish is not None for r in reqs),
+                  sum(len(rp.waiting) for rp in reps), sum(len(rp.running) for rp in reps),
+                  int(dropped.sum()))
+    nan = float("nan")
+    return {
+        "first_token": np.array([nan if r.first is None else r.first for r in reqs]),
+        "finish": np.array([nan if r.finish is None else r.finish for r in reqs]),
+        "dropped": dropped, "never_fit": never,
+        "preemptions": np.array([r.pre for r in reqs], np.int64),
+        "iterations": np.array([rp.iterations for rp in reps]),
+        "replica_preemptions": np.array([rp.preemptions for rp in reps]),
+    }

@@ -1,0 +1,289 @@
+"""The continuous-batching engine (`core/continuous.py`) against the event-by-event reference.
+
+Workloads on a dyadic grid (arrivals on multiples of 1/4 s, coefficients powers of two, small
+token counts) make every time exactly representable in float32 and float64, so the engine must
+match `tests/reference_continuous.py` *exactly*: first-token and finish times, drops and
+preemption counts of every request. Tiny KV caches force preemptions; coarse arrival grids force
+ties between arrivals and iteration ends.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve.core import continuous as CB
+from jaxserve.core.replica import (ReplicaProfile, kv_blocks_for, replica_profile,
+                                   stack_replicas, validate_replica)
+from tests import reference_continuous as ref
+
+N_REQ = 96  # one trace length for the exact tests: one compilation shared by all of them
+
+
+def as_dicts(profiles):
+    return [{k: getattr(p, k) for k in ref.REPLICA_KEYS} for p in profiles]
+
+
+def dyadic_replica(rng, chunked, watermark, kv_blocks, max_seqs=4, queue_cap=None):
+    return ReplicaProfile(
+        c0=float(rng.choice([0.25, 0.5])), alpha=2.0 ** -int(rng.integers(5, 8)),
+        alpha2=float(rng.choice([0.0, 2.0 ** -10])), beta=float(rng.choice([0.0, 0.125])),
+        gamma=float(rng.choice([0.0, 2.0 ** -5, -2.0 ** -8])),
+        delta=float(rng.choice([0.0, 2.0 ** -9])), kv_blocks=int(kv_blocks), block_size=4,
+        max_seqs=int(max_seqs), max_tokens=int(rng.choice([8, 16, 32])),
+        chunked_prefill=bool(chunked), watermark=float(watermark),
+        queue_cap=int(rng.integers(2, 7)) if queue_cap is None else queue_cap)
+
+
+def env_for(profiles, queue_buffer=8, max_seqs=4):
+    return jaxserve.make("LLMRouting-v0", replicas=profiles, queue_buffer=queue_buffer,
+                         max_seqs=max_seqs)
+
+
+def run_both(profiles, arrival, prompt, output, replica, **env_kw):
+    env, params = env_for(profiles, **env_kw)
+    got = jaxserve.replay(env, params, jaxserve.Trace(arrival, prompt, output), actions=replica)
+    want = ref.simulate(arrival, prompt, output, replica, as_dicts(profiles))
+    return got, want
+
+
+def assert_same(got, want, atol=0.0):
+    np.testing.assert_array_equal(got["dropped"], want["dropped"])
+    ok = ~want["dropped"]
+    assert np.all(np.isnan(got["finish"][~ok])) and np.all(np.isnan(got["first_token"][~ok]))
+    np.testing.assert_allclose(got["first_token"][ok], want["first_token"][ok], rtol=0,
+                               atol=atol)
+    np.testing.assert_allclose(got["finish"][ok], want["finish"][ok], rtol=0, atol=atol)
+    np.testing.assert_array_equal(got["preemptions"], want["preemptions"])
+
+
+def dyadic_workload(rng, n=N_REQ, grid=(0.0, 0.0, 0.25, 0.5, 1.0)):
+    arrival = np.cumsum(rng.choice(grid, size=n))
+    prompt = rng.integers(1, 24, size=n)
+    output = rng.integers(1, 16, size=n)
+    return arrival, prompt, output
+
+
+EXACT_CONFIGS = [(True, 0.0), (False, 0.0), (True, 0.25), (False, 0.125)]
+
+
+def exact_case(seed, chunked, watermark):
+    rng = np.random.default_rng(100 * seed + int(chunked) * 10 + int(watermark * 8))
+    arrival, prompt, output = dyadic_workload(rng)
+    # 10-16 blocks of 4 tokens: a few requests fill the cache, so preemption is frequent.
+    profiles = [dyadic_replica(rng, chunked, watermark, kv_blocks=int(rng.integers(10, 17)))
+                for _ in range(2)]
+    return profiles, arrival, prompt, output, rng.integers(0, 2, size=N_REQ)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("chunked,watermark", EXACT_CONFIGS)
+def test_dyadic_matches_reference_exactly(seed, chunked, watermark):
+    profiles, arrival, prompt, output, replica = exact_case(seed, chunked, watermark)
+    got, want = run_both(profiles, arrival, prompt, output, replica)
+    assert_same(got, want)
+
+
+def test_exact_runs_cover_preemption_drops_and_never_fit():
+    """The dyadic workloads above do exercise every rule (guards against vacuous equality)."""
+    totals = np.zeros(3, int)
+    for seed in range(4):
+        for chunked, watermark in EXACT_CONFIGS:
+            profiles, arrival, prompt, output, replica = exact_case(seed, chunked, watermark)
+            want = ref.simulate(arrival, prompt, output, replica, as_dicts(profiles))
+            totals += [want["preemptions"].sum(),
+                       (want["dropped"] & ~want["never_fit"]).sum(), want["never_fit"].sum()]
+    assert np.all(totals > 0), totals
+
+
+def test_continuous_random_workloads_match_reference():
+    rng = np.random.default_rng(5)
+    n = N_REQ
+    arrival = np.cumsum(rng.exponential(0.2, size=n))
+    prompt = rng.integers(1, 300, size=n)
+    output = rng.integers(1, 60, size=n)
+    profiles = [ReplicaProfile(
+        c0=rng.uniform(0.005, 0.02), alpha=rng.uniform(1e-5, 1e-4), alpha2=rng.uniform(0, 1e-8),
+        beta=rng.uniform(0, 2e-3), gamma=rng.uniform(-1e-5, 1e-4), delta=rng.uniform(0, 1e-6),
+        kv_blocks=int(rng.integers(40, 80)), block_size=16, max_seqs=4,
+        max_tokens=int(rng.choice([256, 512])), chunked_prefill=bool(g % 2), watermark=0.01,
+        queue_cap=int(rng.integers(3, 8))) for g in range(2)]
+    replica = rng.integers(0, 2, size=n)
+    got, want = run_both(profiles, arrival, prompt, output, replica)
+    assert want["preemptions"].sum() > 0
+    # Spans here are < 100 s; float32 keeps them to ~1e-5 s.
+    assert_same(got, want, atol=1e-4)
+
+
+def test_long_episode_stays_exact():
+    """4000 requests over ~4000 s on the dyadic grid: the rebased float32 clock stays exact."""
+    rng = np.random.default_rng(11)
+    n = 4000
+    arrival, prompt, output = dyadic_workload(rng, n, grid=(0.0, 0.5, 1.0, 1.5, 2.0))
+    profiles = [dyadic_replica(rng, g == 0, 0.125, kv_blocks=24, queue_cap=6) for g in range(2)]
+    replica = rng.integers(0, 2, size=n)
+    got, want = run_both(profiles, arrival, prompt, output, replica)
+    assert arrival[-1] > 3000 and want["preemptions"].sum() > 0
+    assert_same(got, want)
+
+
+def test_ties_at_one_instant():
+    """Requests arriving together, and arrivals exactly at iteration ends, queue before the
+    next iteration is scheduled (MODEL.md event order)."""
+    prof = ReplicaProfile(c0=0.5, alpha=0.0625, alpha2=0.0, beta=0.0, gamma=0.0, delta=0.0,
+                          kv_blocks=64, block_size=4, max_seqs=4, max_tokens=64,
+                          chunked_prefill=True, watermark=0.0, queue_cap=4)
+    # Prefill of 8 tokens: 0.5 + 0.5 = 1.0 s; the third request arrives exactly then.
+    arrival = np.array([0.0, 0.0, 1.0, 1.0])
+    prompt = np.array([8, 8, 8, 8])
+    output = np.array([2, 2, 2, 1])
+    got, want = run_both([prof], arrival, prompt, output, np.zeros(4, int), max_seqs=4)
+    assert_same(got, want)
+    # Both first prefills ride one iteration (16 tokens: 0.5 + 1.0 = 1.5 s).
+    np.testing.assert_array_equal(got["first_token"][:2], [1.5, 1.5])
+
+
+def test_single_request_closed_form():
+    c0, alpha, alpha2, beta, gamma, delta = 0.25, 2 ** -6, 2 ** -10, 0.125, 2 ** -5, 2 ** -9
+    p, o, k = 40, 6, 16
+
+    def single(chunked):
+        prof = ReplicaProfile(c0=c0, alpha=alpha, alpha2=alpha2, beta=beta, gamma=gamma,
+                              delta=delta, kv_blocks=64, block_size=4, max_seqs=4,
+                              max_tokens=k if chunked else 64, chunked_prefill=chunked,
+                              watermark=0.0, queue_cap=4)
+        env, params = env_for([prof], max_seqs=4)
+        return jaxserve.replay(env, params, jaxserve.Trace([0.0], [p], [o]), actions=[0])
+
+    decode = sum(c0 + alpha + beta + gamma + delta * (p + g) for g in range(1, o))
+    whole = c0 + alpha * p + alpha2 * p * p
+    got = single(False)
+    assert got["first_token"][0] == whole and got["finish"][0] == whole + decode
+    chunks, comp = 0.0, 0
+    while comp < p:  # prefill in chunks of at most K tokens
+        n = min(k, p - comp)
+        chunks += c0 + alpha * n + alpha2 * n * (comp + n)
+        comp += n
+    got = single(True)
+    assert got["first_token"][0] == chunks and got["finish"][0] == chunks + decode
+
+
+def test_preemption_victim_is_last_admitted():
+    """Two requests fill a 4-block cache; decoding needs a fifth block: the later one is
+    preempted (recomputed later), the earlier one is not."""
+    prof = ReplicaProfile(c0=0.5, alpha=0.0625, kv_blocks=4, block_size=4, max_seqs=4,
+                          max_tokens=64, chunked_prefill=True, watermark=0.0, queue_cap=4)
+    arrival, prompt, output = np.array([0.0, 0.0]), np.array([7, 7]), np.array([4, 4])
+    got, want = run_both([prof], arrival, prompt, output, np.zeros(2, int), max_seqs=4)
+    assert_same(got, want)
+    np.testing.assert_array_equal(got["preemptions"], [0, 1])
+    assert got["finish"][0] < got["finish"][1]
+
+
+def test_max_seqs_one_is_mg1():
+    """`max_seqs = 1`, no chunking: one request at a time, FCFS, service time fixed by its
+    tokens, so Poisson arrivals give an M/G/1 queue. Mean wait (admission minus arrival) against
+    Pollaczek-Khinchine `lambda E[S^2] / (2 (1 - rho))` at rho ~ 0.6, 6000 requests: the
+    relative error of a waiting-time mean over this many M/G/1 requests is a few percent
+    (batch-means estimate below); we allow 15%."""
+    c0, alpha, beta, delta = 0.01, 1e-4, 0.002, 1e-6
+    prof = ReplicaProfile(c0=c0, alpha=alpha, beta=beta, delta=delta, kv_blocks=4096,
+                          block_size=16, max_seqs=1, max_tokens=4096, chunked_prefill=False,
+                          watermark=0.0, queue_cap=256)
+    rng = np.random.default_rng(3)
+    n = 6000
+    prompt = rng.integers(1, 400, size=n)
+    output = rng.integers(1, 20, size=n)
+    prefill = c0 + alpha * prompt
+    decodes = np.array([sum(c0 + alpha + beta + delta * (p + g) for g in range(1, o))
+                        for p, o in zip(prompt, output)])
+    service = prefill + decodes
+    lam = 0.6 / service.mean()
+    arrival = np.cumsum(rng.exponential(1.0 / lam, size=n))
+    env, params = env_for([prof], queue_buffer=256, max_seqs=1)
+    got = jaxserve.replay(env, params, jaxserve.Trace(arrival, prompt, output),
+                          actions=np.zeros(n, int))
+    assert not got["dropped"].any()
+    np.testing.assert_allclose(got["finish"] - got["first_token"], decodes, rtol=1e-4,
+                               atol=1e-4)
+    wait = got["first_token"] - prefill - arrival
+    rho = lam * service.mean()
+    pk = lam * np.mean(service ** 2) / (2 * (1 - rho))
+    batch_means = wait[: n // 20 * 20].reshape(20, -1).mean(1)
+    stderr = batch_means.std(ddof=1) / math.sqrt(20)
+    assert stderr < 0.1 * pk  # the tolerance below is several standard errors
+    assert abs(wait.mean() - pk) < 0.15 * pk, (wait.mean(), pk, stderr)
+
+
+def test_conservation_and_invariants_every_step():
+    """Stepping LLMRouting-v0 under overload with a tiny KV cache: at every step
+    arrived = completed + waiting + running + dropped, the KV cache is never over-committed,
+    running plus preempted-waiting never exceeds max_seqs, and fresh waiting <= queue_cap."""
+    prof = [replica_profile("opt13b-a100-80g", kv_blocks=200, max_seqs=8, queue_cap=6),
+            replica_profile("opt13b-a100-40g", kv_blocks=120, max_seqs=8, queue_cap=6,
+                            chunked_prefill=False)]
+    env, params = jaxserve.make("LLMRouting-v0", replicas=prof, arrival_rate=40.0,
+                                max_steps_in_episode=10_000)
+    _, state = env.reset(jax.random.PRNGKey(0), params)
+
+    def step(carry, k):
+        state, tot = carry
+        k_a, k_s = jax.random.split(k)
+        a = jax.random.randint(k_a, (), 0, 2)
+        _, state, _, _, info = env.step_env(k_s, state, a, params)
+        tot = tot + jnp.stack([info["arrived"], info["completed"], info["dropped"],
+                               info["preemptions"]])
+        c = state.cluster
+        row = jnp.concatenate([tot, jnp.stack([c.queues.count.sum(), c.run.count.sum()]),
+                               CB.kv_used(c, params.gpus), c.run.count + c.q_preempted,
+                               c.queues.count - c.q_preempted])
+        return (state, tot), row
+
+    _, rows = jax.jit(lambda s, ks: jax.lax.scan(step, (s, jnp.zeros(4, jnp.int32)), ks))(
+        state, jax.random.split(jax.random.PRNGKey(1), 600))
+    rows = np.asarray(rows)
+    arrived, completed, dropped, preempted, waiting, running = rows[:, :6].T
+    np.testing.assert_array_equal(arrived, completed + waiting + running + dropped)
+    assert dropped[-1] > 0 and preempted[-1] > 0 and completed[-1] > 0
+    assert np.all(rows[:, 6:8] <= np.array([200, 120]))
+    assert np.all(rows[:, 8:10] <= 8) and np.all(rows[:, 10:12] <= 6)
+
+
+def test_reference_conserves_requests():
+    rng = np.random.default_rng(2)
+    arrival, prompt, output = dyadic_workload(rng)
+    profiles = [dyadic_replica(rng, True, 0.0, kv_blocks=12) for _ in range(2)]
+    seen = []
+
+    def check(t, arrived, completed, waiting, running, dropped):
+        seen.append(t)
+        assert arrived == completed + waiting + running + dropped
+
+    ref.simulate(arrival, prompt, output, rng.integers(0, 2, size=N_REQ), as_dicts(profiles),
+                 check=check)
+    assert len(seen) > N_REQ
+
+
+def test_profiles_and_validation():
+    prof = replica_profile("opt13b-a100-80g")
+    assert prof.kv_blocks == kv_blocks_for(40, 5120, 80.0, 25.7) == 3379
+    assert replica_profile("opt13b-a100-40g").kv_blocks == 633
+    # A decode-only iteration of B sequences reproduces DistServe's decode fit (ms).
+    b, ctx = 8, 8 * 600
+    t = prof.c0 + prof.beta + (prof.alpha + prof.gamma) * b + prof.delta * ctx
+    assert abs(t * 1e3 - (19.93 + 6.27e-4 * ctx + 0.0385 * b)) < 1e-9
+    stacked = stack_replicas([prof, prof])
+    assert stacked.kv_blocks.shape == (2,) and stacked.chunked_prefill.dtype == jnp.bool_
+    with pytest.raises(ValueError, match="gamma must be >= -alpha"):
+        validate_replica(ReplicaProfile(alpha=1e-4, gamma=-1e-3))
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        validate_replica(ReplicaProfile(block_size=0))
+    with pytest.raises(ValueError, match="watermark"):
+        validate_replica(ReplicaProfile(watermark=1.0))
+    with pytest.raises(ValueError, match="unknown replica profile"):
+        replica_profile("nope")
+    with pytest.raises(ValueError, match="max_seqs"):
+        env_for([ReplicaProfile(max_seqs=8)], max_seqs=4)
