@@ -1,6 +1,7 @@
 """jaxserve: JAX-native reinforcement-learning environments for ML/LLM inference serving."""
 
 from jaxserve.core.types import GPUProfile, Trace, stack_profiles
+from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.envs import make, register, registered_envs
 from jaxserve.evaluation.replay import replay
 from jaxserve.evaluation import capacity, evaluate, evaluate_many
@@ -9,4 +10,5 @@ from jaxserve import policies
 __all__ = ["GPUProfile", "Trace", "make", "register", "registered_envs", "replay",
            "stack_profiles"]
 __all__ += ["capacity", "evaluate", "evaluate_many", "policies"]
+__all__ += ["ReplicaProfile", "replica_profile", "stack_replicas"]
 __version__ = "0.1.0"

@@ -24,8 +24,9 @@ Named profiles (`replica_profile(name)`), sources:
   `alpha + gamma = 0.0385 ms` (`gamma = -0.0634 ms`), `delta = 6.27e-4 ms`.
   KV blocks from `kv_blocks_for`: 40 layers, hidden 5120, fp16 (800 KiB per token), 80 GB at
   vLLM's `gpu_memory_utilization = 0.9`, 25.7 GB of weights (12.85e9 params, fp16), 2 GB kept
-  for activations -> 3385 blocks of 16 tokens (54,160 tokens).
-* `opt13b-a100-40g`: the same coefficients with a 40 GB card's KV cache (1178 blocks).
+  for activations -> 3379 blocks of 16 tokens (54,064 tokens).
+* `opt13b-a100-40g`: the same coefficients with a 40 GB card's KV cache (633 blocks: 8.3 GB
+  left after weights and activations at 0.9 utilisation).
   DERIVED, not measured: A100-40GB has less memory bandwidth (1.56 vs 2.04 TB/s), so its
   decode is slower than this profile says.
 

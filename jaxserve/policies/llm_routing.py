@@ -1,0 +1,110 @@
+"""Routing heuristics for LLMRouting-v0 (continuous-batching replicas).
+
+Same signature as every jaxserve policy: `policy(key, obs, state, params) -> int32 replica`,
+pure JAX, jit- and vmap-safe. They read only what a real router knows: the pending request's
+prompt and output *estimate*, each replica's waiting and running counts, KV blocks in use and
+estimated tokens in flight; never true output lengths.
+
+Replicas where the request would be dropped (queue holding `queue_cap` fresh requests, or the
+request can never fit its KV cache / token budget) are skipped, unless every replica would
+drop it. Ties go to the lowest index (`argmin`). Not registered in `policies.registry`, whose
+"routing" kind means Routing-v0; `POLICIES` maps names to the functions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.core import continuous as CB
+
+
+def in_system(state) -> jax.Array:
+    """Requests at each replica, waiting plus running, `(R,)` int32."""
+    c = state.cluster
+    return c.queues.count + c.run.count
+
+
+def would_drop(state, params) -> jax.Array:
+    """Whether routing the pending request to each replica drops it, `(R,)` bool."""
+    c, prof, req = state.cluster, params.gpus, state.pending
+    full = (c.queues.count - c.q_preempted) >= prof.queue_cap
+    return full | CB.never_fits(prof, req.prompt, req.estimate)
+
+
+def _argmin_open(cost, state, params) -> jax.Array:
+    bad = would_drop(state, params)
+    cost = jnp.where(bad & ~bad.all(), jnp.inf, cost)
+    return jnp.argmin(cost).astype(jnp.int32)
+
+
+def random_policy(key, obs, state, params):
+    """Uniformly random replica."""
+    return jax.random.randint(key, (), 0, state.cluster.num_replicas, dtype=jnp.int32)
+
+
+def round_robin(key, obs, state, params):
+    """Request `i` to replica `i mod R`."""
+    return (state.pending.req_id % state.cluster.num_replicas).astype(jnp.int32)
+
+
+def jsq_requests(key, obs, state, params):
+    """Fewest requests waiting plus running."""
+    return _argmin_open(in_system(state), state, params)
+
+
+def jsq_tokens(key, obs, state, params):
+    """Fewest estimated tokens in flight (`continuous.tokens_in_flight`), relative to the
+    replica's KV capacity in tokens (a larger cache drains more tokens at once)."""
+    prof = params.gpus
+    cap = (prof.kv_blocks * prof.block_size).astype(jnp.float32)
+    return _argmin_open(CB.tokens_in_flight(state.cluster) / cap, state, params)
+
+
+def least_kv(key, obs, state, params):
+    """Smallest fraction of KV blocks in use; ties broken by fewer requests."""
+    frac = CB.kv_used(state.cluster, params.gpus) / params.gpus.kv_blocks
+    return _argmin_open(frac + 1e-6 * in_system(state), state, params)
+
+
+def vllm_dp(key, obs, state, params):
+    """vLLM's data-parallel load-balancing score: `4 * waiting + running`, the lowest wins."""
+    c = state.cluster
+    return _argmin_open(4 * c.queues.count + c.run.count, state, params)
+
+
+def power_of_two(key, obs, state, params):
+    """Two distinct replicas drawn uniformly; the one with fewer requests (first on ties)."""
+    n = state.cluster.num_replicas
+    k1, k2 = jax.random.split(key)
+    i = jax.random.randint(k1, (), 0, n, dtype=jnp.int32)
+    j = (i + jax.random.randint(k2, (), 1, max(n, 2), dtype=jnp.int32)) % n
+    count = in_system(state)
+    return jnp.where(count[j] < count[i], j, i).astype(jnp.int32)
+
+
+def make_sita_prompt(threshold: float = 512.0):
+    """SITA by prompt length: prompts `<= threshold` tokens go to the replicas with the smaller
+    KV caches, longer ones to the replicas with the largest (`kv_blocks * block_size` at least
+    the median); within a group, fewest requests. With identical replicas both groups are all
+    replicas (plain JSQ)."""
+
+    def sita_prompt(key, obs, state, params):
+        prof = params.gpus
+        cap = (prof.kv_blocks * prof.block_size).astype(jnp.float32)
+        big = cap >= jnp.median(cap)
+        small = ~big | big.all()
+        group = jnp.where(state.pending.prompt > threshold, big, small)
+        ok = group & ~would_drop(state, params)
+        use = jnp.where(ok.any(), ok, ~would_drop(state, params) | would_drop(state, params).all())
+        return jnp.argmin(jnp.where(use, in_system(state), jnp.iinfo(jnp.int32).max)).astype(
+            jnp.int32)
+
+    return sita_prompt
+
+
+sita_prompt = make_sita_prompt()
+
+POLICIES = {"random": random_policy, "round_robin": round_robin, "jsq_requests": jsq_requests,
+            "jsq_tokens": jsq_tokens, "least_kv": least_kv, "vllm_dp": vllm_dp,
+            "power_of_two": power_of_two, "sita_prompt": sita_prompt}
