@@ -67,6 +67,9 @@ class _Replica:
         self.stalled = False
         self.iterations = 0
         self.preemptions = 0
+        self.busy = 0.0  # seconds spent in iterations
+        self.kv_block_s = 0.0  # integral of blocks held during iterations
+        self.kv_peak = 0
 
     def blocks(self, tokens):
         return -(-tokens // self.b)
@@ -138,6 +141,12 @@ class _Replica:
         self.scheduled = sched
         self.end = t + T
         self.iterations += 1
+        # Blocks held during the iteration: every running request's, after its new tokens.
+        n_of = {id(r): n for r, n in sched}
+        blocks = sum(self.blocks(r.C + n_of.get(id(r), 0)) for r in self.running)
+        self.busy += T
+        self.kv_block_s += blocks * T
+        self.kv_peak = max(self.kv_peak, blocks)
 
     def finish_iteration(self, t):
         for r, n in self.scheduled:
@@ -164,7 +173,8 @@ def simulate(arrival, prompt, output, replica, profiles, check=None):
 
     Returns:
       dict of arrays: `first_token`, `finish` (NaN if dropped), `dropped`, `never_fit`,
-      `preemptions`; and `iterations`, `replica_preemptions` per replica.
+      `preemptions`; and per replica `iterations`, `replica_preemptions`, `busy` (s),
+      `kv_block_s` (blocks held during iterations, integrated over time) and `kv_peak`.
     """
     n = len(arrival)
     reqs = [_Req(i, float(arrival[i]), int(prompt[i]), int(output[i])) for i in range(n)]
@@ -209,4 +219,7 @@ def simulate(arrival, prompt, output, replica, profiles, check=None):
         "preemptions": np.array([r.pre for r in reqs], np.int64),
         "iterations": np.array([rp.iterations for rp in reps]),
         "replica_preemptions": np.array([rp.preemptions for rp in reps]),
+        "busy": np.array([rp.busy for rp in reps]),
+        "kv_block_s": np.array([rp.kv_block_s for rp in reps]),
+        "kv_peak": np.array([rp.kv_peak for rp in reps]),
     }

@@ -99,6 +99,50 @@ def test_exact_runs_cover_preemption_drops_and_never_fit():
     assert np.all(totals > 0), totals
 
 
+def test_per_replica_counters_match_reference():
+    """Iterations, preemptions, busy time, KV block-seconds and peak KV use of each replica,
+    from the environment's state after a drained trace episode."""
+    from jaxserve.envs import common
+
+    profiles, arrival, prompt, output, replica = exact_case(1, True, 0.0)
+    want = ref.simulate(arrival, prompt, output, replica, as_dicts(profiles))
+    env, params = env_for(profiles)
+    env = env.replace_static(trace_len=N_REQ)
+    params = params.replace(trace=common.trace_arrays(jaxserve.Trace(arrival, prompt, output)),
+                            max_steps_in_episode=jnp.int32(10 * N_REQ))
+
+    @jax.jit
+    def go(key, actions):
+        _, state = env.reset_env(key, params)
+
+        def step(state, x):
+            k, a = x
+            _, state, _, _, info = env.step_env(k, state, a, params)
+            return state, info
+
+        return jax.lax.scan(step, state, (jax.random.split(key, N_REQ), actions))
+
+    state, info = go(jax.random.PRNGKey(0), jnp.asarray(replica, jnp.int32))
+    c = state.cluster
+    assert int(c.queues.count.sum() + c.run.count.sum()) == 0  # the last step drained
+    np.testing.assert_array_equal(c.iterations, want["iterations"])
+    np.testing.assert_array_equal(c.preemptions, want["replica_preemptions"])
+    np.testing.assert_array_equal(c.kv_peak, want["kv_peak"])
+    np.testing.assert_allclose(c.busy, want["busy"], rtol=1e-6)
+    np.testing.assert_allclose(c.kv_block_s, want["kv_block_s"], rtol=1e-6)
+    assert int(info["preemptions"].sum()) == want["preemptions"].sum()
+    assert int(info["completed"].sum()) == (~want["dropped"]).sum()
+    ok = ~want["dropped"]
+    np.testing.assert_allclose(float(info["ttft_sum"].sum()),
+                               (want["first_token"] - arrival)[ok].sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(info["latency_sum"].sum()),
+                               (want["finish"] - arrival)[ok].sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(info["busy_time"].sum()), want["busy"].sum(), rtol=1e-6)
+    # Time-in-system of the drained episode is the summed latency of completed requests.
+    np.testing.assert_allclose(float(info["in_system_time"].sum()),
+                               (want["finish"] - arrival)[ok].sum(), rtol=1e-6)
+
+
 def test_continuous_random_workloads_match_reference():
     rng = np.random.default_rng(5)
     n = N_REQ
