@@ -155,6 +155,12 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
+def _cumsum(x: jax.Array) -> jax.Array:
+    """Inclusive prefix sum over the last axis (a log-depth scan: XLA:CPU lowers `cumsum` to a
+    quadratic `reduce_window`)."""
+    return jax.lax.associative_scan(jnp.add, x, axis=x.ndim - 1)
+
+
 def watermark_blocks(prof: ReplicaProfile) -> jax.Array:
     """`floor(w * M)`, blocks kept free at admission. int32.
 
@@ -207,15 +213,13 @@ def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Arra
     return rep, ~accepted, never
 
 
-def _slots_before_head(q: Q.Queues, k: jax.Array, width: int) -> jax.Array:
-    """Slots the `k[r]` positions just before each queue's head take, in queue order.
-
-    `(R, width)` int32; entries `j >= k[r]` hold `capacity` (out of range: scatters with
-    `mode="drop"` skip them).
-    """
-    offs = jnp.arange(width, dtype=jnp.int32)[None, :]
-    slots = (q.head[:, None] - k[:, None] + offs) % q.capacity
-    return jnp.where(offs < k[:, None], slots, q.capacity)
+def _front_fill(arr: jax.Array, start: jax.Array, k: jax.Array, vals: jax.Array) -> jax.Array:
+    """Ring buffer `arr` `(R, W)` with `vals[:, j]` written at slot `(start + j) mod W` for
+    `j < k[r]`, by gathers (no scatter: XLA:CPU scatters are several times slower)."""
+    w, width = arr.shape[-1], vals.shape[-1]
+    j = (jnp.arange(w, dtype=jnp.int32)[None, :] - start[:, None]) % w
+    v = jnp.take_along_axis(vals, jnp.minimum(j, width - 1), -1)
+    return jnp.where(j < k[:, None], v.astype(arr.dtype), arr)
 
 
 def _push_front(q: Q.Queues, k: jax.Array, reqs: Q.Request) -> Q.Queues:
@@ -225,20 +229,16 @@ def _push_front(q: Q.Queues, k: jax.Array, reqs: Q.Request) -> Q.Queues:
     are stored the way `queues.push` stores them (against the queue's time offset, if any).
     """
     width = reqs.arrival.shape[-1]
-    slots = _slots_before_head(q, k, width)
-    rows = jnp.arange(q.head.shape[0], dtype=jnp.int32)[:, None]
+    head = (q.head - k) % q.capacity
     mask = jnp.arange(width)[None, :] < k[:, None]
     offset = getattr(q, "offset", None)
     arrival = reqs.arrival if offset is None else reqs.arrival - offset[:, None]
-
-    def put(arr, v):
-        return arr.at[rows, slots].set(v.astype(arr.dtype), mode="drop")
-
+    put = lambda arr, v: _front_fill(arr, head, k, v)  # noqa: E731
     return q.replace(
         arrival=put(q.arrival, arrival), prompt=put(q.prompt, reqs.prompt),
         output=put(q.output, reqs.output), estimate=put(q.estimate, reqs.estimate),
         req_id=None if q.req_id is None else put(q.req_id, reqs.req_id),
-        head=(q.head - k) % q.capacity, count=q.count + k,
+        head=head, count=q.count + k,
         estimate_sum=q.estimate_sum + jnp.where(mask, reqs.estimate, 0.0).sum(-1))
 
 
@@ -270,16 +270,19 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
     big_k = prof.max_tokens[:, None]
     length = run.prompt + run.gen
     rem = jnp.where(valid, length - run.comp, 0)
-    n = jnp.clip(big_k - (jnp.cumsum(rem, -1) - rem), 0, rem)
+    n = jnp.clip(big_k - (_cumsum(rem) - rem), 0, rem)
     held = jnp.where(valid, _cdiv(run.comp, b), 0)
     need = jnp.where(n > 0, _cdiv(run.comp + n, b) - held, 0)
-    demand = jnp.cumsum(need, -1)
+    demand = _cumsum(need)
     free0 = prof.kv_blocks - held.sum(-1)
-    suffix = jnp.concatenate([jnp.cumsum(held[:, ::-1], -1)[:, ::-1],
+    suffix = jnp.concatenate([_cumsum(held[:, ::-1])[:, ::-1],
                               jnp.zeros((r_n, 1), jnp.int32)], -1)  # (R, S+1): H(e)
+    # H is non-increasing in e; e > count is excluded with a huge negative H.
     e_ok = jnp.arange(s_n + 1)[None, :] <= run.count[:, None]
-    fits = suffix[:, None, :] >= (demand - free0[:, None])[:, :, None]
-    big_e = (fits & e_ok[:, None, :]).sum(-1) - 1  # (R, S)
+    h_neg = jnp.where(e_ok, -suffix, jnp.int32(2 ** 30))  # non-decreasing
+    x_neg = free0[:, None] - demand
+    big_e = jax.vmap(lambda h, x: jnp.searchsorted(h, x, side="right", method="scan"))(
+        h_neg, x_neg).astype(jnp.int32) - 1  # (R, S): #{e <= count: H(e) >= D_i - F} - 1
     sched = (n > 0) & (big_e > idx)
     s = sched.sum(-1)
     n_at_s = jnp.take_along_axis(n, jnp.minimum(s, s_n - 1)[:, None], -1)[:, 0]
@@ -302,16 +305,16 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
     w_pre = jnp.take_along_axis(rep.q_pre, w_slots, -1)
     w_prompt = win.prompt.astype(jnp.int32)
     w_len = jnp.where(w_valid, w_prompt + w_gen, 0)
-    k_j = k1[:, None] - (jnp.cumsum(w_len, -1) - w_len)
+    k_j = k1[:, None] - (_cumsum(w_len) - w_len)
     chunk = prof.chunked_prefill[:, None]
     w_n = jnp.where(chunk, jnp.minimum(w_len, k_j), w_len)
     w_blocks = _cdiv(w_n, b)
-    free_j = free1[:, None] - (jnp.cumsum(w_blocks, -1) - w_blocks)
+    free_j = free1[:, None] - (_cumsum(w_blocks) - w_blocks)
     ok = (w_valid & (idx < (prof.max_seqs - run.count)[:, None]) & (k_j > 0)
           & (chunk | (w_len <= k_j))
           & (free_j - w_blocks >= watermark_blocks(prof)[:, None])
           & ~preempted[:, None] & go[:, None])
-    admit = jnp.cumprod(ok.astype(jnp.int32), -1).astype(jnp.bool_)
+    admit = _cumsum((~ok).astype(jnp.int32)) == 0
     a = admit.sum(-1).astype(jnp.int32)
 
     # Victims [keep, count) back to the front of the queue, in admission order.
@@ -320,20 +323,20 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
     victims = Q.Request(arrival=take(run.arrival), prompt=take(run.prompt),
                         output=take(run.output), estimate=take(run.estimate),
                         size_class=jnp.zeros_like(v_idx), req_id=take(run.req_id))
-    f_slots = _slots_before_head(q, npre, s_n)
-    rows = jnp.arange(r_n)[:, None]
-    q_gen = rep.q_gen.at[rows, f_slots].set(take(run.gen), mode="drop")
-    q_pre = rep.q_pre.at[rows, f_slots].set(take(run.pre) + 1, mode="drop")
+    new_head = (q.head - npre) % q.capacity
+    q_gen = _front_fill(rep.q_gen, new_head, npre, take(run.gen))
+    q_pre = _front_fill(rep.q_pre, new_head, npre, take(run.pre) + 1)
     queues = _push_front(q, npre, victims)
     adm_est = jnp.where(admit, win.estimate, 0.0).sum(-1)
     queues = Q.pop_front(queues, a, jnp.zeros((r_n,), jnp.float32), adm_est)
 
     # Admitted requests join the running slots after the survivors.
     count1 = jnp.where(go, keep, run.count)
-    dest = jnp.where(admit, count1[:, None] + idx, s_n)
+    src = jnp.clip(idx - count1[:, None], 0, s_n - 1)
+    new = (idx >= count1[:, None]) & (idx < (count1 + a)[:, None])
 
     def put(arr, v):
-        return arr.at[rows, dest].set(v.astype(arr.dtype), mode="drop")
+        return jnp.where(new, jnp.take_along_axis(v, src, -1).astype(arr.dtype), arr)
 
     new_run = Running(
         arrival=put(run.arrival, win.arrival), prompt=put(run.prompt, win.prompt),
@@ -410,12 +413,15 @@ def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dic
                                                                   mode="drop"))
     # Compact: the survivors keep their admission order.
     keep = (idx < run.count[:, None]) & ~done
-    dest = jnp.where(keep, jnp.cumsum(keep, -1) - 1, s_n)
+    dest = jnp.where(keep, _cumsum(keep.astype(jnp.int32)) - 1, s_n)
     rows = jnp.arange(run.arrival.shape[0])[:, None]
+    # One scatter of indices (slot j takes survivor src[j]), then gathers of every field.
+    ident = jnp.broadcast_to(idx, keep.shape)
+    src = ident.at[rows, dest].set(ident, mode="drop")
     upd = run.replace(comp=comp, gen=gen, sched=jnp.zeros_like(run.sched))
 
     def compact(x):
-        return jnp.zeros_like(x).at[rows, dest].set(x, mode="drop")
+        return jnp.take_along_axis(x, src, -1)
 
     fields = {f: compact(getattr(upd, f)) for f in
               ("arrival", "prompt", "output", "estimate", "req_id", "gen", "comp", "pre", "sched")}
