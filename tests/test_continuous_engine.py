@@ -331,3 +331,20 @@ def test_profiles_and_validation():
         replica_profile("nope")
     with pytest.raises(ValueError, match="max_seqs"):
         env_for([ReplicaProfile(max_seqs=8)], max_seqs=4)
+
+
+def test_ttft_tpot_goodput():
+    from jaxserve.evaluation.llm_metrics import request_metrics, slo_attainment
+
+    res = {"arrival": np.array([0.0, 1.0, 2.0, 3.0]),
+           "first_token": np.array([0.5, 2.0, np.nan, 3.25]),
+           "finish": np.array([2.5, 2.0, np.nan, 4.25]),
+           "dropped": np.array([False, False, True, False])}
+    out = np.array([5, 1, 3, 2])
+    m = request_metrics(res, out)
+    np.testing.assert_array_equal(m["ttft"][[0, 1, 3]], [0.5, 1.0, 0.25])
+    np.testing.assert_array_equal(m["tpot"][[0, 3]], [0.5, 1.0])
+    assert np.isnan(m["tpot"][1]) and np.isnan(m["e2e"][2])
+    s = slo_attainment(res, out, slo_ttft=0.75, slo_tpot=0.5)
+    np.testing.assert_array_equal(s["met"], [True, False, False, False])
+    assert s["attainment"] == 0.25 and s["span_s"] == 4.25 and s["goodput"] == 1 / 4.25
