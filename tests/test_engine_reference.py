@@ -155,3 +155,43 @@ def test_batching_env_matches_reference(threshold):
     np.testing.assert_array_equal(got_start[ok], want["start"][ok])
     np.testing.assert_array_equal(got_start[ok] + np.asarray(log.service, np.float64)[ok],
                                   want["finish"][ok])
+
+
+def test_vmapped_replays_take_the_compacted_path_and_match_reference_exactly():
+    """Under `vmap` the event loop is lane-compacted (`cluster._advance_lanes`); run six dyadic
+    workloads (different arrivals, sizes, routings and profiles) as one batch and require
+    each to match the reference exactly, as the single-environment path does."""
+    import importlib
+
+    from jaxserve.evaluation.evaluate import trace_env
+    R = importlib.import_module("jaxserve.evaluation.replay")  # the module, not the function
+
+    n, num_gpus, batch = 120, 3, 6
+    cases = []
+    for seed in range(batch):
+        rng = np.random.default_rng(500 + seed)
+        arrival = np.cumsum(rng.choice([0.0, 0.0, 0.25, 0.5, 1.0], size=n))
+        prompt = rng.integers(1, 64, size=n)
+        output = rng.integers(1, 24, size=n)
+        mb = rng.choice([1, 4, 16], size=num_gpus)
+        profiles = dyadic_profiles(rng, num_gpus, mb, rng.choice([0.0, 0.5, 2.0], num_gpus))
+        cases.append((profiles, arrival, prompt, output, rng.integers(0, num_gpus, size=n)))
+    # One static configuration for all: the largest batch and queue of any case.
+    big = [p.replace(max_batch=16, queue_cap=5) for p in cases[0][0]]
+    env, _ = jaxserve.make("Routing-v0", gpus=big)
+    env = trace_env(env, n)
+    params = []
+    for profiles, arrival, prompt, output, _ in cases:
+        _, p = jaxserve.make("Routing-v0", gpus=profiles)
+        params.append(p.replace(trace=common.trace_arrays(jaxserve.Trace(arrival, prompt,
+                                                                         output))))
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *params)
+    actions = jnp.asarray(np.stack([c[4] for c in cases]), jnp.int32)
+    keys = jax.random.split(jax.random.PRNGKey(0), batch)
+    run = jax.jit(jax.vmap(lambda k, p, a: R._run_actions(env, k, p, a)))
+    log, dropped = run(keys, stacked, actions)
+    for b, (profiles, arrival, prompt, output, gpu) in enumerate(cases):
+        got = R.per_request_log(jaxserve.Trace(arrival, prompt, output), gpu,
+                                jax.tree.map(lambda x: x[b], log), dropped[b])
+        want = ref.simulate(arrival, prompt, output, gpu, profile_dicts(profiles))
+        assert_same_schedule(got, want, atol=0.0)

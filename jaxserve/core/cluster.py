@@ -3,7 +3,8 @@
 Event-driven and exact (`shared/MODEL.md`): the engine jumps from event to event (batch
 completions, dispatches) with `lax.while_loop`; there is no time step. Between two arrivals
 the GPUs evolve independently, so `advance_static` moves every GPU to the next arrival instant
-at once, vectorised over GPUs.
+at once: vectorised over GPUs for one environment, and lane-compacted over (environment, GPU)
+pairs under `vmap` (see `advance_static`).
 
 Clock: all stored times are relative to the current decision instant, which is time 0.
 `rebase(cluster, dt)` moves the origin forward after each step, so float32 times stay as precise
@@ -135,31 +136,88 @@ def route(cluster: Cluster, gpus: GPUProfile, req: Q.Request, gpu: jax.Array):
     return cluster.replace(queues=queues), ~accepted
 
 
+def _completion_terms(s: Servers, due: jax.Array):
+    """What the batches ending where `due` credit, per GPU: (completed, latency, SLO met, busy).
+
+    Busy time counts from the window's start (`max(run_start, 0)`), in seconds.
+    """
+    return (jnp.where(due, s.run_count, 0), jnp.where(due, s.run_latency_sum, 0.0),
+            jnp.where(due, s.run_slo_met, 0),
+            jnp.where(due, s.free_at - jnp.maximum(s.run_start, 0.0), 0.0))
+
+
+def _clear_completed(s: Servers, due: jax.Array) -> Servers:
+    return s.replace(run_count=jnp.where(due, 0, s.run_count),
+                     run_estimate=jnp.where(due, 0.0, s.run_estimate))
+
+
 def complete_due(cluster: Cluster, due: jax.Array, metrics: StepMetrics):
     """Ends the running batch of every GPU where `due` (its end time `free_at` has come).
 
     Credits the batch's requests to `metrics`: completions, latency, SLO and busy time since
     the window's start. Time-in-system is left to the caller's event loop.
     """
-    s = cluster.servers
-    k = jnp.where(due, s.run_count, 0)
-    busy = jnp.where(due, s.free_at - jnp.maximum(s.run_start, 0.0), 0.0)
-    metrics = metrics.replace(
-        completed=metrics.completed + k.sum(),
-        latency_sum=metrics.latency_sum + jnp.where(due, s.run_latency_sum, 0.0).sum(),
-        slo_met=metrics.slo_met + jnp.where(due, s.run_slo_met, 0).sum(),
-        busy_time=metrics.busy_time + busy.sum())
-    servers = s.replace(run_count=jnp.where(due, 0, s.run_count),
-                        run_estimate=jnp.where(due, 0.0, s.run_estimate))
-    return cluster.replace(servers=servers), metrics
+    completed, latency, met, busy = _completion_terms(cluster.servers, due)
+    metrics = metrics.replace(completed=metrics.completed + completed.sum(),
+                              latency_sum=metrics.latency_sum + latency.sum(),
+                              slo_met=metrics.slo_met + met.sum(),
+                              busy_time=metrics.busy_time + busy.sum())
+    return cluster.replace(servers=_clear_completed(cluster.servers, due)), metrics
+
+
+def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win):
+    """Starts, where `go`, a batch of the first `k` requests of each queue window.
+
+    Row-wise over GPUs (or lanes): `s`, `gpus`, `go`, `k`, `start` have shape `(R,)`; `valid` and
+    `win`'s `arrival` (relative, s), `prompt`, `output`, `estimate` are `(R, W)` windows at the
+    queues' heads; `slo_s` is a scalar or `(R,)`. Requires `k <= W` and an idle GPU where `go`.
+    The batch's service time follows `service.batch_service_time`; its requests' latencies are
+    known now and stored with it.
+
+    Returns:
+      (servers, member mask `(R, W)`, service time `(R,)`, popped work shares, popped estimates).
+    """
+    member = valid & (jnp.arange(win.arrival.shape[-1])[None, :] < k[:, None])
+    prompt = jnp.where(member, win.prompt, 0.0)
+    sum_p = prompt.sum(-1)
+    sum_p2 = (prompt * prompt).sum(-1)
+    max_o = jnp.where(member, win.output, 0.0).max(-1)
+    est_o = jnp.where(member, win.estimate, 0.0)
+    service = batch_service_time(gpus, k, sum_p, sum_p2, max_o)
+    est_service = batch_service_time(gpus, k, sum_p, sum_p2, est_o.max(-1))
+    finish = start + service
+    latency = finish[:, None] - win.arrival
+    slo = jnp.asarray(slo_s)
+    slo = slo[..., None] if slo.ndim else slo
+    servers = s.replace(
+        free_at=jnp.where(go, finish, s.free_at),
+        run_start=jnp.where(go, start, s.run_start),
+        run_count=jnp.where(go, k, s.run_count),
+        run_latency_sum=jnp.where(go, jnp.where(member, latency, 0.0).sum(-1),
+                                  s.run_latency_sum),
+        run_slo_met=jnp.where(go, (member & (latency <= slo)).sum(-1).astype(jnp.int32),
+                              s.run_slo_met),
+        run_estimate=jnp.where(go, est_o.sum(-1), s.run_estimate),
+        est_end=jnp.where(go, start + est_service, s.est_end),
+        batches=s.batches + go.astype(jnp.int32))
+    shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), win.prompt, win.estimate)
+    return servers, member, service, jnp.where(member, shares, 0.0).sum(-1), est_o.sum(-1)
+
+
+def _write_log(log: RequestLog, index, member, wait, service, batch) -> RequestLog:
+    """Writes each member's schedule at `index` in the log; others (and overflow) are dropped."""
+    idx = jnp.where(member, index, log.wait.shape[0]).ravel()
+    put = lambda a, v: a.at[idx].set(jnp.broadcast_to(v, member.shape).ravel(),  # noqa: E731
+                                     mode="drop")
+    return RequestLog(wait=put(log.wait, wait), service=put(log.service, service),
+                      batch=put(log.batch, batch))
 
 
 def dispatch(cluster: Cluster, gpus: GPUProfile, go: jax.Array, k: jax.Array, start: jax.Array,
              slo_s: jax.Array, log: RequestLog | None = None):
     """Starts a batch of the first `k[g]` waiting requests at time `start[g]` where `go[g]`.
 
-    Requires `1 <= k <= count` and an idle GPU where `go`. The batch's service time follows
-    `service.batch_service_time`; its requests' latencies are known now and stored with it.
+    Requires `1 <= k <= count` and an idle GPU where `go`. See `_start_batches`.
 
     Returns:
       (cluster, log).
@@ -167,42 +225,20 @@ def dispatch(cluster: Cluster, gpus: GPUProfile, go: jax.Array, k: jax.Array, st
     q, s = cluster.queues, cluster.servers
     k = jnp.where(go, jnp.minimum(k, cluster.window), 0)
     valid, win = Q.front(q, cluster.window)
-    member = valid & (jnp.arange(cluster.window)[None, :] < k[:, None])
-    prompt = jnp.where(member, win.prompt, 0.0)
-    sum_p = prompt.sum(-1)
-    sum_p2 = (prompt * prompt).sum(-1)
-    max_o = jnp.where(member, win.output, 0.0).max(-1)
-    service = batch_service_time(gpus, k, sum_p, sum_p2, max_o)
-    est_o = jnp.where(member, win.estimate, 0.0)
-    est_service = batch_service_time(gpus, k, sum_p, sum_p2, est_o.max(-1))
-    finish = start + service
-    latency = finish[:, None] - win.arrival
-    servers = s.replace(
-        free_at=jnp.where(go, finish, s.free_at),
-        run_start=jnp.where(go, start, s.run_start),
-        run_count=jnp.where(go, k, s.run_count),
-        run_latency_sum=jnp.where(go, jnp.where(member, latency, 0.0).sum(-1),
-                                  s.run_latency_sum),
-        run_slo_met=jnp.where(go, (member & (latency <= slo_s)).sum(-1).astype(jnp.int32),
-                              s.run_slo_met),
-        run_estimate=jnp.where(go, est_o.sum(-1), s.run_estimate),
-        est_end=jnp.where(go, start + est_service, s.est_end),
-        batches=s.batches + go.astype(jnp.int32))
-    shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), win.prompt, win.estimate)
-    popped_work = jnp.where(member, shares, 0.0).sum(-1)
-    popped_est = jnp.where(member, win.estimate, 0.0).sum(-1)
+    servers, member, service, work, est = _start_batches(s, gpus, go, k, start, slo_s, valid, win)
     if log is not None and log.wait.shape[0] > 0:
         if win.req_id is None:
             raise ValueError("a RequestLog needs a cluster built with with_ids=True")
-        idx = jnp.where(member, win.req_id, log.wait.shape[0]).ravel()
-        wait = (start[:, None] - win.arrival).ravel()
-        svc = jnp.broadcast_to(service[:, None], member.shape).ravel()
-        bid = jnp.broadcast_to(s.batches[:, None], member.shape).ravel()
-        log = RequestLog(wait=log.wait.at[idx].set(wait, mode="drop"),
-                         service=log.service.at[idx].set(svc, mode="drop"),
-                         batch=log.batch.at[idx].set(bid, mode="drop"))
-    queues = Q.pop_front(q, k, popped_work, popped_est)
-    return cluster.replace(queues=queues, servers=servers), log
+        log = _write_log(log, win.req_id, member, start[:, None] - win.arrival,
+                         service[:, None], s.batches[:, None])
+    return cluster.replace(queues=Q.pop_front(q, k, work, est), servers=servers), log
+
+
+def _trigger_time(free_at, count, head_arrival, last_arrival, b, timeout):
+    """`max(idle from, min(arrival of the b-th waiting request, head arrival + timeout), 0)`."""
+    full = jnp.where(count >= b, last_arrival, jnp.inf)
+    trigger = jnp.minimum(full, head_arrival + timeout)
+    return jnp.maximum(jnp.maximum(free_at, trigger), 0.0)
 
 
 def static_dispatch_time(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
@@ -213,21 +249,39 @@ def static_dispatch_time(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
     """
     q = cluster.queues
     b = batch_limit(cluster, gpus)
-    head = Q.arrival_at(q, jnp.zeros_like(b))
-    full = jnp.where(q.count >= b, Q.arrival_at(q, jnp.minimum(b, q.capacity) - 1), jnp.inf)
-    trigger = jnp.minimum(full, head + gpus.timeout)
-    return jnp.maximum(jnp.maximum(cluster.servers.free_at, trigger), 0.0)
+    return _trigger_time(cluster.servers.free_at, q.count, Q.arrival_at(q, jnp.zeros_like(b)),
+                         Q.arrival_at(q, jnp.minimum(b, q.capacity) - 1), b, gpus.timeout)
+
+
+def _row_due(s: Servers, count, start, horizon):
+    """(completion due, dispatch due) of each GPU before `horizon`, given its dispatch time.
+
+    A completing batch's `free_at` is its end, so `start` (from `_trigger_time`) is already
+    after it; and completing a batch changes neither the start nor the dispatch flag, so both
+    hold after the completion too.
+    """
+    completion = (s.run_count > 0) & (s.free_at <= horizon)
+    idle_after = (s.run_count == 0) | completion
+    return completion, idle_after & (count > 0) & (start < horizon)
 
 
 def _due(cluster: Cluster, gpus: GPUProfile, horizon):
-    s = cluster.servers
-    completion = (s.run_count > 0) & (s.free_at <= horizon)
-    idle_after = (s.run_count == 0) | completion
-    # free_at of a completing batch is its end, so this start is already after it; and
-    # completing a batch changes neither the start nor this flag, so both hold after it too.
     start = static_dispatch_time(cluster, gpus)
-    dispatch_due = idle_after & (cluster.queues.count > 0) & (start < horizon)
-    return completion, dispatch_due, start
+    return (*_row_due(cluster.servers, cluster.queues.count, start, horizon), start)
+
+
+def _close_window(cluster: Cluster, metrics: StepMetrics, horizon) -> StepMetrics:
+    """Adds the window's open intervals: busy time of running batches, time-in-system of what
+    is still in the system, and the window's length (a drain lasts to its last completion)."""
+    finite = jnp.isfinite(horizon)
+    h = jnp.where(finite, horizon, 0.0)
+    s = cluster.servers
+    running = s.run_count > 0
+    return metrics.replace(
+        busy_time=metrics.busy_time
+        + jnp.where(running & finite, h - jnp.maximum(s.run_start, 0.0), 0.0).sum(),
+        in_system_time=metrics.in_system_time + in_system(cluster) * h,
+        elapsed=jnp.where(finite, h, jnp.maximum(s.free_at.max(), 0.0)))
 
 
 def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s: jax.Array,
@@ -241,10 +295,21 @@ def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s
     `integral N(t) dt = sum over completions of k * t_c + N(horizon) * horizon`, which holds
     because `N` only falls inside the window (arrivals happen at its edges).
 
+    One environment runs a `lax.while_loop` over all its GPUs at once. Under `vmap` the loop
+    is lane-compacted (`custom_vmap`): every (environment, GPU) pair is a lane, and each round
+    processes only the lanes with an event due, so the batch pays for the events that happen
+    rather than for its busiest environment's count times every GPU. Both give the same counts
+    exactly and the same times up to float32 rounding (metrics are summed in another order).
+
     Returns:
       (cluster, metrics for the window, log).
     """
-    metrics = StepMetrics.zeros()
+    return _advance(cluster, gpus, jnp.asarray(horizon, jnp.float32),
+                    jnp.asarray(slo_s, jnp.float32), log)
+
+
+def _advance_dense(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
+    """`advance_static` for one environment: each iteration handles every due GPU."""
 
     def body(carry):
         cl, m, lg, completion, dispatch_due, start = carry
@@ -257,27 +322,159 @@ def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s
         return (cl, m, lg, *_due(cl, gpus, horizon))
 
     # The due flags ride in the carry so each iteration evaluates them once, not in cond too.
-    carry = (cluster, metrics, log, *_due(cluster, gpus, horizon))
+    carry = (cluster, StepMetrics.zeros(), log, *_due(cluster, gpus, horizon))
     cluster, metrics, log, *_ = jax.lax.while_loop(
         lambda c: jnp.any(c[3] | c[4]), body, carry)
-    finite = jnp.isfinite(horizon)
-    h = jnp.where(finite, horizon, 0.0)
-    s = cluster.servers
-    running = s.run_count > 0
-    metrics = metrics.replace(
-        busy_time=metrics.busy_time
-        + jnp.where(running & finite, h - jnp.maximum(s.run_start, 0.0), 0.0).sum(),
-        in_system_time=metrics.in_system_time + in_system(cluster) * h,
-        # A drain lasts until its last completion.
-        elapsed=jnp.where(finite, h, jnp.maximum(s.free_at.max(), 0.0)))
+    return cluster, _close_window(cluster, metrics, horizon), log
+
+
+_advance = jax.custom_batching.custom_vmap(_advance_dense)
+
+
+@_advance.def_vmap
+def _advance_vmap(axis_size, in_batched, cluster, gpus, horizon, slo_s, log):
+    args = (cluster, gpus, horizon, slo_s, log)
+    args = jax.tree.map(
+        lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
+        args, tuple(in_batched))
+    out = _advance_lanes(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+
+def _chunk_width(lanes: int) -> int:
+    """Lanes the compacted event loop processes at once: a sixteenth of them, at least 64.
+
+    One width means one compiled loop; the number of chunks follows the lanes with events,
+    so a step costs at most one partly filled chunk more than its events need.
+    """
+    return min(lanes, max(64, -(-lanes // 16)))
+
+
+def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
+    """`advance_static` for a batch of environments (leading axis), lane by lane.
+
+    A lane is one GPU of one environment. Lanes evolve independently within the window, and a
+    lane with no event due at its start has none later (there are no arrivals inside it), so
+    the lanes with events are listed once (`jnp.nonzero`) and processed in chunks of
+    `_chunk_width` lanes: each chunk is gathered, run through the event loop in that compact
+    form (completions, dispatches with flat 1-D reads of the queue windows) and scattered back;
+    metrics are added to their environment's row. Queue slots are only read: dispatch moves
+    heads.
+    """
+    q, srv = cluster.queues, cluster.servers
+    num_envs, num_gpus = srv.free_at.shape
+    cap, width, n = q.capacity, cluster.window, num_envs * num_gpus
+    lanes = lambda x: x.reshape((n,) + x.shape[2:])  # noqa: E731
+    srv = jax.tree.map(lanes, srv)
+    gp = jax.tree.map(lanes, gpus)
+    offset = lanes(q.offset)
+    slots = {f: getattr(q, f).reshape(n * cap) for f in ("arrival", "prompt", "output",
+                                                          "estimate")}
+    keep_log = log is not None and log.wait.shape[-1] > 0
+    if keep_log:
+        if q.req_id is None:
+            raise ValueError("a RequestLog needs a cluster built with with_ids=True")
+        slots["req_id"] = q.req_id.reshape(n * cap)
+        log_len = log.wait.shape[-1]
+    horizon = jnp.repeat(horizon, num_gpus)
+    slo_s = jnp.repeat(slo_s, num_gpus)
+    limit = jnp.maximum(gp.max_batch, 1).astype(jnp.int32)
+
+    def read(name, lane, pos):
+        return slots[name][lane * cap + pos % cap]
+
+    def due(lane, s, head, count):
+        b, off = limit[lane], offset[lane]
+        start = _trigger_time(s.free_at, count, read("arrival", lane, head) + off,
+                              read("arrival", lane, head + jnp.minimum(b, cap) - 1) + off, b,
+                              gp.timeout[lane])
+        return (*_row_due(s, count, start, horizon[lane]), start)
+
+    def run_chunk(j, carry):
+        srv_all, head_all, count_all, work_all, est_all, lg, metrics = carry
+        idx = jax.lax.dynamic_slice(order, (j * chunk,), (chunk,))
+        ok = idx < n
+        lane = jnp.minimum(idx, n - 1)
+        lane2 = lane[:, None]
+        env_of = lane // num_gpus
+        g = jax.tree.map(lambda x: x[lane], gp)
+        b = limit[lane]
+        arange = jnp.arange(width)[None, :]
+
+        def body(c):
+            s, head, count, work_q, est_q, lg, comp, disp, start, acc = c
+            done_n, latency, met, busy = _completion_terms(s, comp)
+            in_sys = jnp.where(comp, s.run_count * jnp.maximum(s.free_at, 0.0), 0.0)
+            acc = (acc[0] + done_n, acc[1] + latency, acc[2] + met, acc[3] + busy,
+                   acc[4] + in_sys)
+            s = _clear_completed(s, comp)
+            k = jnp.where(disp, jnp.minimum(jnp.minimum(count, b), width), 0)
+            pos = head[:, None] + arange
+            win = Q.Request(arrival=read("arrival", lane2, pos) + offset[lane][:, None],
+                            prompt=read("prompt", lane2, pos), output=read("output", lane2, pos),
+                            estimate=read("estimate", lane2, pos), size_class=None,
+                            req_id=read("req_id", lane2, pos) if keep_log else None)
+            batch_ids = s.batches
+            s, member, service, work, est = _start_batches(s, g, disp, k, start, slo_s[lane],
+                                                           arange < count[:, None], win)
+            if keep_log:
+                lg = _write_log(lg, env_of[:, None] * log_len + win.req_id,
+                                member & (win.req_id < log_len), start[:, None] - win.arrival,
+                                service[:, None], batch_ids[:, None])
+            head, count, work_q, est_q = Q.pop_heads(head, count, work_q, est_q, k, work, est,
+                                                     cap)
+            comp, disp, start = due(lane, s, head, count)
+            return s, head, count, work_q, est_q, lg, comp & ok, disp & ok, start, acc
+
+        zeros = jnp.zeros((chunk,), jnp.float32)
+        izeros = jnp.zeros((chunk,), jnp.int32)
+        c = (jax.tree.map(lambda x: x[lane], srv_all), head_all[lane], count_all[lane],
+             work_all[lane], est_all[lane], lg, comp0[lane] & ok, disp0[lane] & ok,
+             start0[lane], (izeros, zeros, izeros, zeros, zeros))
+        s, head, count, work_q, est_q, lg, _, _, _, acc = jax.lax.while_loop(
+            lambda c: jnp.any(c[6] | c[7]), body, c)
+        put = lambda a, v: a.at[idx].set(v, mode="drop")  # noqa: E731
+        env = jnp.where(ok, env_of, num_envs)
+        add = lambda a, v: a.at[env].add(v, mode="drop")  # noqa: E731
+        metrics = metrics.replace(
+            completed=add(metrics.completed, acc[0]),
+            latency_sum=add(metrics.latency_sum, acc[1]), slo_met=add(metrics.slo_met, acc[2]),
+            busy_time=add(metrics.busy_time, acc[3]),
+            in_system_time=add(metrics.in_system_time, acc[4]))
+        return (jax.tree.map(put, srv_all, s), put(head_all, head), put(count_all, count),
+                put(work_all, work_q), put(est_all, est_q), lg, metrics)
+
+    head, count = lanes(q.head), lanes(q.count)
+    comp0, disp0, start0 = due(jnp.arange(n), srv, head, count)
+    active = comp0 | disp0
+    chunk = _chunk_width(n)
+    # Padded by a chunk of fill values so the last chunk's slice is never clamped backwards.
+    (order,) = jnp.nonzero(active, size=n + chunk, fill_value=n)
+    num_chunks = (active.sum() + chunk - 1) // chunk
+    flat_log = jax.tree.map(lambda x: x.reshape(-1), log) if keep_log else None
+    metrics = jax.tree.map(lambda x: jnp.zeros((num_envs,), x.dtype), StepMetrics.zeros())
+    carry = (srv, head, count, lanes(q.work), lanes(q.estimate_sum), flat_log, metrics)
+    srv, head, count, work, est, flat_log, metrics = jax.lax.fori_loop(
+        0, num_chunks, run_chunk, carry)
+    back = lambda x: x.reshape((num_envs, num_gpus) + x.shape[1:])  # noqa: E731
+    cluster = cluster.replace(
+        servers=jax.tree.map(back, srv),
+        queues=q.replace(head=back(head), count=back(count), work=back(work),
+                         estimate_sum=back(est)))
+    if keep_log:
+        log = jax.tree.map(lambda x: x.reshape(num_envs, log_len), flat_log)
+    metrics = jax.vmap(_close_window)(cluster, metrics, horizon[::num_gpus])
     return cluster, metrics, log
 
 
 def rebase(cluster: Cluster, dt: jax.Array) -> Cluster:
-    """Moves the clock origin `dt` seconds forward (every stored time minus `dt`)."""
-    q, s = cluster.queues, cluster.servers
+    """Moves the clock origin `dt` seconds forward (every stored time minus `dt`).
+
+    The queues' arrivals move lazily (`queues.shift`): only their offsets and one GPU's row.
+    """
+    s = cluster.servers
     return cluster.replace(
-        queues=q.replace(arrival=q.arrival - dt),
+        queues=Q.shift(cluster.queues, dt),
         servers=s.replace(free_at=s.free_at - dt, run_start=s.run_start - dt,
                           est_end=s.est_end - dt))
 

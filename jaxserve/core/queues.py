@@ -3,6 +3,13 @@
 All arrays have shape `(num_gpus, capacity)`; slot `j` of GPU `g` holds the queue's element at
 position `(j - head[g]) mod capacity`, valid when that position is `< count[g]`. Times are
 seconds relative to the simulator's current clock origin (see `cluster.rebase`).
+
+Arrival times are stored against a per-GPU `offset`: the relative arrival of a slot is
+`arrival + offset[g]`. Moving the clock origin (`shift`) changes only the offsets, instead of
+rewriting every slot of every queue on every step. `push` re-anchors the row it writes to
+(adds its offset, sets it to 0), so a row's offset only drifts while nothing is pushed to it,
+and then by no more than its waiting requests' own age: float32 keeps the relative arrivals as
+precise as before, however long the episode runs.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ class Queues:
     scheduler knows anyway.
     """
 
-    arrival: jax.Array
+    arrival: jax.Array  # stored arrival; the relative arrival is arrival + offset[:, None]
     prompt: jax.Array
     output: jax.Array
     estimate: jax.Array
@@ -51,6 +58,7 @@ class Queues:
     # Running totals over the waiting requests, kept so features never scan the buffers:
     work: jax.Array  # (num_gpus,) float32: summed work shares (s), see cluster.queued_work
     estimate_sum: jax.Array  # (num_gpus,) float32: summed output estimates (tokens)
+    offset: jax.Array  # (num_gpus,) float32: time base of the stored arrivals (s)
 
     @property
     def capacity(self) -> int:
@@ -64,7 +72,7 @@ def empty_queues(num_gpus: int, capacity: int, with_ids: bool = True) -> Queues:
     z = jnp.zeros((num_gpus,), jnp.int32)
     zf = jnp.zeros((num_gpus,), jnp.float32)
     return Queues(arrival=f, prompt=f, output=f, estimate=f, req_id=i, head=z, count=z,
-                  work=zf, estimate_sum=zf)
+                  work=zf, estimate_sum=zf, offset=zf)
 
 
 def positions(q: Queues) -> jax.Array:
@@ -78,37 +86,47 @@ def waiting_mask(q: Queues) -> jax.Array:
     return positions(q) < q.count[:, None]
 
 
+def arrival_times(q: Queues) -> jax.Array:
+    """Relative arrival time of every slot (s), `(num_gpus, capacity)`; see `waiting_mask`."""
+    return q.arrival + q.offset[:, None]
+
+
 def arrival_at(q: Queues, n: jax.Array) -> jax.Array:
     """Arrival time of the request at position `n[g]` of each GPU's queue, `(num_gpus,)`.
 
     Meaningful only where `n[g] < count[g]`.
     """
     slot = (q.head + n) % q.capacity
-    return jnp.take_along_axis(q.arrival, slot[:, None], axis=1)[:, 0]
+    return jnp.take_along_axis(q.arrival, slot[:, None], axis=1)[:, 0] + q.offset
 
 
 def push(q: Queues, gpu: jax.Array, req: Request, limit: jax.Array, work: jax.Array):
     """Appends `req` to the back of GPU `gpu`'s queue unless it already holds `limit[gpu]`.
 
     `work` is the request's work share on that GPU (s), added to the queue's running total.
+    Re-anchors the GPU's stored arrivals (see the module docstring). Slots are written without
+    being read first, a refused request's write being dropped, so XLA can update the buffers
+    in place.
 
     Returns:
-      (queues, accepted bool scalar). A refused request leaves the queues unchanged.
+      (queues, accepted bool scalar). A refused request leaves the queue unchanged.
     """
     cap = jnp.minimum(limit[gpu], q.capacity)
     accepted = q.count[gpu] < cap
-    slot = (q.head[gpu] + q.count[gpu]) % q.capacity
+    slot = jnp.where(accepted, (q.head[gpu] + q.count[gpu]) % q.capacity, q.capacity)
 
     def put(arr, value):
-        return arr.at[gpu, slot].set(jnp.where(accepted, value, arr[gpu, slot]))
+        return arr.at[gpu, slot].set(value, mode="drop")
 
+    arrival = q.arrival.at[gpu].add(q.offset[gpu])
     q = q.replace(
-        arrival=put(q.arrival, req.arrival), prompt=put(q.prompt, req.prompt),
+        arrival=put(arrival, req.arrival), prompt=put(q.prompt, req.prompt),
         output=put(q.output, req.output), estimate=put(q.estimate, req.estimate),
         req_id=None if q.req_id is None else put(q.req_id, req.req_id),
         count=q.count.at[gpu].add(accepted.astype(jnp.int32)),
         work=q.work.at[gpu].add(jnp.where(accepted, work, 0.0)),
-        estimate_sum=q.estimate_sum.at[gpu].add(jnp.where(accepted, req.estimate, 0.0)))
+        estimate_sum=q.estimate_sum.at[gpu].add(jnp.where(accepted, req.estimate, 0.0)),
+        offset=q.offset.at[gpu].set(0.0))
     return q, accepted
 
 
@@ -121,20 +139,39 @@ def front(q: Queues, width: int) -> tuple[jax.Array, Queues]:
     offs = jnp.arange(width, dtype=jnp.int32)
     slots = (q.head[:, None] + offs[None, :]) % q.capacity
     take = lambda a: jnp.take_along_axis(a, slots, axis=1)  # noqa: E731
-    win = q.replace(arrival=take(q.arrival), prompt=take(q.prompt), output=take(q.output),
+    win = q.replace(arrival=take(q.arrival) + q.offset[:, None], prompt=take(q.prompt),
+                    output=take(q.output),
                     estimate=take(q.estimate),
                     req_id=None if q.req_id is None else take(q.req_id))
     return offs[None, :] < q.count[:, None], win
 
 
+def pop_heads(head, count, work, estimate_sum, k, popped_work, popped_estimate, capacity: int):
+    """`pop_front` on the per-queue scalars alone (any shape), for callers holding only those.
+
+    Returns (head, count, work, estimate_sum) after removing `k` requests whose summed work
+    shares and output estimates are `popped_work` and `popped_estimate`; the running totals are
+    set to exactly 0 when a queue empties, so round-off cannot build up.
+    """
+    count = count - k
+    empty = count == 0
+    return ((head + k) % capacity, count, jnp.where(empty, 0.0, work - popped_work),
+            jnp.where(empty, 0.0, estimate_sum - popped_estimate))
+
+
 def pop_front(q: Queues, k: jax.Array, work: jax.Array, estimate: jax.Array) -> Queues:
     """Removes the first `k[g]` requests of each GPU's queue (`k <= count`).
 
-    `work` and `estimate` are the removed requests' summed work shares and output estimates;
-    the running totals are set to exactly 0 when a queue empties, so round-off cannot build up.
+    `work` and `estimate` are the removed requests' summed work shares and output estimates.
     """
-    count = q.count - k
-    empty = count == 0
-    return q.replace(head=(q.head + k) % q.capacity, count=count,
-                     work=jnp.where(empty, 0.0, q.work - work),
-                     estimate_sum=jnp.where(empty, 0.0, q.estimate_sum - estimate))
+    head, count, w, e = pop_heads(q.head, q.count, q.work, q.estimate_sum, k, work, estimate,
+                                  q.capacity)
+    return q.replace(head=head, count=count, work=w, estimate_sum=e)
+
+
+def shift(q: Queues, dt: jax.Array) -> Queues:
+    """Moves the clock origin `dt` seconds forward (every relative arrival minus `dt`).
+
+    Touches only the `(num_gpus,)` offsets, not the slot buffers.
+    """
+    return q.replace(offset=q.offset - dt)
