@@ -5,7 +5,9 @@ Example::
     jaxserve-eval --env Routing-v0 --policies jsq,sed,sita --num-envs 16 --num-steps 2000 \
         --out results/routing
 
-Prints a table with 95% CIs, writes `results.csv`, `results.json` and, unless `--no-plots`,
+Prints a table with 95% CIs and a table of paired differences against `--reference` (the
+Student-t CI over per-environment differences on the common streams: the comparison to
+read), writes `results.csv`, `results.json` and, unless `--no-plots`,
 `latency_cdf.png`, `load_sweep.png` (p99 latency and goodput vs arrival rate) and, for
 routing, `class_mix.png`. Errors (unknown environment or policy, missing or malformed trace,
 impossible SLO, bad arguments) print one line on stderr and exit with status 2.
@@ -45,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="load sweep: multiples of the arrival rate ('' to skip)")
     ap.add_argument("--sweep-envs", type=int, default=4)
     ap.add_argument("--sweep-steps", type=int, default=500)
+    ap.add_argument("--reference", default=None,
+                    help="policy the paired differences are taken against (default: jsq for "
+                         "routing, greedy for batching, else the first policy)")
+    ap.add_argument("--fit-fraction", type=float, default=0.25,
+                    help="with --trace: fit SITA/tuned_static/smdp_optimal on this leading "
+                         "fraction of the trace and score every policy on the rest")
     ap.add_argument("--slo-p99", type=float, default=None,
                     help="also find each policy's capacity: highest rate with p99 <= this (s)")
     ap.add_argument("--out", default="results/eval", help="output directory")
@@ -62,7 +70,8 @@ def _floats(text: str, what: str) -> list[float]:
     return vals
 
 
-SCALARS = ("mean_latency", "mean_latency_ci95", "p50_latency", "p90_latency", "p99_latency",
+SCALARS = ("mean_latency", "mean_latency_ci95", "mean_latency_incl_drops",
+           "mean_latency_incl_drops_ci95", "p50_latency", "p90_latency", "p99_latency",
            "p99_latency_ci95", "max_latency", "throughput", "throughput_ci95", "goodput",
            "goodput_ci95", "slo_attainment", "cost_per_request", "cost_ci95", "dropped",
            "drop_rate", "gpu_seconds", "sim_seconds", "arrived", "completed", "in_flight",
@@ -77,17 +86,36 @@ def _print_table(results: dict, title: str) -> None:
         return fmt.format(v) + ("" if not np.isfinite(h) else " ± " + fmt.format(h))
 
     t = Table(title=title)
-    for col in ("policy", "mean lat (s)", "p50", "p90", "p99 (s)", "max", "throughput",
+    for col in ("policy", "mean lat (s)", "incl. drops (s)", "p50", "p90", "p99 (s)", "max", "throughput",
                 "goodput", "drops", "util per GPU"):
         t.add_column(col, justify="right" if col != "policy" else "left")
     for name, r in results.items():
         t.add_row(name, ci(r["mean_latency"], r["mean_latency_ci95"]),
+                  ci(r["mean_latency_incl_drops"], r["mean_latency_incl_drops_ci95"]),
                   f"{r['p50_latency']:.3f}", f"{r['p90_latency']:.3f}",
                   ci(r["p99_latency"], r["p99_latency_ci95"]), f"{r['max_latency']:.2f}",
                   ci(r["throughput"], r["throughput_ci95"], "{:.2f}"),
                   ci(r["goodput"], r["goodput_ci95"], "{:.2f}"), str(r["dropped"]),
                   " ".join(f"{u:.2f}" for u in r["utilisation"]))
     Console(width=max(Console().width, 160)).print(t)
+    print("mean lat: served requests only (drops excluded); incl. drops: every request, a "
+          "dropped one at drop_penalty_s")
+
+
+def _print_paired(paired: dict, reference: str, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("policy", "Δ lat incl. drops (s)", "Δ mean lat (s)", "Δ goodput (req/s)"):
+        t.add_column(col, justify="right" if col != "policy" else "left")
+    for name, row in paired.items():
+        t.add_row(name, *[f"{d['mean']:+.3f} ± {d['ci']:.3f}" + (" *" if d["significant"] else "")
+                          for d in (row["mean_latency_incl_drops"], row["mean_latency"],
+                                    row["goodput"])])
+    Console(width=max(Console().width, 120)).print(t)
+    print(f"paired differences (policy - {reference}) on common streams, 95% Student-t CI "
+          f"over environments; * = the interval excludes 0")
 
 
 def run(args) -> int:
@@ -97,6 +125,7 @@ def run(args) -> int:
     from jaxserve import policies as P
     from jaxserve.core import arrivals as A
     from jaxserve.evaluation.capacity import capacity, check_slo, sweep_rates
+    from jaxserve.evaluation.evaluate import paired_table, split_trace, tuning_key
 
     if args.num_envs < 1 or args.num_steps < 1:
         raise _CLIError("--num-envs and --num-steps must be >= 1")
@@ -122,6 +151,7 @@ def run(args) -> int:
 
     trace = None
     fit_params = params
+    fit_window = None
     if args.trace is not None:
         from jaxserve.traces import load
         path = Path(args.trace)
@@ -130,19 +160,37 @@ def run(args) -> int:
         trace = load(path)
         if len(trace) < 2:
             raise _CLIError(f"trace {args.trace} has fewer than 2 requests")
-        span = float(trace.arrival_s[-1] - trace.arrival_s[0])
-        rate = (len(trace) - 1) / span if span > 0 else float(len(trace))
+        # Fit on a leading window, score on the disjoint rest: never fit on scored requests.
+        try:
+            fit_trace, trace = split_trace(trace, args.fit_fraction)
+        except ValueError as e:
+            raise _CLIError(str(e)) from None
+        fit_window = [0, len(fit_trace)]
+        span = float(fit_trace.arrival_s[-1] - fit_trace.arrival_s[0])
+        rate = (len(fit_trace) - 1) / span if span > 0 else float(len(fit_trace))
         fit_params = params.replace(arrivals=A.poisson(rate), tokens=A.empirical_tokens(
-            trace.prompt_tokens, trace.output_tokens))
+            fit_trace.prompt_tokens, fit_trace.output_tokens))
 
     key = jax.random.PRNGKey(args.seed)
     t0 = time.time()
-    pols = {n: P.get(n, env=env, params=fit_params) for n in names}
+    # Fitted and tuned policies get the tuning key: streams disjoint from the evaluation's.
+    tkey = tuning_key(key)
+    pols = {n: P.get(n, env=env, params=fit_params,
+                     **({"key": tkey} if "key" in P.options(n) else {})) for n in names}
     results = jaxserve.evaluate_many(env, params, pols, key, args.num_envs, args.num_steps,
                                      warmup=args.warmup, trace=trace)
-    src = f"trace {args.trace}" if trace is not None else \
-        f"{args.num_envs} envs x {args.num_steps} requests"
+    src = (f"trace {args.trace} (scored window: requests {fit_window[1]}+; fitted on "
+           f"0..{fit_window[1] - 1})" if trace is not None
+           else f"{args.num_envs} envs x {args.num_steps} requests")
     _print_table(results, f"{args.env}: {src}, seed {args.seed} (95% CIs over environments)")
+    reference = args.reference or next(
+        (r for r in ({"routing": "jsq", "batching": "greedy"}.get(kind),) if r in results),
+        names[0])
+    if reference not in results:
+        raise _CLIError(f"--reference {reference!r} is not among the evaluated policies")
+    paired = paired_table(results, reference) if len(results) > 1 else {}
+    if paired:
+        _print_paired(paired, reference, f"{args.env}: paired differences against {reference}")
 
     sweep, caps = {}, {}
     base_rate = float(np.asarray(A.mean_rate(params.arrivals)))
@@ -185,8 +233,11 @@ def run(args) -> int:
         "env": args.env, "seed": args.seed, "num_envs": args.num_envs,
         "num_steps": args.num_steps, "warmup": args.warmup, "trace": args.trace,
         "arrival_rate": base_rate if trace is None else None,
+        "fit_window": fit_window,
         "results": {n: {k: v for k, v in r.items() if k != "latencies"}
                     for n, r in results.items()},
+        "paired_reference": reference,
+        "paired": paired,
         "policy_info": info,
         "load_sweep": {n: [{k: r[k] for k in ("rate", "p99_with_drops", "p99_latency",
                                               "mean_latency", "goodput", "throughput",

@@ -14,8 +14,13 @@ least_work_left, sita; Batching-v0: static, tuned_static, smdp_optimal; Autoscal
 every fixed replica count, hpa, knative, ray_serve, scheduled) with `jaxserve.evaluate_many`
 (Autoscaling-v0: `jaxserve.evaluation.scaling.evaluate_autoscalers`, cost and GPU-hours) on
 fresh arrivals (key `--eval-seed`, default seed + 1000000, never
-the training key) with common random numbers across policies, prints a table (mean and p99
-latency, goodput, drops, 95% CIs) and writes `results.json` and `results.csv`. gymnax
+the training key) with common random numbers across policies, prints a table (mean latency of
+served requests, drop-inclusive mean latency, p99 latency, goodput, drops, 95% CIs) and the
+verdicts: paired differences learned - baseline of the drop-inclusive mean latency (Student-t
+CI over the per-environment differences on the common streams): "better", "worse" or "no
+significant difference". Fitted baselines (sita, tuned_static, smdp_optimal) are fitted with
+`tuning_key(eval key)`, never on the evaluation streams. Writes `results.json` and
+`results.csv`. gymnax
 environments (e.g. CartPole-v1) are trained but not evaluated. Errors print one line on
 stderr and exit with status 2; Ctrl-C saves a checkpoint and exits with status 130.
 """
@@ -131,7 +136,8 @@ def hparams_from_args(args) -> dict:
     return hp
 
 
-SCALARS = ("mean_latency", "mean_latency_ci95", "p50_latency", "p90_latency", "p99_latency",
+SCALARS = ("mean_latency", "mean_latency_ci95", "mean_latency_incl_drops",
+           "mean_latency_incl_drops_ci95", "p50_latency", "p90_latency", "p99_latency",
            "p99_latency_ci95", "throughput", "throughput_ci95", "goodput", "goodput_ci95",
            "slo_attainment", "dropped", "drop_rate", "cost_per_request", "cost_ci95",
            "invalid_actions")
@@ -145,22 +151,64 @@ def print_table(results: dict, title: str, learned: str) -> None:
         return fmt.format(v) + ("" if not np.isfinite(h) else " ± " + fmt.format(h))
 
     t = Table(title=title)
-    for col in ("policy", "mean latency (s)", "p99 latency (s)", "goodput (req/s)",
-                "throughput", "SLO met", "drops"):
+    for col in ("policy", "mean latency (s)", "incl. drops (s)", "p99 latency (s)",
+                "goodput (req/s)", "throughput", "SLO met", "drops"):
         t.add_column(col, justify="left" if col == "policy" else "right")
-    for name, r in sorted(results.items(), key=lambda kv: kv[1]["mean_latency"]):
+    for name, r in sorted(results.items(), key=lambda kv: kv[1]["mean_latency_incl_drops"]):
         style = "bold green" if name.startswith(learned) else None
         t.add_row(name, ci(r["mean_latency"], r["mean_latency_ci95"]),
+                  ci(r["mean_latency_incl_drops"], r["mean_latency_incl_drops_ci95"]),
                   ci(r["p99_latency"], r["p99_latency_ci95"], "{:.1f}"),
                   ci(r["goodput"], r["goodput_ci95"], "{:.3f}"), f"{r['throughput']:.3f}",
                   f"{100 * r['slo_attainment']:.1f}%", str(r["dropped"]), style=style)
     Console(width=max(Console().width, 120)).print(t)
+    print("mean latency: served requests only (drops excluded); incl. drops: every request, a "
+          "dropped one at the env's drop_penalty_s")
 
 
-def baseline_policies(kind: str, env, params, requested: str | None) -> dict:
+VERDICT_METRIC = "mean_latency_incl_drops"
+
+
+def paired_verdicts(results: dict, learned: str) -> dict:
+    """`{baseline: {"difference": paired_difference(learned - baseline), "verdict": ...}}` on
+    the drop-inclusive mean latency (lower is better): "better" / "worse" when the paired 95%
+    CI excludes 0, else "no significant difference"."""
+    from jaxserve.evaluation.evaluate import paired_table
+
+    out = {}
+    for name, row in paired_table(results, learned, (VERDICT_METRIC, "mean_latency",
+                                                     "goodput")).items():
+        if name.startswith(learned):
+            continue
+        # paired_table gives (baseline - learned); flip to learned - baseline.
+        d = {m: {**v, "mean": -v["mean"], "low": -v["high"], "high": -v["low"]}
+             for m, v in row.items()}
+        main = d[VERDICT_METRIC]
+        verdict = ("better" if main["significant"] and main["mean"] < 0 else
+                   "worse" if main["significant"] else "no significant difference")
+        out[name] = {"difference": d, "verdict": verdict}
+    return out
+
+
+def print_verdicts(verdicts: dict, learned: str) -> None:
+    for name, v in verdicts.items():
+        d = v["difference"]
+        print(f"  {learned} - {name}: incl. drops {d[VERDICT_METRIC]['mean']:+.2f} "
+              f"[{d[VERDICT_METRIC]['low']:+.2f}, {d[VERDICT_METRIC]['high']:+.2f}] s, "
+              f"mean latency {d['mean_latency']['mean']:+.2f} ± {d['mean_latency']['ci']:.2f} s,"
+              f" goodput {d['goodput']['mean']:+.3f} ± {d['goodput']['ci']:.3f} req/s: "
+              f"{learned} {v['verdict']}" if v["verdict"] != "no significant difference" else
+              f"  {learned} - {name}: incl. drops {d[VERDICT_METRIC]['mean']:+.2f} "
+              f"[{d[VERDICT_METRIC]['low']:+.2f}, {d[VERDICT_METRIC]['high']:+.2f}] s: "
+              f"no significant difference")
+    print("(paired differences on common streams, 95% Student-t CI over environments)")
+
+
+def baseline_policies(kind: str, env, params, requested: str | None, tuning=None) -> dict:
     """`{label: Policy}` of the heuristics to compare (`--policies`, or the env's defaults).
 
     Autoscaling-v0 labels `fixed-<n>` are the fixed count `n`; `fixed` alone means all of them.
+    Policies that fit or tune (their factory takes `key`) get `tuning` (a tuning key).
     """
     from jaxserve import policies as P
 
@@ -182,7 +230,8 @@ def baseline_policies(kind: str, env, params, requested: str | None) -> dict:
         if n not in P.names(kind):
             raise _CLIError(f"unknown {kind} policy {n!r}; choose from "
                             f"{', '.join(P.names(kind))}")
-        pols[n] = P.get(n, env=env, params=params)
+        opts = {"key": tuning} if tuning is not None and "key" in P.options(n) else {}
+        pols[n] = P.get(n, env=env, params=params, **opts)
     return pols
 
 
@@ -226,15 +275,18 @@ def evaluate_run(result, args) -> tuple[dict, dict]:
                 result.env_params).shape or env.num_actions != result.env.num_actions):
             raise _CLIError("--eval-set changed the observation or action space; the learned "
                             "policy cannot act in that environment")
+    from jaxserve.evaluation.evaluate import tuning_key
+
     kind = P.env_kind(env)
-    baselines = baseline_policies(kind, env, params, args.policies)
+    eval_seed = args.seed + EVAL_SEED_OFFSET if args.eval_seed is None else args.eval_seed
+    if eval_seed == args.seed:
+        raise _CLIError("--eval-seed must differ from --seed (evaluate on fresh arrivals)")
+    baselines = baseline_policies(kind, env, params, args.policies,
+                                  tuning_key(jax.random.key(eval_seed)))
     pols = {result.algo: result.policy}
     if args.sampled:
         pols[result.algo + "-sampled"] = result.make_policy(greedy=False)
     pols.update(baselines)
-    eval_seed = args.seed + EVAL_SEED_OFFSET if args.eval_seed is None else args.eval_seed
-    if eval_seed == args.seed:
-        raise _CLIError("--eval-seed must differ from --seed (evaluate on fresh arrivals)")
     t0 = time.perf_counter()
     if kind == "autoscaling":
         from jaxserve.evaluation.scaling import evaluate_autoscalers
@@ -308,16 +360,22 @@ def run(args, argv) -> int:
                      f"{next(iter(results.values()))['intervals']:.0f} intervals, eval seed "
                      f"{info['eval_seed']} (fresh arrivals; 95% CIs over episodes)")
             print_scaling_table(results, title, args.algo)
-            metric, columns = "cost", AUTOSCALING_SCALARS
+            columns = AUTOSCALING_SCALARS
+            # evaluate_autoscalers reports no per-episode values to pair: a point comparison,
+            # labelled as such.
+            learned = results[args.algo]["cost"]
+            doc["learned_beats_on_cost_unpaired"] = {
+                n: bool(learned < r["cost"]) for n, r in results.items()
+                if not n.startswith(args.algo)}
         else:
             title = (f"{args.env}: {args.eval_envs} envs x {args.eval_steps or 1000} requests, "
                      f"eval seed {info['eval_seed']} (fresh arrivals; 95% CIs over envs)")
             print_table(results, title, args.algo)
-            metric, columns = "mean_latency", SCALARS
-        learned = results[args.algo][metric]
-        doc[f"learned_beats_on_{metric}"] = {
-            n: bool(learned < r[metric]) for n, r in results.items()
-            if not n.startswith(args.algo)}
+            columns = SCALARS
+            verdicts = paired_verdicts(results, args.algo)
+            print_verdicts(verdicts, args.algo)
+            doc["verdict_metric"] = VERDICT_METRIC
+            doc["verdicts"] = verdicts
         doc["results"] = {n: {k: r[k] for k in columns}
                           | ({} if scaling else {"utilisation": r["utilisation"]})
                           for n, r in results.items()}

@@ -61,11 +61,12 @@ def test_routing_ppo_learns_to_beat_random():
     than training's; common random numbers across both policies)."""
     result = agents.train("Routing-v0", {}, "ppo", 120_000, 0, progress=False, num_envs=16)
     assert result.config.network == "set" and result.config.set_dims == (3, 4, 6)
-    assert result.env_overrides == {"latency_scale": 100.0}  # the training default
+    assert result.env_overrides == {}  # trains on the registered defaults
     returns = result.curves["episode_return"]
     returns = returns[np.isfinite(returns)]
-    # Tolerance: returns start near -240 (random routing) and reach about -50 when trained.
-    assert returns[-3:].mean() > returns[:3].mean() + 50.0, returns
+    # Tolerance: measured, the first three episode returns average about -11 and the last
+    # three about -4.2 (default shaped reward, this key), so halving has a wide margin.
+    assert returns[-3:].mean() > 0.5 * returns[:3].mean(), returns
     env, params = result.env, result.env_params
     res = jaxserve.evaluate_many(env, params, {"learned": result.policy,
                                                "random": P.get("random")},
@@ -251,6 +252,10 @@ def test_cli_trains_evaluates_and_writes_results(tmp_path, capsys):
     assert doc["env_overrides"] == {"latency_scale": 100.0}
     assert doc["config"]["num_envs"] == 4 and doc["config"]["hidden_sizes"] == [8]
     assert doc["evaluation"]["eval_seed"] != doc["seed"]
-    assert set(doc["learned_beats_on_mean_latency"]) == {"random"}
+    assert set(doc["verdicts"]) == {"random"}
+    v = doc["verdicts"]["random"]
+    assert v["verdict"] in ("better", "worse", "no significant difference")
+    d = v["difference"]["mean_latency_incl_drops"]
+    assert d["n"] == 2 and d["low"] <= d["mean"] <= d["high"]
     assert (out / "results.csv").exists() and (out / "checkpoints" / "12").exists()
     assert "mean latency" in capsys.readouterr().out

@@ -27,7 +27,7 @@ from jaxserve.core.types import GPUProfile, stack_profiles
 from jaxserve.envs import common
 from jaxserve.envs import autoscaling as AS
 from jaxserve.envs.batching import Batching
-from jaxserve.envs.routing import Routing
+from jaxserve.envs.routing import DEFAULT_SHAPING_GAMMA, Routing
 
 _REGISTRY: dict[str, Callable] = {}
 
@@ -59,6 +59,14 @@ def make(name: str, **overrides):
         raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered_envs())}")
     return _REGISTRY[name](**overrides)
 
+
+# A dropped request costs as much as this many seconds in the system: far above any latency
+# the default scenarios produce, so dropping is never cheaper than serving (Routing-v0,
+# Batching-v0; Autoscaling-v0 sets its own, also 600 s).
+DEFAULT_DROP_PENALTY_S = 600.0
+# Seconds of time-in-system per unit of (negative) reward in Routing-v0 and Batching-v0, chosen
+# so that discounted returns (gamma 0.99) are O(1) for an unnormalised PPO (docs/training.md).
+DEFAULT_LATENCY_SCALE = 1000.0
 
 # Default profiles (see docs/profiles.md for the named, sourced ones).
 DEFAULT_SIZE_EDGES = (128.0,)
@@ -131,18 +139,33 @@ def routing_tokens() -> A.TokenDist:
 
 
 @register("Routing-v0")
-def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None, **kw):
-    """Routing-v0: heterogeneous GPUs, bimodal short/long requests (head-of-line blocking)."""
+def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
+                 shaping_gamma=DEFAULT_SHAPING_GAMMA, **kw):
+    """Routing-v0: heterogeneous GPUs, bimodal short/long requests (head-of-line blocking).
+
+    Defaults chosen so that a standard PPO (PureJaxRL's CartPole settings, MLP on the flat
+    observation, no reward normalisation) learns on them (tests/test_learnable.py,
+    docs/training.md): reward shaped with `shaping_gamma=0.99` (potential-based, see
+    `Routing`; None turns it off), a drop costs `drop_penalty_s=600` s (15x the SLO, more
+    than any latency the default load produces, so shedding is never cheaper than serving),
+    rewards in units of `latency_scale=1000` s. With the shaping a step's reward is about
+    minus the routed request's latency (plus the delay it adds to others) over 1000 s, so the
+    discounted return over ~100 steps is O(1): PureJaxRL clips the gradient norm of actor and
+    critic together, and value targets of hundreds (latency_scale 10 or 100) starve the actor.
+    """
     gpus = routing_gpus() if gpus is None else list(gpus)
     if arrivals is None and arrival_rate is None:
         arrival_rate = 2.0
     kw.setdefault("tokens", routing_tokens())
     # A long request alone takes ~15 s on a fast replica and ~29 s on a slow one.
     kw.setdefault("slo_s", 40.0)
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = _static_sizes(queue_buffer, params)
     env = Routing(num_gpus=len(gpus), queue_buffer=qb, max_batch=mb,
-                  trace_len=params.trace.gap.shape[0], default=params)
+                  trace_len=params.trace.gap.shape[0], default=params,
+                  shaping_gamma=shaping_gamma)
     return env, params
 
 
@@ -155,6 +178,8 @@ def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None
     if arrivals is None and arrival_rate is None:
         # A full batch of 16 takes ~33 s on this replica (at most ~0.48 req/s): load ~0.7.
         arrival_rate = 0.35
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = _static_sizes(queue_buffer, params)
     env = Batching(max_batch=mb, queue_buffer=qb,

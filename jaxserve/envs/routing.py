@@ -10,6 +10,7 @@ from flax import struct
 from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
+from jaxserve.core import queues as Q
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
@@ -18,6 +19,7 @@ from jaxserve.envs import common
 NUM_REQUEST_FEATURES = 3
 NUM_GPU_FEATURES = 6
 FEATURE_CLIP = 1e3  # keeps time features finite and inside the observation space at any load
+DEFAULT_SHAPING_GAMMA = 0.99  # PureJaxRL's discount; see `Routing` (Reward)
 
 
 @struct.dataclass
@@ -48,37 +50,61 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
     Decision epochs: each request arrival (one decision per request). Between arrivals the
     cluster evolves exactly (event-driven) under the static batcher of each GPU.
 
-    Observation: float32 `(3 + num_gpus * 6,)`, features in [0, 1000]:
+    Observation: float32 `(3 + num_gpus * 6,)`, every feature O(1) (in [0, 1], or a
+      `log1p` of a time in units of `time_scale`, ~2.4 for 10x `time_scale`), and built only
+      from what a scheduler knows (prompts, output *estimates*, counts, `Servers.est_end`),
+      never the true output lengths or the true end of a running batch (`free_at`):
       - `[0:3]` the arriving request: `log1p(prompt)/log1p(max_prompt)`,
         `log1p(estimate)/log1p(max_output)`, size class / (classes - 1). The estimate is the true
         output length, a noisy one or the class's representative, per `estimate_mode`.
       - `[3:]` one row of 6 per GPU (row-major `(num_gpus, 6)`): waiting / queue_cap,
-        running / max_batch, time until the running batch ends / time_scale,
-        queued work / time_scale (`cluster.queued_work`, from estimates), relative speed
-        (fastest GPU's time for a reference request / this GPU's, in (0, 1]), and the mean output
-        estimate of the GPU's requests (waiting + running), `log1p(mean)/log1p(max_output)`:
-        where long requests sit, i.e. where a short one would be blocked behind them.
+        running / max_batch, `log1p(expected time until the running batch ends / time_scale)`
+        (from `est_end`; 0 once the batch has outlived its estimate),
+        `log1p(queued work / time_scale)` (`cluster.queued_work`, from estimates), relative
+        speed (fastest GPU's time for a reference request / this GPU's, in (0, 1]), and the
+        mean output estimate of the GPU's requests (waiting + running),
+        `log1p(mean)/log1p(max_output)`: where long requests sit, i.e. where a short one would
+        be blocked behind them.
       `obs_layout` gives `(3, num_gpus, 6)` for networks that reshape it.
     Action: `Discrete(num_gpus)`, the GPU index. Out-of-range actions are clipped to
       `[0, num_gpus)` and counted in `info["invalid_actions"]`.
-    Reward: `-(time-in-system during the step + drop_penalty_s * drops) / latency_scale`;
-      see `common.reward_from`.
+    Reward: the cost `-(time-in-system during the step + drop_penalty_s * drops) /
+      latency_scale` (`common.reward_from`) plus, when `shaping_gamma` is not None (the
+      default, 0.99), the potential-based shaping term `shaping_gamma * phi(s') - phi(s)`
+      (Ng, Harada and Russell, 1999) with `phi = -expected_backlog / latency_scale`
+      (`expected_backlog`: the expected remaining time-in-system of the requests present,
+      from output estimates). The shaped step reward is about minus the latency the routed
+      request will see plus the delay it adds to those queued with it, paid at the decision
+      instead of over the following minute, so a standard PPO can assign credit. Shaping
+      leaves the optimal policy of the `shaping_gamma`-discounted objective unchanged (so
+      train with that discount, PureJaxRL's 0.99 by default); summed over an episode with
+      `shaping_gamma = 1` it adds only `phi(last) - phi(first)`. Evaluation never reads the
+      reward: latencies come from the request log.
     Termination: only with a replayed trace, after its last request (the step then drains the
       cluster, so the return counts every request's whole latency). Truncation after
       `max_steps_in_episode` decisions.
     State: `RoutingState`.
+
+    Static configuration: `num_gpus`, `queue_buffer`, `max_batch`, `trace_len`,
+    `log_capacity` (shapes), and `shaping_gamma` (float in [0, 1] or None: no shaping; a
+    Python number because it selects the reward's form, set with `jaxserve.make(...,
+    shaping_gamma=...)`).
     """
 
-    STATIC_FIELDS = ("num_gpus", "queue_buffer", "max_batch", "trace_len", "log_capacity")
+    STATIC_FIELDS = ("num_gpus", "queue_buffer", "max_batch", "trace_len", "log_capacity",
+                     "shaping_gamma")
 
     def __init__(self, num_gpus: int, queue_buffer: int = 64, max_batch: int = 16,
                  trace_len: int = 0, default: common.ServingParams | None = None,
-                 log_capacity: int = 0):
+                 log_capacity: int = 0, shaping_gamma: float | None = DEFAULT_SHAPING_GAMMA):
         super().__init__()
         if num_gpus < 1:
             raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
         if queue_buffer < 1:
             raise ValueError(f"queue_buffer must be >= 1, got {queue_buffer}")
+        if shaping_gamma is not None and not 0.0 <= float(shaping_gamma) <= 1.0:
+            raise ValueError(f"shaping_gamma must be in [0, 1] or None, got {shaping_gamma}")
+        self.shaping_gamma = None if shaping_gamma is None else float(shaping_gamma)
         self.num_gpus = int(num_gpus)
         self.queue_buffer = int(queue_buffer)
         self.max_batch = int(max_batch)
@@ -114,6 +140,7 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
         action = jnp.asarray(action, jnp.int32)
         invalid = (action < 0) | (action >= self.num_gpus)
         gpu = jnp.clip(action, 0, self.num_gpus - 1)
+        state_cluster_before = state.cluster
         cluster, dropped = C.route(state.cluster, params.gpus, state.pending, gpu)
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(
@@ -127,6 +154,10 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
         state = RoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
                              time=state.time + 1, log=log)
         reward = common.reward_from(metrics, params)
+        if self.shaping_gamma is not None:
+            phi0 = -expected_backlog(state_cluster_before, params.gpus) / params.latency_scale
+            phi1 = -expected_backlog(cluster, params.gpus) / params.latency_scale
+            reward = (reward + self.shaping_gamma * phi1 - phi0).astype(jnp.float32)
         return self.get_obs(state, params), state, reward, exhausted, metrics.as_dict()
 
     def get_obs(self, state, params=None, key=None):
@@ -158,12 +189,38 @@ def gpu_features(cluster: C.Cluster, params: common.ServingParams) -> jax.Array:
     rows = jnp.stack([
         waiting / jnp.maximum(gpus.queue_cap, 1),
         running / jnp.maximum(gpus.max_batch, 1),
-        jnp.where(s.run_count > 0, jnp.maximum(s.free_at, 0.0), 0.0) / ts,
-        C.queued_work(cluster, gpus) / ts,
+        jnp.log1p(jnp.where(s.run_count > 0, jnp.maximum(s.est_end, 0.0), 0.0) / ts),
+        jnp.log1p(C.queued_work(cluster, gpus) / ts),
         ref.min() / ref,
         jnp.log1p(mean_estimate) / jnp.log1p(params.tokens.max_output),
     ], axis=-1)
     return jnp.clip(jnp.nan_to_num(rows), 0.0, FEATURE_CLIP).astype(jnp.float32)
+
+
+def expected_backlog(cluster: C.Cluster, gpus) -> jax.Array:
+    """Expected remaining time-in-system of every request present, summed (s); a scalar.
+
+    Per GPU, from what the scheduler knows (prompts, output *estimates*, `est_end`): the
+    running batch's requests leave at its expected end `R = max(est_end, 0)`. The `n` waiting
+    requests follow in `nb = ceil(n / max_batch)` batches that together take
+    `T = nb*c0 + alpha*sum p + alpha2*sum p^2 + o_max*(nb*beta + gamma*n + delta*sum p)`
+    (`service.batch_service_time` per batch, every batch's longest output taken as the
+    queue's largest estimate `o_max`), finishing at `R + T/nb, R + 2T/nb, ...`, so on average
+    at `R + T * (nb + 1) / (2 nb)`. The potential of Routing-v0's reward shaping.
+    """
+    q, s = cluster.queues, cluster.servers
+    run_left = jnp.where(s.run_count > 0, jnp.maximum(s.est_end, 0.0), 0.0)
+    mask = Q.waiting_mask(q)
+    n = q.count.astype(jnp.float32)
+    b = jnp.maximum(gpus.max_batch, 1).astype(jnp.float32)
+    nb = jnp.maximum(jnp.ceil(n / b), 1.0)
+    p = jnp.where(mask, q.prompt, 0.0)
+    sum_p, sum_p2 = p.sum(-1), (p * p).sum(-1)
+    o_max = jnp.where(mask, q.estimate, 0.0).max(-1)
+    t_all = (nb * gpus.c0 + gpus.alpha * sum_p + gpus.alpha2 * sum_p2
+             + o_max * (nb * gpus.beta + gpus.gamma * n + gpus.delta * sum_p))
+    per_gpu = s.run_count * run_left + n * (run_left + t_all * (nb + 1.0) / (2.0 * nb))
+    return per_gpu.sum().astype(jnp.float32)
 
 
 def routing_observation(cluster: C.Cluster, pending: Request, params) -> jax.Array:

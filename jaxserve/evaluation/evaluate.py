@@ -24,9 +24,22 @@ Methodology (docs/baselines.md has the long form):
   requests of each environment are simulated but excluded from latency statistics and rates.
 * Rates: over each environment's window from the first measured arrival to the last finish
   (the makespan, drain included), summed over environments.
+* Drops. `mean_latency` and the percentiles are over *served* requests only: a policy that
+  drops requests is not charged for them there. `mean_latency_incl_drops` is the
+  drop-inclusive mean: every measured request counts, a dropped one at `params.drop_penalty_s`
+  seconds (600 s in the registered Routing-v0 and Batching-v0, 15x the Routing-v0 SLO: more
+  than any served request's latency in the default scenarios), so dropping is never a way to
+  look fast. Compare policies on it whenever either drops.
 * Confidence intervals: each environment is one independent replicate; a 95% CI is the
   Student-t interval of the replicates' values (for the mean latency, of the per-environment
-  mean latencies).
+  mean latencies). Policies compared on one key see the same streams, so compare them with
+  `paired_difference` (the Student-t CI of the per-environment differences), not by whether
+  their separate CIs overlap.
+* Tuning and evaluation never share streams: policies that are fitted or tuned by simulation
+  (`tuned_static`, `sita`, `scheduled`) use `tuning_key(key)` (a `fold_in` with
+  `TUNING_SALT`), every key used for tuning is recorded, and `evaluate_many` refuses a
+  recorded one (`check_not_tuning_key`). A trace is split with `split_trace` into a fitting
+  window and a disjoint scored window.
 """
 
 from __future__ import annotations
@@ -221,6 +234,69 @@ def _check_args(env, params, num_envs, num_steps, warmup):
     return routing
 
 
+# ----------------------------------------------------------------------------- tuning keys
+
+TUNING_SALT = 0x54554E45  # "TUNE": tuning keys are `fold_in(key, TUNING_SALT)`
+_TUNING_KEYS: set[bytes] = set()
+
+
+def _key_bytes(key) -> bytes:
+    k = jax.random.key_data(key) if jnp.issubdtype(jnp.asarray(key).dtype,
+                                                   jax.dtypes.prng_key) else key
+    return np.asarray(k, np.uint32).tobytes()
+
+
+def tuning_key(key=None):
+    """The key to tune or fit with when `key` (default `PRNGKey(0)`) is an evaluation key.
+
+    `fold_in(key, TUNING_SALT)`: a different key, hence streams independent of the ones
+    `evaluate(..., key)` draws. The result is recorded (`mark_tuning_key`).
+    """
+    key = jax.random.PRNGKey(0) if key is None else key
+    return mark_tuning_key(jax.random.fold_in(key, TUNING_SALT))
+
+
+def mark_tuning_key(key):
+    """Records `key` as used for tuning or fitting (evaluation then refuses it); returns it."""
+    _TUNING_KEYS.add(_key_bytes(key))
+    return key
+
+
+def is_tuning_key(key) -> bool:
+    """True if `key` was used (or derived) for tuning or fitting in this process."""
+    return _key_bytes(key) in _TUNING_KEYS
+
+
+def check_not_tuning_key(key) -> None:
+    """Raises ValueError if `key` was used for tuning: evaluation must use other streams."""
+    if is_tuning_key(key):
+        raise ValueError("this key was used to tune or fit a policy; evaluate on a different "
+                         "key (tune with jaxserve.evaluation.evaluate.tuning_key(eval_key))")
+
+
+def split_trace(trace: Trace, fit_fraction: float = 0.25) -> tuple[Trace, Trace]:
+    """Splits a trace into a fitting window (the first `fit_fraction` of its requests) and
+    the disjoint scored window (the rest, arrivals shifted to start at 0).
+
+    Fitted policies (SITA thresholds, `tuned_static`) are fitted on the first and scored on
+    the second, never on the requests they are scored on.
+    """
+    tr = validate_trace(trace)
+    n = len(tr)
+    if not 0.0 < fit_fraction < 1.0:
+        raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
+    cut = int(round(n * fit_fraction))
+    if cut < 2 or n - cut < 2:
+        raise ValueError(f"a trace of {n} requests is too short to split into a fitting and a "
+                         f"scored window of >= 2 requests each")
+
+    def part(lo, hi):
+        a = np.asarray(tr.arrival_s[lo:hi], np.float64)
+        return Trace(arrival_s=a - a[0], prompt_tokens=np.asarray(tr.prompt_tokens[lo:hi]),
+                     output_tokens=np.asarray(tr.output_tokens[lo:hi]))
+    return part(0, cut), part(cut, n)
+
+
 # ----------------------------------------------------------------------------- statistics
 
 def t_halfwidth(values) -> float:
@@ -231,6 +307,50 @@ def t_halfwidth(values) -> float:
     if v.shape[0] < 2:
         return float("nan")
     return float(student_t.ppf(0.975, v.shape[0] - 1) * v.std(ddof=1) / np.sqrt(v.shape[0]))
+
+
+def paired_difference(a, b, level: float = 0.95) -> dict:
+    """Paired comparison of two policies evaluated on common random numbers.
+
+    `a`, `b`: per-replicate values of one metric (e.g. `per_env["mean_latency"]`), replicate
+    `i` of both on the same stream. The CI is the Student-t interval of the differences
+    `a_i - b_i` (n - 1 degrees of freedom): common streams cancel most of the between-stream
+    variance, so it is much narrower than the unpaired CIs suggest. Replicates where either
+    value is NaN are left out.
+
+    Returns:
+      dict: `mean` (of a - b), `ci` (half-width), `low`, `high`, `n`, and `significant`
+      (the interval excludes 0).
+    """
+    from scipy.stats import t as student_t
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"paired values need equal lengths, got {a.shape[0]} and {b.shape[0]}")
+    d = a - b
+    d = d[np.isfinite(d)]
+    n = int(d.shape[0])
+    mean = float(d.mean()) if n else float("nan")
+    half = (float(student_t.ppf(0.5 + level / 2.0, n - 1) * d.std(ddof=1) / np.sqrt(n))
+            if n >= 2 else float("nan"))
+    return {"mean": mean, "ci": half, "low": mean - half, "high": mean + half, "n": n,
+            "significant": bool(np.isfinite(half) and (mean - half > 0 or mean + half < 0))}
+
+
+def paired_table(results: Mapping[str, dict], reference: str,
+                 metrics=("mean_latency_incl_drops", "mean_latency", "goodput")) -> dict:
+    """`{policy: {metric: paired_difference(policy, reference)}}` for every other policy.
+
+    `results` come from one `evaluate_many` call (same streams); `metric` names a per-env
+    replicate (`mean_latency_incl_drops` reads `per_env["latency_incl_drops"]`).
+    """
+    if reference not in results:
+        raise ValueError(f"reference policy {reference!r} is not among {sorted(results)}")
+    per = {"mean_latency_incl_drops": "latency_incl_drops"}
+    ref = results[reference]["per_env"]
+    return {name: {m: paired_difference(r["per_env"][per.get(m, m)], ref[per.get(m, m)])
+                   for m in metrics}
+            for name, r in results.items() if name != reference}
 
 
 def summarise(out: dict, streams: common.TraceArrays, params, warmup: int = 0) -> dict:
@@ -259,6 +379,12 @@ def summarise(out: dict, streams: common.TraceArrays, params, warmup: int = 0) -
         per_env_mean = np.where(per_env_n > 0, np.where(ok, lat, 0.0).sum(1) / per_env_n, np.nan)
         per_env_p99 = np.array([np.percentile(lat[e][ok[e]], 99) if per_env_n[e] else np.nan
                                 for e in range(num_envs)])
+    penalty = float(np.asarray(params.drop_penalty_s))
+    # Drop-inclusive: served requests at their latency, dropped ones at the drop penalty.
+    dropped_req = ~done & measured
+    per_env_m = measured.sum(axis=1) * np.ones(num_envs)
+    per_env_incl = ((np.where(ok, lat, 0.0).sum(1) + penalty * dropped_req.sum(1))
+                    / np.maximum(per_env_m, 1))
     per_env_good = (ok & (lat <= slo)).sum(axis=1)
     per_env_tput = per_env_n / window
     per_env_goodput = per_env_good / window
@@ -292,7 +418,6 @@ def summarise(out: dict, streams: common.TraceArrays, params, warmup: int = 0) -
     sums = {k: np.asarray(v, np.float64) for k, v in out["sums"].as_dict().items()}
     arrived_env = sums["arrived"] + np.asarray(out["arrived_at_reset"], np.float64)
     arrived = int(arrived_env.sum())
-    penalty = float(np.asarray(params.drop_penalty_s))
     per_env_cost = ((sums["in_system_time"] + penalty * sums["dropped"])
                     / np.maximum(arrived_env, 1.0))
     dropped_measured = int((~done & measured).sum())
@@ -304,6 +429,9 @@ def summarise(out: dict, streams: common.TraceArrays, params, warmup: int = 0) -
         "measured": int(measured.sum() * num_envs),
         "mean_latency": float(pooled.mean()) if pooled.size else float("nan"),
         "mean_latency_ci95": t_halfwidth(per_env_mean),
+        "mean_latency_incl_drops": float(per_env_incl.mean()),
+        "mean_latency_incl_drops_ci95": t_halfwidth(per_env_incl),
+        "drop_penalty_s": penalty,
         "p50_latency": float(pct[0]),
         "p90_latency": float(pct[1]),
         "p99_latency": float(pct[2]),
@@ -332,7 +460,8 @@ def summarise(out: dict, streams: common.TraceArrays, params, warmup: int = 0) -
         "invalid_actions": int(sums["invalid_actions"].sum()),
         "decisions": int(np.asarray(out["decisions"]).sum()),
         "latencies": pooled,
-        "per_env": {"mean_latency": per_env_mean, "p99_latency": per_env_p99,
+        "per_env": {"mean_latency": per_env_mean, "latency_incl_drops": per_env_incl,
+                    "p99_latency": per_env_p99,
                     "throughput": per_env_tput, "goodput": per_env_goodput,
                     "cost_per_request": per_env_cost},
     }
@@ -364,6 +493,7 @@ def evaluate_many(env, params, policies: Mapping[str, Callable], key, num_envs: 
       `{name: metrics}`, metrics as documented in `evaluate`.
     """
     routing = _check_args(env, params, num_envs, num_steps, warmup)
+    check_not_tuning_key(key)
     if not policies:
         raise ValueError("evaluate_many needs at least one policy")
     for name, pol in policies.items():
@@ -389,7 +519,11 @@ def evaluate(env, params, policy: Callable, key, num_envs: int = 16, num_steps: 
     Returns:
       dict (floats unless noted; seconds, requests/s):
         mean_latency, p50_latency, p90_latency, p99_latency, max_latency: over all measured
-          requests that were served (pooled across environments; exact percentiles).
+          requests that were served (pooled across environments; exact percentiles). They
+          EXCLUDE dropped requests.
+        mean_latency_incl_drops, mean_latency_incl_drops_ci95: drop-inclusive mean latency,
+          every measured request counted, a dropped one at `drop_penalty_s` seconds (the
+          mean of the per-environment values); drop_penalty_s: the penalty used.
         mean_latency_ci95, p99_latency_ci95, throughput_ci95, goodput_ci95: 95% CI
           half-widths over environments.
         throughput: served requests per second; goodput: served within `params.slo_s` per
@@ -406,7 +540,9 @@ def evaluate(env, params, policy: Callable, key, num_envs: int = 16, num_steps: 
           `(time-in-system + drop_penalty_s * drops) / arrived` (s), over everything simulated
           (warmup included): the mean latency when nothing is dropped.
         invalid_actions, decisions (ints); latencies: the pooled latencies (numpy);
-        per_env: per-environment replicates of mean/p99 latency, throughput, goodput, cost.
+        per_env: per-environment replicates of mean latency, drop-inclusive mean latency
+          (`latency_incl_drops`), p99 latency, throughput, goodput, cost; pair them across
+          policies with `paired_difference`.
     """
     return evaluate_many(env, params, {"policy": policy}, key, num_envs, num_steps,
                          warmup=warmup, trace=trace)["policy"]

@@ -94,8 +94,10 @@ def tune_static(env, params, key=None, max_batches=None, timeouts=None, num_envs
 
     Args:
       env, params: a Batching-v0 environment and its parameters.
-      key: PRNG key (default `PRNGKey(0)`); `evaluate` with the same key, `num_envs` and
-        `num_steps` sees the same streams.
+      key: the PRNG key of the tuning streams (default `tuning_key()`, i.e. `tuning_key(
+        PRNGKey(0))`). It is recorded as a tuning key, and `evaluate` refuses it, so the
+        setting is never scored on the streams it was chosen on: pass
+        `tuning_key(eval_key)` when the evaluation will use `eval_key`.
       max_batches, timeouts: the grid axes (default `default_grid(params)`).
       num_envs, num_steps, warmup: as in `jaxserve.evaluate`.
       compare_tables: optional `{name: table}` of queue-length tables (q -> action, e.g.
@@ -109,8 +111,9 @@ def tune_static(env, params, key=None, max_batches=None, timeouts=None, num_envs
       `drop_rate`, `throughput`, `arrived`, `completed`, `dropped_total`, `in_flight` and
       `per_env_cost` (numpy, per environment); sorted by cost (best first).
     """
-    from jaxserve.evaluation.evaluate import (_check_args, is_routing, make_streams, summarise,
-                                              trace_env)
+    from jaxserve.evaluation.evaluate import (_check_args, is_routing, make_streams,
+                                              mark_tuning_key, summarise, trace_env,
+                                              tuning_key)
     if is_routing(env):
         raise ValueError("tune_static needs a Batching-v0 environment")
     _check_args(env, params, num_envs, num_steps, warmup)
@@ -121,7 +124,7 @@ def tune_static(env, params, key=None, max_batches=None, timeouts=None, num_envs
         raise ValueError("max_batches and timeouts must be non-empty 1-D sequences")
     if np.any(bs < 1) or np.any(~np.isfinite(taus)) or np.any(taus < 0):
         raise ValueError("grid needs max_batch >= 1 and finite timeouts >= 0")
-    key = jax.random.PRNGKey(0) if key is None else key
+    key = tuning_key() if key is None else mark_tuning_key(key)
     gb, gt = (a.ravel() for a in np.meshgrid(bs, taus, indexing="ij"))
     qmax = int(np.asarray(params.gpus.queue_cap)[0]) + 1  # queue lengths 0..queue_cap
     names = ["static"] * gb.shape[0]

@@ -97,6 +97,13 @@ def _check(name: str) -> None:
         raise ValueError(f"unknown policy {name!r}; registered: {', '.join(names())}")
 
 
+def options(name: str) -> tuple[str, ...]:
+    """The keyword options the factory of `name` takes (besides `env` and `params`)."""
+    _check(name)
+    sig = inspect.signature(_FACTORIES[name][1])
+    return tuple(p for p in sig.parameters if p not in ("env", "params"))
+
+
 def get(name: str, **kwargs) -> Policy:
     """Builds the registered policy `name` with options `kwargs`.
 

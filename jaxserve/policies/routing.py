@@ -3,8 +3,20 @@
 Every policy has the shared signature `policy(key, obs, state, params) -> int32 GPU index`
 and reads only what a real router knows: the pending request's prompt length, its output
 *estimate* (`state.pending.estimate`) and its id, the queues (counts and the waiting requests'
-prompts and estimates) and the running batches (`free_at`, `run_count`). The true output
-length (`pending.output`, `queues.output`) is never read.
+prompts and estimates) and the running batches (`run_count`, and their *expected* end
+`est_end`, computed from estimates). The true output lengths (`pending.output`,
+`queues.output`) and the running batch's true end (`free_at`, which needs them) are never
+read. Audit: `jsq`, `power_of_two`, `join_idle_queue` read counts; `least_work_left`, `sed`
+and `sita` read `cluster.queued_work` (`est_end` plus the queues' estimate-based work) and
+`single_request_time(prompt, estimate)`; `round_robin`, `weighted_round_robin` read
+`req_id` (and profile speeds from workload means); `random` nothing. SITA's *fit* (offline,
+`fit_sita`) uses true lengths of a workload sample, as a fit to historical logs would, drawn
+with a tuning key (never the evaluation streams).
+
+The oracles `sed_oracle` and `least_work_left_oracle` are the same rules given the true
+output lengths (the pending request's `output`, the running batch's true end `free_at`, the
+queues' true work): upper references for what perfect size knowledge is worth, never
+baselines a real scheduler could run.
 
 Where a policy compares GPUs by expected time (least work left, SED, SITA's groups), a GPU
 whose queue is full (`count >= queue_cap`: the request would be dropped) is skipped unless
@@ -21,6 +33,7 @@ import numpy as np
 
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
+from jaxserve.core import queues as Q
 from jaxserve.core.service import per_request_work, single_request_time
 from jaxserve.policies.registry import Policy, register
 
@@ -123,6 +136,32 @@ def sed(key, obs, state, params):
     return jnp.where(idle.any(), fastest_idle, busy_best)
 
 
+def _oracle_queued_work(state, params) -> jax.Array:
+    """ORACLE: `queued_work` with true output lengths: the running batch's true end and the
+    waiting requests' shares from their true outputs. `(num_gpus,)`."""
+    cl, gpus = state.cluster, params.gpus
+    q, s = cl.queues, cl.servers
+    remaining = jnp.where(s.run_count > 0, jnp.maximum(s.free_at, 0.0), 0.0)
+    mask = Q.waiting_mask(q)
+    shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), q.prompt, q.output)
+    return remaining + jnp.where(mask, shares, 0.0).sum(-1)
+
+
+def least_work_left_oracle(key, obs, state, params):
+    """ORACLE (true output lengths): `least_work_left` on the true remaining work."""
+    return _argmin_open(_oracle_queued_work(state, params), state, params)
+
+
+def sed_oracle(key, obs, state, params):
+    """ORACLE (true output lengths): `sed` with the pending request's true output and the
+    GPUs' true remaining work."""
+    own = single_request_time(params.gpus, state.pending.prompt, state.pending.output)
+    idle = in_system(state) == 0
+    fastest_idle = jnp.argmin(jnp.where(idle, own, jnp.inf)).astype(jnp.int32)
+    busy_best = _argmin_open(_oracle_queued_work(state, params) + own, state, params)
+    return jnp.where(idle.any(), fastest_idle, busy_best)
+
+
 def power_of_two(key, obs, state, params):
     """Two distinct GPUs drawn uniformly; the one with fewer requests (the first drawn on ties)."""
     n = state.cluster.num_gpus
@@ -176,13 +215,15 @@ def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, outp
     """A workload sample: prompts, true outputs and the output *estimates* a router would see.
 
     Draws `num_samples` requests from `params.tokens`, or takes given `prompt`/`output` arrays
-    (e.g. a historical trace); estimates follow `params.estimate_mode`.
+    (e.g. a historical trace: never the window it will be scored on, see
+    `evaluation.evaluate.split_trace`); estimates follow `params.estimate_mode`. The key
+    (default `tuning_key()`) is recorded as a tuning key, which evaluation refuses.
 
     Returns:
       (prompt, output, estimate) float64 numpy arrays.
     """
-    from jaxserve.evaluation.evaluate import sample_tokens_n
-    key = jax.random.PRNGKey(0) if key is None else key
+    from jaxserve.evaluation.evaluate import mark_tuning_key, sample_tokens_n, tuning_key
+    key = tuning_key() if key is None else mark_tuning_key(key)
     if prompt is None:
         k_tok, key = jax.random.split(key)
         prompt, output = sample_tokens_n(k_tok, params.tokens, int(num_samples))
@@ -365,6 +406,10 @@ _simple("jsq", jsq, "Join the shortest queue (waiting + running).")
 _simple("least_work_left", least_work_left, "Least expected work left (queued_work).")
 _simple("sed", sed, "Shortest expected delay; fastest idle GPU first.")
 _simple("power_of_two", power_of_two, "Power of two choices on queue length.")
+_simple("sed_oracle", sed_oracle,
+        "ORACLE: SED with true output lengths (a reference, not a realisable baseline).")
+_simple("least_work_left_oracle", least_work_left_oracle,
+        "ORACLE: least work left with true output lengths (a reference).")
 
 
 @register("weighted_round_robin", "routing", scenario_free=True)

@@ -100,8 +100,8 @@ def batch_service_samples(params, num_samples: int = 2048, key=None) -> np.ndarr
     Batches of different `k` share their first requests (nested samples). With fixed token
     sizes every sample is the same and `S = 1`.
     """
-    from jaxserve.evaluation.evaluate import sample_tokens_n
-    key = jax.random.PRNGKey(0) if key is None else key
+    from jaxserve.evaluation.evaluate import mark_tuning_key, sample_tokens_n, tuning_key
+    key = tuning_key() if key is None else mark_tuning_key(key)  # never an evaluation key
     b = int(np.asarray(params.gpus.max_batch)[0])
     p, o = sample_tokens_n(key, params.tokens, num_samples * b)
     p = np.asarray(p, np.float64).reshape(num_samples, b)
