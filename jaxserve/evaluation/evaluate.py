@@ -58,6 +58,7 @@ from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
 from jaxserve.envs.batching import Batching
 from jaxserve.envs.routing import Routing
+from jaxserve.evaluation.stats import paired_difference, t_halfwidth  # noqa: F401
 
 _ENV_CACHE: dict = {}
 
@@ -299,44 +300,7 @@ def split_trace(trace: Trace, fit_fraction: float = 0.25) -> tuple[Trace, Trace]
 
 # ----------------------------------------------------------------------------- statistics
 
-def t_halfwidth(values) -> float:
-    """Half-width of the 95% Student-t CI of the mean of `values` (NaN with fewer than 2)."""
-    from scipy.stats import t as student_t
-    v = np.asarray(values, np.float64)
-    v = v[np.isfinite(v)]
-    if v.shape[0] < 2:
-        return float("nan")
-    return float(student_t.ppf(0.975, v.shape[0] - 1) * v.std(ddof=1) / np.sqrt(v.shape[0]))
-
-
-def paired_difference(a, b, level: float = 0.95) -> dict:
-    """Paired comparison of two policies evaluated on common random numbers.
-
-    `a`, `b`: per-replicate values of one metric (e.g. `per_env["mean_latency"]`), replicate
-    `i` of both on the same stream. The CI is the Student-t interval of the differences
-    `a_i - b_i` (n - 1 degrees of freedom): common streams cancel most of the between-stream
-    variance, so it is much narrower than the unpaired CIs suggest. Replicates where either
-    value is NaN are left out.
-
-    Returns:
-      dict: `mean` (of a - b), `ci` (half-width), `low`, `high`, `n`, and `significant`
-      (the interval excludes 0).
-    """
-    from scipy.stats import t as student_t
-    a = np.asarray(a, np.float64).ravel()
-    b = np.asarray(b, np.float64).ravel()
-    if a.shape != b.shape:
-        raise ValueError(f"paired values need equal lengths, got {a.shape[0]} and {b.shape[0]}")
-    d = a - b
-    d = d[np.isfinite(d)]
-    n = int(d.shape[0])
-    mean = float(d.mean()) if n else float("nan")
-    half = (float(student_t.ppf(0.5 + level / 2.0, n - 1) * d.std(ddof=1) / np.sqrt(n))
-            if n >= 2 else float("nan"))
-    return {"mean": mean, "ci": half, "low": mean - half, "high": mean + half, "n": n,
-            "significant": bool(np.isfinite(half) and (mean - half > 0 or mean + half < 0))}
-
-
+# CIs and paired differences live in `stats`; re-exported here for existing callers.
 def paired_table(results: Mapping[str, dict], reference: str,
                  metrics=("mean_latency_incl_drops", "mean_latency", "goodput")) -> dict:
     """`{policy: {metric: paired_difference(policy, reference)}}` for every other policy.

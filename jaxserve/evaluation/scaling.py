@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.envs.autoscaling import Autoscaling, AutoscalingParams
-from jaxserve.evaluation.evaluate import switch_policy, t_halfwidth
+from jaxserve.evaluation.evaluate import switch_policy
+from jaxserve.evaluation.stats import t_halfwidth
 
 SUMS = ("arrived", "completed", "dropped", "latency_sum", "slo_violations", "gpu_seconds",
         "in_system_time", "cost", "reward", "intervals")

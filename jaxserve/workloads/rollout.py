@@ -42,7 +42,6 @@ the field.
 
 from __future__ import annotations
 
-import math
 import time
 from functools import partial
 from typing import Sequence
@@ -59,6 +58,7 @@ from jaxserve.core.queues import Request
 from jaxserve.core.service import batch_service_time
 from jaxserve.core.types import PROFILE_FLOAT_FIELDS, PROFILE_INT_FIELDS, GPUProfile, \
     validate_profile
+from jaxserve.evaluation.stats import t_halfwidth
 
 RULES: tuple[str, ...] = ("round_robin", "jsq", "least_work_left", "lpt", "lpt_batch")
 ROUND_ROBIN, JSQ, LEAST_WORK_LEFT, LPT, LPT_BATCH = range(len(RULES))
@@ -505,10 +505,7 @@ def sweep_raw(key: jax.Array, params: RolloutParams, *, num_requests: int, max_r
 
 
 def _ci95(x: np.ndarray, axis=-1) -> np.ndarray:
-    n = x.shape[axis]
-    if n < 2:
-        return np.full(np.delete(x.shape, axis % x.ndim), np.nan)
-    return 1.96 * x.std(axis=axis, ddof=1) / math.sqrt(n)
+    return t_halfwidth(x, axis=axis)
 
 
 def tabulate(raw: dict, *, train_s: float | Sequence[float] = 0.0, gpus_per_replica: float = 1.0,

@@ -1,0 +1,64 @@
+"""Confidence intervals and paired comparisons: the one place the evaluation code gets them.
+
+Every comparison in jaxserve treats an environment (or episode) as one independent
+replicate. Intervals are Student-t intervals of the replicates' mean (n - 1 degrees of
+freedom), never the normal 1.96 approximation, which is too narrow for the handful of
+replicates a CPU run affords. Policies evaluated on one key see the same streams (common
+random numbers), so compare them with `paired_difference`, not by whether their separate
+intervals overlap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _t_quantile(level: float, dof) -> np.ndarray:
+    from scipy.stats import t as student_t
+    return student_t.ppf(0.5 + level / 2.0, dof)
+
+
+def t_halfwidth(values, level: float = 0.95, axis: int | None = None):
+    """Half-width of the Student-t CI (two-sided, `level`) of the mean of `values`.
+
+    With `axis=None` (default) non-finite values are left out and the result is a float
+    (NaN with fewer than 2 finite values). With an `axis`, the interval is taken along it,
+    every value counting, and the result is an array (NaN where that axis has < 2 entries).
+    """
+    v = np.asarray(values, np.float64)
+    if axis is None:
+        v = v[np.isfinite(v)]
+        n = v.shape[0]
+        if n < 2:
+            return float("nan")
+        return float(_t_quantile(level, n - 1) * v.std(ddof=1) / np.sqrt(n))
+    n = v.shape[axis]
+    if n < 2:
+        return np.full(np.delete(v.shape, axis % v.ndim), np.nan)
+    return _t_quantile(level, n - 1) * v.std(axis=axis, ddof=1) / np.sqrt(n)
+
+
+def paired_difference(a, b, level: float = 0.95) -> dict:
+    """Paired comparison of two policies evaluated on common random numbers.
+
+    `a`, `b`: per-replicate values of one metric (e.g. `per_env["mean_latency"]`), replicate
+    `i` of both on the same stream. The CI is the Student-t interval of the differences
+    `a_i - b_i` (n - 1 degrees of freedom): common streams cancel most of the between-stream
+    variance, so it is much narrower than the unpaired CIs suggest. Replicates where either
+    value is NaN are left out.
+
+    Returns:
+      dict: `mean` (of a - b), `ci` (half-width), `low`, `high`, `n`, and `significant`
+      (the interval excludes 0).
+    """
+    a = np.asarray(a, np.float64).ravel()
+    b = np.asarray(b, np.float64).ravel()
+    if a.shape != b.shape:
+        raise ValueError(f"paired values need equal lengths, got {a.shape[0]} and {b.shape[0]}")
+    d = a - b
+    d = d[np.isfinite(d)]
+    n = int(d.shape[0])
+    mean = float(d.mean()) if n else float("nan")
+    half = t_halfwidth(d, level)
+    return {"mean": mean, "ci": half, "low": mean - half, "high": mean + half, "n": n,
+            "significant": bool(np.isfinite(half) and (mean - half > 0 or mean + half < 0))}
