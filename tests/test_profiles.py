@@ -1,6 +1,6 @@
 """Tests of the named GPU profiles (`jaxserve.core.profiles`) and of their fit.
 
-The constants in `profiles.py` must be what `scripts/fit_profiles.py` computes from the saved
+The constants in `profiles.py` must be what `jaxserve.core.profile_fit` computes from the saved
 source rows, so a changed CSV or fit shows up here.
 """
 
@@ -21,7 +21,8 @@ from jaxserve.core.profiles import (
     profile_names,
 )
 from jaxserve.core.types import PROFILE_FLOAT_FIELDS, GPUProfile, stack_profiles, validate_profile
-from scripts import fit_profiles
+from jaxserve.core import profile_fit as fit_profiles
+from scripts import fit_profiles as fit_cli
 
 COEFS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta")
 
@@ -184,7 +185,7 @@ def test_script_service_time_matches_model():
 
 
 def test_script_prints_table_and_entries(capsys):
-    fit_profiles.main(["--python"])
+    fit_cli.main(["--python"])
     out = capsys.readouterr().out
     assert "378088013a54df6f2052c27ff5ae6ea7619c3ecc" in out
     for name in PROFILES:
@@ -205,3 +206,39 @@ def test_source_csv_small_with_provenance():
     assert rows["prompt_time"].size == 65 * len(fit_profiles.CONFIGS)
     assert np.all(rows["prompt_time"] > 0) and np.all(rows["token_time"] > 0)
     assert np.all(rows["token_size"] == 128)
+
+
+# ---------------------------------------------------------------- one closed form
+
+def test_service_time_is_one_closed_form_for_numpy_and_jax():
+    """`core.service.service_time` in float64 numpy equals the engine's float32 form, and
+    `full_batch_rate` at mean sizes is `B / T(full batch)` (the nominal capacity)."""
+    import jax.numpy as jnp
+
+    from jaxserve.core.service import (batch_service_time, full_batch_rate, host_profile,
+                                       service_time as closed_form)
+
+    gpus = [get_profile(t) for t in ("fast", "mid", "slow")]
+    hp = host_profile(gpus)
+    p, o = np.array([100.0, 2000.0, 7.0]), np.array([5.0, 300.0, 1.0])
+    host = closed_form(hp, 3, p.sum(), (p * p).sum(), o.max())
+    assert host.dtype == np.float64 and host.shape == (3,)
+    dev = batch_service_time(stack_profiles(gpus), 3, jnp.float32(p.sum()),
+                             jnp.float32((p * p).sum()), jnp.float32(o.max()))
+    np.testing.assert_allclose(np.asarray(dev), host, rtol=1e-6)
+    for g, prof in enumerate(gpus):
+        assert host[g] == pytest.approx(service_time(prof, p, o), rel=1e-12)
+    b = np.asarray(hp.max_batch).astype(int)
+    rate = full_batch_rate(gpus, 512.0, 128.0)
+    want = [b[g] / service_time(gpus[g], np.full(int(b[g]), 512.0), np.full(int(b[g]), 128.0))
+            for g in range(3)]
+    np.testing.assert_allclose(rate, want, rtol=1e-12)
+    # Sampled batches: each GPU takes the first max_batch requests of a row.
+    rng = np.random.default_rng(0)
+    ps, os_ = rng.integers(1, 900, (4, int(b.max()))), rng.integers(1, 200, (4, int(b.max())))
+    sampled = full_batch_rate(gpus, ps, os_)
+    for g in range(3):
+        t = np.mean([service_time(gpus[g], ps[s, :b[g]], os_[s, :b[g]]) for s in range(4)])
+        assert sampled[g] == pytest.approx(b[g] / t, rel=1e-12)
+    with pytest.raises(ValueError):
+        full_batch_rate(gpus, ps[:, :1], os_[:, :1])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core import arrivals as A
+from jaxserve.core.service import full_batch_rate, host_profile, service_time
 from jaxserve.evaluation.evaluate import (_check_args, params_trace, rollout_envs,
                                           sample_stream, sample_tokens_n, summarise,
                                           switch_policy, trace_env)
@@ -40,20 +41,11 @@ def p99_with_drops(result_out_lat: np.ndarray) -> float:
 def service_capacity(params, num_samples: int = 512, key=None) -> float:
     """Rough cluster capacity (req/s): sum over GPUs of `B / E[T(full batch)]`."""
     key = jax.random.PRNGKey(0) if key is None else key
-    bs = np.asarray(params.gpus.max_batch).astype(int)
-    b_max = int(bs.max())
+    b_max = int(np.asarray(params.gpus.max_batch).max())
     p, o = sample_tokens_n(key, params.tokens, num_samples * b_max)
     p = np.asarray(p, np.float64).reshape(num_samples, b_max)
     o = np.asarray(o, np.float64).reshape(num_samples, b_max)
-    total = 0.0
-    for g, b in enumerate(bs):
-        f = {k: float(np.asarray(getattr(params.gpus, k))[g])
-             for k in ("c0", "alpha", "alpha2", "beta", "gamma", "delta")}
-        sp, sp2, mo = p[:, :b].sum(1), (p[:, :b] ** 2).sum(1), o[:, :b].max(1)
-        t = f["c0"] + f["alpha"] * sp + f["alpha2"] * sp2 + mo * (f["beta"] + f["gamma"] * b
-                                                                   + f["delta"] * sp)
-        total += b / max(t.mean(), 1e-12)
-    return float(total)
+    return float(full_batch_rate(params.gpus, p, o).sum())
 
 
 def p99_lower_bound(params, num_samples: int = 4096, key=None) -> float:
@@ -63,10 +55,7 @@ def p99_lower_bound(params, num_samples: int = 4096, key=None) -> float:
     p, o = sample_tokens_n(key, params.tokens, num_samples)
     p = np.asarray(p, np.float64)[:, None]
     o = np.asarray(o, np.float64)[:, None]
-    g = {k: np.asarray(getattr(params.gpus, k), np.float64)[None, :]
-         for k in ("c0", "alpha", "alpha2", "beta", "gamma", "delta")}
-    t = g["c0"] + g["alpha"] * p + g["alpha2"] * p * p + o * (g["beta"] + g["gamma"]
-                                                            + g["delta"] * p)
+    t = service_time(host_profile(params.gpus), 1, p, p * p, o)  # (num_samples, num_gpus)
     # The 99th percentile of the sample, less 1% slack for sampling error.
     return float(0.99 * np.percentile(t.min(axis=1), 99))
 

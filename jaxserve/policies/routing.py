@@ -34,7 +34,7 @@ import numpy as np
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
-from jaxserve.core.service import per_request_work, single_request_time
+from jaxserve.core.service import full_batch_rate, per_request_work, single_request_time
 from jaxserve.policies.registry import Policy, register
 
 _GOLDEN = np.uint32(2654435769)  # floor(2**32 / golden ratio): Fibonacci hashing
@@ -274,8 +274,6 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
       `SitaFit`.
     """
     prompt, output, est = sample_workload(params, key, num_samples, prompt, output)
-    gp = {f: np.asarray(getattr(params.gpus, f), np.float64)
-          for f in ("c0", "alpha", "alpha2", "beta", "gamma", "delta")}
     bs = np.maximum(np.asarray(params.gpus.max_batch).astype(int), 1)
     num_gpus = bs.shape[0]
     uniq = np.unique(est)
@@ -298,13 +296,7 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
             idx = np.flatnonzero((labels >= a0) & (labels < a1))
             qfrac[a0, a1] = idx.shape[0] / total
             draw = rng.choice(idx, (batches_per_interval, int(bs.max())))
-            p, o = prompt[draw], output[draw]
-            for g in range(num_gpus):
-                b = bs[g]
-                sp, sp2, mo = p[:, :b].sum(1), (p[:, :b] ** 2).sum(1), o[:, :b].max(1)
-                t = (gp["c0"][g] + gp["alpha"][g] * sp + gp["alpha2"][g] * sp2
-                     + mo * (gp["beta"][g] + gp["gamma"][g] * b + gp["delta"][g] * sp))
-                mu[a0, a1, g] = b / max(t.mean(), 1e-30)
+            mu[a0, a1] = full_batch_rate(params.gpus, prompt[draw], output[draw])
     speed = np.nanmean(mu[0, m][None], axis=0)
     k_blocks = min(m, num_gpus)
 

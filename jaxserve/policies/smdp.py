@@ -45,6 +45,7 @@ import numpy as np
 from scipy.stats import poisson
 
 from jaxserve.core import arrivals as A
+from jaxserve.core.service import host_profile, service_time
 from jaxserve.policies.registry import Policy, register
 
 
@@ -108,12 +109,10 @@ def batch_service_samples(params, num_samples: int = 2048, key=None) -> np.ndarr
     o = np.asarray(o, np.float64).reshape(num_samples, b)
     if np.ptp(p) == 0 and np.ptp(o) == 0:
         p, o = p[:1], o[:1]
-    g = {f: float(np.asarray(getattr(params.gpus, f))[0])
-         for f in ("c0", "alpha", "alpha2", "beta", "gamma", "delta")}
+    g = jax.tree.map(lambda x: x[0], host_profile(params.gpus))
     k = np.arange(1, b + 1, dtype=np.float64)
     sp, sp2, mo = np.cumsum(p, 1), np.cumsum(p * p, 1), np.maximum.accumulate(o, 1)
-    t = (g["c0"] + g["alpha"] * sp + g["alpha2"] * sp2
-         + mo * (g["beta"] + g["gamma"] * k + g["delta"] * sp))  # (S, B)
+    t = service_time(g, k, sp, sp2, mo)  # (S, B)
     return np.concatenate([np.zeros((1, t.shape[0])), t.T], axis=0)
 
 

@@ -65,7 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.types import GPUProfile, Trace, validate_profile, validate_trace
+from jaxserve.core.service import full_batch_rate
+from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs.common import TraceArrays
 
 __all__ = [
@@ -82,33 +83,11 @@ __all__ = [
 # Load.
 # ---------------------------------------------------------------------------------------------
 
-_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "max_batch")
-
-
-def _profile_arrays(gpus: Any) -> dict[str, np.ndarray]:
-    """float64 `(num_gpus,)` arrays of the service fields of a list or stacked profile."""
-    if isinstance(gpus, GPUProfile):
-        validate_profile(gpus, where="gpus")
-        return {f: np.atleast_1d(np.asarray(getattr(gpus, f), np.float64)) for f in _FIELDS}
-    gpus = list(gpus)
-    if not gpus:
-        raise ValueError("gpus must name at least one GPUProfile (got zero GPUs)")
-    for i, g in enumerate(gpus):
-        if not isinstance(g, GPUProfile):
-            raise ValueError(f"gpus[{i}] must be a GPUProfile, got {type(g).__name__}")
-        validate_profile(g, where=f"gpus[{i}]")
-    return {f: np.concatenate([np.atleast_1d(np.asarray(getattr(g, f), np.float64))
-                               for g in gpus]) for f in _FIELDS}
-
-
 def cluster_capacity(gpus: Any, mean_prompt: float, mean_output: float) -> np.ndarray:
     """Nominal capacity `mu_g = B_g / T_g` (req/s) of each GPU: a full batch of `max_batch`
-    requests of `mean_prompt` / `mean_output` tokens (module docstring). `(num_gpus,)`."""
-    g = _profile_arrays(gpus)
-    b, p, o = g["max_batch"], float(mean_prompt), float(mean_output)
-    t = (g["c0"] + g["alpha"] * b * p + g["alpha2"] * b * p * p
-         + o * (g["beta"] + g["gamma"] * b + g["delta"] * b * p))
-    return b / t
+    requests of `mean_prompt` / `mean_output` tokens (module docstring;
+    `core.service.full_batch_rate` at mean sizes). `(num_gpus,)`."""
+    return full_batch_rate(gpus, float(mean_prompt), float(mean_output))
 
 
 def _rate_and_means(trace: Trace) -> tuple[Trace, float, float, float]:
