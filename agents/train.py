@@ -17,14 +17,16 @@ Environments: a jaxserve id (`jaxserve.make(name, **overrides)`) or any gymnax i
 discrete action space (`gymnax.make(name)`, overrides replace fields of its `EnvParams`).
 Networks: environments with an `obs_layout` (Routing-v0) get the permutation-equivariant
 `SetActorCritic` by default, the rest an MLP. Tuned algorithm hyperparameters per environment
-live in `ENV_DEFAULTS` (docs/training.md records how they were chosen); the environments are
-the registered ones (only Autoscaling-v0 trains with environment overrides).
+live in `agents.defaults.ENV_DEFAULTS` (docs/training.md records how they were chosen); the
+environments are the registered ones (only Autoscaling-v0 trains with environment overrides).
+The pieces: `agents.envs` (make_env), `agents.defaults` (ENV_DEFAULTS, make_config),
+`agents.policy` (LearnedPolicy), `agents.run_dir` (CSV, plot, checkpoint metadata, restore);
+this module holds the loop.
 """
 
 from __future__ import annotations
 
 import collections
-import csv
 import dataclasses
 import json
 import os
@@ -36,161 +38,20 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from agents import ppo, reinforce
-from agents.checkpoint import latest_step, restore_checkpoint, save_checkpoint
-from agents.config import PPOConfig, REINFORCEConfig, TrainConfig
+from agents.checkpoint import latest_step, save_checkpoint
+from agents.config import TrainConfig
+from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
+from agents.envs import make_env
+from agents.policy import LearnedPolicy
 from agents.rollout import RunnerState
+from agents.run_dir import (CHECKPOINT_DIR, CURVE_PNG, METRICS_CSV, _metadata, _restore,
+                            _write_csv, jsonable_overrides, plot_learning_curve)
 from agents.trainer import Trainer
 
-ALGOS: dict[str, tuple[type[TrainConfig], Callable[..., Trainer]]] = {
-    "ppo": (PPOConfig, ppo.make_train),
-    "reinforce": (REINFORCEConfig, reinforce.make_train),
-}
-
-# Tuned training defaults per environment, applied under the caller's values: per algorithm,
-# hyperparameters (a "total_steps" entry is the default budget). Routing-v0 and Batching-v0
-# train on the registered environment defaults (reward scale and shaping are the
-# environment's, chosen so that a standard PPO learns: docs/training.md); only
-# Autoscaling-v0 still has "env_overrides" (see there).
-ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
-    "Routing-v0": {
-        "ppo": dict(total_steps=500_000, num_envs=32, num_steps=32, lr=1e-3,
-                    num_minibatches=4, update_epochs=8, gamma=0.99, gae_lambda=0.95,
-                    ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
-        "reinforce": dict(total_steps=1_000_000, num_envs=32, num_steps=16, lr=3e-3,
-                          gamma=0.99, ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
-    },
-    # Batching-v0 is semi-Markov (a wait lasts one arrival gap, a dispatch until the GPU frees):
-    # discount by simulated time, not per decision, or "always wait" looks cheap
-    # (docs/training.md, "Batching-v0"). Its registered latency_scale (1000) keeps rewards O(1).
-    "Batching-v0": {
-        "ppo": dict(num_envs=32, num_steps=32, update_epochs=8, discount_time_s=5.0),
-        "reinforce": dict(num_envs=32, num_steps=16, lr=3e-3, discount_time_s=5.0),
-    },
-    # Autoscaling-v0 trains with step actions (action_mode=1): a random policy then
-    # random-walks the replica count instead of re-drawing it (and restarting warm-ups) every
-    # 15 s; the baselines act by target through `action_for_target` in either mode. With the
-    # registry's latency_scale (1000) value targets are ~-100 and the value-loss gradient
-    # swamps the actor's after clipping (approx_kl ~1e-9); 10x keeps the actor learning.
-    # These stay here, not in the registry, because the registered target action mode is what
-    # the autoscaling baselines, tests and docs/scaling.md are written against.
-    "Autoscaling-v0": {
-        "env_overrides": dict(action_mode=1, latency_scale=10_000.0),
-        "ppo": dict(total_steps=400_000, num_envs=32, num_steps=64, lr=3e-4, update_epochs=4),
-        "reinforce": dict(total_steps=400_000, num_envs=32, num_steps=32, lr=1e-3),
-    },
-}
-
-# Arguments of `train` that are not config hyperparameters.
-_EXPLICIT = ("total_timesteps", "num_envs", "seed")
-
-CHECKPOINT_DIR = "checkpoints"
-METRICS_CSV = "metrics.csv"
-CURVE_PNG = "learning_curve.png"
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-def make_env(env_name: str, overrides: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """Builds a jaxserve or gymnax environment with parameter overrides.
-
-    Args:
-      env_name: a jaxserve id (`jaxserve.registered_envs()`) or a gymnax id
-        (`gymnax.registered_envs`).
-      overrides: jaxserve: keyword overrides of `jaxserve.make`; gymnax: fields of the env's
-        `EnvParams` to replace.
-
-    Returns:
-      `(env, env_params)`.
-
-    Raises:
-      ValueError: unknown environment or override, or a non-discrete action space.
-    """
-    import gymnax
-
-    import jaxserve
-
-    overrides = dict(overrides or {})
-    if env_name in jaxserve.registered_envs():
-        env, params = jaxserve.make(env_name, **overrides)
-    elif env_name in gymnax.registered_envs:
-        env, params = gymnax.make(env_name)
-        fields = {f.name for f in dataclasses.fields(params)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise ValueError(f"unknown {env_name} parameter(s) {unknown}; known: {sorted(fields)}")
-        params = params.replace(**overrides)
-    else:
-        raise ValueError(f"unknown environment {env_name!r}; jaxserve: "
-                         f"{', '.join(jaxserve.registered_envs())}; or a gymnax id such as "
-                         f"CartPole-v1")
-    if not hasattr(env.action_space(params), "n"):
-        raise ValueError(f"{env_name} has a continuous action space; the agents need a discrete "
-                         f"one")
-    return env, params
-
-
-def make_config(
-    algo: str, env_name: str, env: Any, total_steps: int | None, seed: int,
-    num_envs: int | None = None, **hparams: Any,
-) -> TrainConfig:
-    """The training config: config defaults < `ENV_DEFAULTS[env_name][algo]` < `hparams`.
-
-    Environments with an `obs_layout` attribute (Routing-v0) default to `network="set"` with
-    `set_dims=env.obs_layout`; the others to the MLP.
-
-    Raises:
-      ValueError: unknown algorithm or hyperparameter, or an invalid value (naming the field).
-    """
-    if algo not in ALGOS:
-        raise ValueError(f"unknown algorithm {algo!r}; expected one of {sorted(ALGOS)}")
-    cls = ALGOS[algo][0]
-    explicit = sorted(set(hparams) & set(_EXPLICIT))
-    if explicit:
-        raise ValueError(f"pass {explicit} as train()'s own arguments (total_steps, num_envs, "
-                         f"seed), not as hyperparameters")
-    known = {f.name for f in dataclasses.fields(cls)} - set(_EXPLICIT)
-    unknown = sorted(set(hparams) - known)
-    if unknown:
-        raise ValueError(f"unknown {algo} hyperparameter(s) {unknown}; known: {sorted(known)}")
-    fields = dict(ENV_DEFAULTS.get(env_name, {}).get(algo, {}))
-    default_steps = fields.pop("total_steps", cls.total_timesteps)
-    if hasattr(env, "obs_layout") and hparams.get("network", "set") == "set":
-        fields.setdefault("network", "set")
-        fields["set_dims"] = tuple(env.obs_layout)
-    fields.update(hparams)
-    if num_envs is not None:
-        fields["num_envs"] = num_envs
-    total = default_steps if total_steps is None else total_steps
-    return cls(total_timesteps=int(total), seed=int(seed), **fields)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LearnedPolicy:
-    """A trained actor as a jaxserve policy: `policy(key, obs, state, params) -> int32 action`.
-
-    Greedy (argmax of the logits) by default, else sampled. Reads only `obs`; works on one
-    observation or a batch. Hashes by identity, so it can be a static argument of `jax.jit`
-    (as `jaxserve.evaluate_many` uses policies).
-
-    Attributes:
-      network: the actor-critic module; params: its parameters; greedy: argmax vs sample;
-      name: a label for tables.
-    """
-
-    network: nn.Module
-    params: Any
-    greedy: bool = True
-    name: str = "learned"
-
-    def __call__(self, key, obs, state=None, params=None):
-        logits, _ = self.network.apply(self.params, obs)
-        if self.greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return jax.random.categorical(key, logits).astype(jnp.int32)
+__all__ = ["ALGOS", "ENV_DEFAULTS", "LearnedPolicy", "TrainResult", "chunk_size", "make_config",
+           "make_env", "train"]
 
 
 @dataclasses.dataclass
@@ -256,115 +117,6 @@ def chunk_size(num_updates: int, requested: int | None = None, target_chunks: in
         return min(int(requested), num_updates)
     cap = max(1, num_updates // target_chunks)
     return max(d for d in range(1, cap + 1) if num_updates % d == 0)
-
-
-def jsonable_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Overrides as JSON: values JSON cannot hold are stored as `{"repr": repr(value)}`."""
-    out = {}
-    for k, v in sorted(overrides.items()):
-        try:
-            json.dumps(v, allow_nan=False)
-            out[k] = v
-        except (TypeError, ValueError):
-            out[k] = {"repr": repr(v)}
-    return json.loads(json.dumps(out))
-
-
-# ----------------------------------------------------------------------------- files
-
-def _curves_to_json(curves: dict[str, np.ndarray]) -> dict[str, list]:
-    return {k: [None if not np.isfinite(x) else float(x) for x in np.asarray(v, np.float64)]
-            for k, v in curves.items()}
-
-
-def _curves_from_json(d: dict[str, list]) -> dict[str, np.ndarray]:
-    return {k: np.array([np.nan if x is None else x for x in v], np.float64)
-            for k, v in d.items()}
-
-
-def _write_csv(path: Path, curves: dict[str, np.ndarray], mode: str = "w",
-               start: int = 0) -> None:
-    names = list(curves)
-    with open(path, mode, newline="") as f:
-        w = csv.writer(f)
-        if mode == "w":
-            w.writerow(names)
-        for i in range(start, len(curves["update"])):
-            w.writerow([_fmt(curves[k][i]) for k in names])
-
-
-def _fmt(x: float) -> str:
-    x = float(x)
-    if not np.isfinite(x):
-        return "nan"
-    return str(int(x)) if x == int(x) and abs(x) < 2**53 else repr(x)
-
-
-def plot_learning_curve(curves: dict[str, np.ndarray], path: str | os.PathLike,
-                        title: str = "") -> None:
-    """Episode return, losses and entropy against environment steps, saved as a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = curves["env_steps"]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    ret = curves["episode_return"]
-    ok = np.isfinite(ret)
-    axes[0].plot(steps[ok], ret[ok], lw=1.2)
-    axes[0].set_ylabel("mean episode return")
-    for name in ("actor_loss", "value_loss"):
-        if name in curves:
-            axes[1].plot(steps, curves[name], lw=1.0, label=name)
-    axes[1].set_yscale("symlog", linthresh=1e-2)
-    axes[1].legend()
-    axes[1].set_ylabel("loss")
-    axes[2].plot(steps, curves["entropy"], lw=1.0)
-    axes[2].set_ylabel("policy entropy")
-    for ax in axes:
-        ax.set_xlabel("environment steps")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------- training
-
-def _metadata(env_name, overrides, algo, curves, wall, chunk):
-    return {"env_name": env_name, "env_overrides": jsonable_overrides(overrides), "algo": algo,
-            "curves": _curves_to_json(curves), "wall_time_s": wall, "chunk_updates": chunk}
-
-
-def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo):
-    if latest_step(ckpt_dir) is None:
-        raise FileNotFoundError(f"resume=True but there is no checkpoint under {ckpt_dir}")
-    template = jax.eval_shape(trainer.init, key)
-    try:
-        ckpt = restore_checkpoint(ckpt_dir, template)
-    except ValueError as e:
-        raise ValueError(f"cannot resume: {e}") from None
-    meta = ckpt.metadata
-    want = {"env_name": env_name, "env_overrides": jsonable_overrides(overrides), "algo": algo}
-    got = {k: meta.get(k) for k in want}
-    if got != want:
-        raise ValueError(f"cannot resume: the checkpoint under {ckpt_dir} is of run {got}, "
-                         f"not {want}")
-    if ckpt.config != trainer.config:
-        a, b = ckpt.config.to_dict(), trainer.config.to_dict()
-        diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
-        raise ValueError(f"cannot resume: config differs from the checkpoint's "
-                         f"(field: (saved, requested)): {diff}")
-    if "curves" not in meta:
-        raise ValueError(f"cannot resume: checkpoint under {ckpt_dir} has no learning curves "
-                         f"(not written by agents.train)")
-    curves = _curves_from_json(meta["curves"])
-    if len(curves.get("update", [])) != ckpt.step:
-        raise ValueError(f"cannot resume: checkpoint step {ckpt.step} does not match its "
-                         f"{len(curves.get('update', []))} recorded updates")
-    return (ckpt.runner_state, ckpt.step, curves,
-            float(meta.get("wall_time_s", 0.0)))
 
 
 _TRAINERS: collections.OrderedDict = collections.OrderedDict()

@@ -1,5 +1,5 @@
-"""scripts/sweep.py: one compiled program over seeds x (lr, ent_coef, clip_eps); traced
-hyperparameters agree with the ordinary (static-config) training run."""
+"""agents.sweep and scripts/sweep.py: one compiled program over seeds x (lr, ent_coef,
+clip_eps); traced hyperparameters agree with the ordinary (static-config) training run."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 import agents
 from agents.trainer import get_hparams, set_hparams
-from scripts import sweep
+from agents import sweep
+from scripts import sweep as sweep_cli
 
 TINY = dict(num_envs=4, num_steps=16, hidden_sizes=(8,))
 STEPS = 4 * 16 * 6  # 6 updates
@@ -81,12 +82,12 @@ def test_sweep_cli_outputs_and_errors(tmp_path, capsys):
     argv = ["--env", "CartPole-v1", "--lr", "1e-3,3e-4", "--ent-coef", "0,0.05", "--seeds", "2",
             "--total-steps", str(STEPS), "--num-envs", "4", "--hp", "num_steps=16",
             "--hp", "hidden_sizes=[8]", "--out", str(tmp_path)]
-    assert sweep.main(argv) == 0, capsys.readouterr().err
+    assert sweep_cli.main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "best:" in out
     doc = json.load(open(tmp_path / "sweep.json"))
     assert len(doc["settings"]) == 4 and len(doc["final_return"][0]) == 2
     assert (tmp_path / "sweep.png").stat().st_size > 0 and (tmp_path / "sweep.csv").exists()
-    assert sweep.main(["--lr", "fast"]) == 2
+    assert sweep_cli.main(["--lr", "fast"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--lr" in err and "Traceback" not in err

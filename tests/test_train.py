@@ -20,7 +20,9 @@ import pytest
 
 import agents
 import jaxserve
-from agents.train import TrainResult, chunk_size, make_config, make_env
+from agents.defaults import make_config
+from agents.envs import make_env
+from agents.train import TrainResult, chunk_size
 from jaxserve import policies as P
 from scripts import train as train_cli
 from tests.test_agents_common import key_data
