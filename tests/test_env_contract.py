@@ -1,0 +1,165 @@
+"""One contract for every registered environment (Jumanji-style shared contract test).
+
+Parametrised over `jaxserve.registered_envs()`, so an environment registered later is held to
+it without editing this file. Each environment is built with its registered defaults and a
+short episode (`max_steps_in_episode=5`); every check reads one of three compiled programs
+per environment (a 16-step rollout, the same vmapped over keys, and vmapped over params):
+
+- gymnax 1.0 step: six outputs, float32 observation and reward, bool flags,
+  `info["final_observation"]`, observations inside `observation_space`;
+- time limits are truncation, never termination, and the step auto-resets;
+- gymnax's `LegacyStepAPIWrapper` gives five outputs with `done = terminated or truncated`;
+- jit traces once (new keys and new parameter values do not retrace), same key same result;
+- vmap over environments equals a loop over single environments (counts exactly, floats to
+  float32 rounding under vmap), and vmap over parameters equals the unbatched run;
+- everything finite; out-of-range actions are clipped and counted in `info["invalid_actions"]`.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gymnax.wrappers.compat import LegacyStepAPIWrapper
+
+import jaxserve
+
+ENVS = tuple(jaxserve.registered_envs())
+EPISODE = 5
+STEPS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def build(name):
+    return jaxserve.make(name, max_steps_in_episode=EPISODE)
+
+
+def rollout(env, params, key, bad=False):
+    """`STEPS` steps with random actions, or (`bad`, traced) alternately -1 and
+    `num_actions + 3`; stacked step outputs."""
+    obs, state = env.reset(key, params)
+
+    def step(state, x):
+        t, k = x
+        k_a, k_s = jax.random.split(k)
+        out_of_range = jnp.where(t % 2 == 0, -1, env.num_actions + 3)
+        a = jnp.where(bad, out_of_range, env.action_space(params).sample(k_a))
+        obs, state, r, term, trunc, info = env.step(k_s, state, a, params)
+        return state, (obs, r, term, trunc, info)
+
+    return jax.lax.scan(step, state, (jnp.arange(STEPS), jax.random.split(key, STEPS)))
+
+
+TRACES: dict[str, int] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def programs(name):
+    """(single rollout, vmapped over keys, vmapped over params) for env `name`; the single
+    one counts its traces in `TRACES[name]` (the body runs only when jit traces it)."""
+    env, _ = build(name)
+
+    def traced_once(p, k, bad=jnp.bool_(False)):
+        TRACES[name] = TRACES.get(name, 0) + 1
+        return rollout(env, p, k, bad)
+
+    single = jax.jit(traced_once)
+    over_keys = jax.jit(jax.vmap(lambda p, k: rollout(env, p, k), in_axes=(None, 0)))
+    over_params = jax.jit(jax.vmap(lambda p, k: rollout(env, p, k), in_axes=(0, None)))
+    return single, over_keys, over_params
+
+
+def assert_close_trees(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(x.dtype, np.floating):
+            # XLA:CPU may round exp/log differently in the last bit under vmap; every count
+            # and flag (the event sequence) must still be identical.
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+        else:
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_step_contract_truncation_and_auto_reset(name):
+    env, params = build(name)
+    single, *_ = programs(name)
+    state, (obs, rew, term, trunc, info) = single(params, jax.random.PRNGKey(0))
+    assert obs.shape == (STEPS,) + env.observation_space(params).shape
+    assert obs.dtype == jnp.float32 and rew.dtype == jnp.float32
+    assert term.dtype == jnp.bool_ and trunc.dtype == jnp.bool_
+    assert info["final_observation"].shape == obs.shape
+    space = env.observation_space(params)
+    assert all(bool(space.contains(o)) for o in obs)
+    assert all(bool(space.contains(o)) for o in info["final_observation"])
+    # Synthetic arrivals never terminate: every EPISODE-th decision truncates, then resets.
+    assert not bool(term.any())
+    want = (np.arange(STEPS) + 1) % EPISODE == 0
+    np.testing.assert_array_equal(np.asarray(trunc), want)
+    assert int(state.time) == STEPS % EPISODE
+    for leaf in jax.tree.leaves((obs, rew, info)):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64))), name
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_legacy_wrapper_returns_five_values(name):
+    env, params = build(name)
+    legacy = LegacyStepAPIWrapper(env)
+    _, state = legacy.reset(jax.random.PRNGKey(0), params)
+    step = jax.jit(legacy.step)
+    dones = []
+    for i in range(EPISODE):
+        out = step(jax.random.PRNGKey(i), state, jnp.int32(0), params)
+        assert len(out) == 5
+        _, state, _, done, info = out
+        dones.append(bool(done))
+        assert "truncated" in info and "terminated" in info
+    assert dones == [False] * (EPISODE - 1) + [True]
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_one_trace_same_key_same_result_and_vmap_over_keys_equals_loop(name):
+    _, params = build(name)
+    single, over_keys, _ = programs(name)
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    batched = over_keys(params, keys)
+    runs = [single(params, k) for k in keys]  # new keys: no retrace (assert_max_traces)
+    chex.assert_trees_all_equal(runs[0], single(params, keys[0]))
+    assert not np.array_equal(np.asarray(runs[0][1][1]), np.asarray(runs[1][1][1]))
+    for i, run in enumerate(runs):
+        assert_close_trees(jax.tree.map(lambda x: x[i], batched), run)
+    assert TRACES[name] == 1
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_vmap_over_params_equals_unbatched_and_new_values_do_not_retrace(name):
+    _, params = build(name)
+    single, _, over_params = programs(name)
+    key = jax.random.PRNGKey(2)
+    pair = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+    batched = over_params(pair, key)
+    want = single(params, key)
+    for i in range(2):
+        assert_close_trees(jax.tree.map(lambda x: x[i], batched), want)
+    # Other values, same structure: doubling latency_scale halves every reward and reuses
+    # the compiled program (`single` asserts a single trace).
+    def double_scale(path, x):
+        return x * 2.0 if jax.tree_util.keystr(path).endswith("latency_scale") else x
+
+    other = jax.tree_util.tree_map_with_path(double_scale, params)
+    _, (_, rew2, *_) = single(other, key)
+    np.testing.assert_allclose(np.asarray(rew2), np.asarray(want[1][1]) / 2.0, rtol=1e-5,
+                               atol=1e-7)
+    assert TRACES[name] == 1
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_out_of_range_actions_are_clipped_and_counted(name):
+    _, params = build(name)
+    single, *_ = programs(name)
+    _, (obs, rew, term, trunc, info) = single(params, jax.random.PRNGKey(3), jnp.bool_(True))
+    np.testing.assert_array_equal(np.asarray(info["invalid_actions"]) >= 1, True)
+    for leaf in jax.tree.leaves((obs, rew, info)):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64))), name
