@@ -20,6 +20,7 @@ from jaxserve import policies as P
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core.service import single_request_time
+from jaxserve.evaluation.tuning import tune_static
 from jaxserve.core.types import GPUProfile
 from jaxserve.policies import routing as R
 from jaxserve.policies import smdp
@@ -292,7 +293,7 @@ def batching_grid():
     env, params = _batching(SIM_RATE)
     opt = P.get("smdp_optimal", env=env, params=params)
     greedy8 = smdp.greedy_table(opt.info["model"], 8)
-    tuned, table = P.tune_static(env, params, jax.random.PRNGKey(7), GRID_B, GRID_TAU,
+    tuned, table = tune_static(env, params, jax.random.PRNGKey(7), GRID_B, GRID_TAU,
                                  SIM_ENVS, SIM_STEPS,
                                  compare_tables={"smdp": opt.info["table"], "greedy8": greedy8})
     rows = {r["policy"] if r["policy"] != "static" else (r["max_batch"], r["timeout"]): r

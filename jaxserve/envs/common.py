@@ -19,50 +19,8 @@ from flax import struct
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.queues import Request
-from jaxserve.core.types import GPUProfile, Trace, validate_profile, validate_trace
-
-
-@struct.dataclass
-class TraceArrays:
-    """A trace (or a window of one) as fixed-shape device arrays.
-
-    Attributes:
-      gap: seconds from the previous request's arrival (`gap[0]` is 0). `(L,)` float32.
-      prompt, output: token counts. `(L,)` float32.
-      length: number of valid rows (<= L); rows past it are padding. int32.
-    """
-
-    gap: jax.Array
-    prompt: jax.Array
-    output: jax.Array
-    length: jax.Array
-
-
-def trace_arrays(trace: Trace, pad_to: int | None = None) -> TraceArrays:
-    """Converts a validated host `Trace` to `TraceArrays`, padded to `pad_to` rows.
-
-    Gaps are differences of the float64 arrivals, so rounding to float32 loses nothing that
-    accumulates: every gap is exact to its own float32 precision.
-    """
-    tr = validate_trace(trace)
-    n = len(tr)
-    pad_to = n if pad_to is None else int(pad_to)
-    if pad_to < n:
-        raise ValueError(f"pad_to={pad_to} is shorter than the trace ({n} requests)")
-    gap = np.zeros(pad_to)
-    gap[1:n] = np.diff(tr.arrival_s)
-    prompt = np.ones(pad_to)
-    prompt[:n] = tr.prompt_tokens
-    output = np.ones(pad_to)
-    output[:n] = tr.output_tokens
-    return TraceArrays(gap=jnp.asarray(gap, jnp.float32), prompt=jnp.asarray(prompt, jnp.float32),
-                       output=jnp.asarray(output, jnp.float32), length=jnp.int32(n))
-
-
-def no_trace() -> TraceArrays:
-    """The empty trace of environments driven by a synthetic arrival process."""
-    z = jnp.zeros((0,), jnp.float32)
-    return TraceArrays(gap=z, prompt=z, output=z, length=jnp.int32(0))
+from jaxserve.core.sources import TraceArrays, no_trace, trace_arrays  # noqa: F401 (re-exported)
+from jaxserve.core.types import GPUProfile, validate_profile
 
 
 @struct.dataclass
@@ -138,7 +96,7 @@ def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | N
         if np.any(np.asarray(getattr(params, f)) <= 0):
             raise ValueError(f"params.{f} must be > 0, got {np.asarray(getattr(params, f))}")
     if int(np.asarray(params.estimate_mode)) not in (0, 1, 2):
-        raise ValueError(f"params.estimate_mode must be 0 (exact), 1 (noisy) or 2 (class)")
+        raise ValueError("params.estimate_mode must be 0 (exact), 1 (noisy) or 2 (class)")
     edges = np.asarray(params.size_edges, np.float64)
     if edges.ndim != 1 or np.any(np.diff(edges) <= 0) or not np.all(np.isfinite(edges)):
         raise ValueError(f"params.size_edges must be a finite increasing 1-D array, got {edges}")

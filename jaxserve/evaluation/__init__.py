@@ -4,5 +4,6 @@ trace replay, and plots (`jaxserve.evaluation.plots`, imported on demand: matplo
 from jaxserve.evaluation.capacity import capacity, sweep_rates
 from jaxserve.evaluation.evaluate import evaluate, evaluate_many
 from jaxserve.evaluation.replay import replay
+from jaxserve.evaluation.tuning import tune_static  # also registers the tuned_static policy
 
-__all__ = ["capacity", "evaluate", "evaluate_many", "replay", "sweep_rates"]
+__all__ = ["capacity", "evaluate", "evaluate_many", "replay", "sweep_rates", "tune_static"]

@@ -54,6 +54,9 @@ import numpy as np
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.sources import (TUNING_SALT, check_not_tuning_key, is_tuning_key,  # noqa: F401
+                                   mark_tuning_key, params_trace, sample_stream, sample_tokens_n,
+                                   split_trace, tuning_key)
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
 from jaxserve.envs.batching import Batching
@@ -84,42 +87,9 @@ def trace_env(env, n: int):
     return _ENV_CACHE[k]
 
 
-def sample_stream(key, params: common.ServingParams, n: int) -> common.TraceArrays:
-    """`n` requests drawn from `params.arrivals` and `params.tokens` (first arrival at 0)."""
-    k_phase, k_seq = jax.random.split(key)
-    phase = A.sample_phase(k_phase, params.arrivals)
-
-    def draw(phase, k):
-        k_gap, k_tok = jax.random.split(k)
-        gap, phase = A.sample_gap(k_gap, phase, params.arrivals)
-        p, o = A.sample_tokens(k_tok, params.tokens)
-        return phase, (gap, p, o)
-
-    _, (gap, p, o) = jax.lax.scan(draw, phase, jax.random.split(k_seq, n))
-    return common.TraceArrays(gap=gap.at[0].set(0.0), prompt=p, output=o,
-                              length=jnp.int32(n))
-
-
-@partial(jax.jit, static_argnames=("n",))
-def sample_tokens_n(key, tokens: A.TokenDist, n: int):
-    """`n` i.i.d. (prompt, output) token lengths from `tokens`, `(n,)` float32 each (jitted)."""
-    return jax.vmap(lambda k: A.sample_tokens(k, tokens))(jax.random.split(key, n))
-
-
 def host_trace(trace: Trace) -> common.TraceArrays:
     """A validated host trace as `TraceArrays` (no padding)."""
     return common.trace_arrays(validate_trace(trace))
-
-
-def params_trace(params: common.ServingParams) -> Trace | None:
-    """The trace held in `params` (its valid rows), or None for synthetic arrivals."""
-    tr = params.trace
-    if tr.gap.shape[0] == 0 or int(tr.length) == 0:
-        return None
-    n = int(tr.length)
-    gap = np.asarray(tr.gap, np.float64)[:n]
-    return Trace(arrival_s=np.cumsum(gap), prompt_tokens=np.asarray(tr.prompt)[:n],
-                 output_tokens=np.asarray(tr.output)[:n])
 
 
 def _as_action(a) -> jax.Array:
@@ -233,69 +203,6 @@ def _check_args(env, params, num_envs, num_steps, warmup):
     common.validate_params(params, env.queue_buffer, getattr(env, "max_batch", None),
                            env.num_gpus)
     return routing
-
-
-# ----------------------------------------------------------------------------- tuning keys
-
-TUNING_SALT = 0x54554E45  # "TUNE": tuning keys are `fold_in(key, TUNING_SALT)`
-_TUNING_KEYS: set[bytes] = set()
-
-
-def _key_bytes(key) -> bytes:
-    k = jax.random.key_data(key) if jnp.issubdtype(jnp.asarray(key).dtype,
-                                                   jax.dtypes.prng_key) else key
-    return np.asarray(k, np.uint32).tobytes()
-
-
-def tuning_key(key=None):
-    """The key to tune or fit with when `key` (default `PRNGKey(0)`) is an evaluation key.
-
-    `fold_in(key, TUNING_SALT)`: a different key, hence streams independent of the ones
-    `evaluate(..., key)` draws. The result is recorded (`mark_tuning_key`).
-    """
-    key = jax.random.PRNGKey(0) if key is None else key
-    return mark_tuning_key(jax.random.fold_in(key, TUNING_SALT))
-
-
-def mark_tuning_key(key):
-    """Records `key` as used for tuning or fitting (evaluation then refuses it); returns it."""
-    _TUNING_KEYS.add(_key_bytes(key))
-    return key
-
-
-def is_tuning_key(key) -> bool:
-    """True if `key` was used (or derived) for tuning or fitting in this process."""
-    return _key_bytes(key) in _TUNING_KEYS
-
-
-def check_not_tuning_key(key) -> None:
-    """Raises ValueError if `key` was used for tuning: evaluation must use other streams."""
-    if is_tuning_key(key):
-        raise ValueError("this key was used to tune or fit a policy; evaluate on a different "
-                         "key (tune with jaxserve.evaluation.evaluate.tuning_key(eval_key))")
-
-
-def split_trace(trace: Trace, fit_fraction: float = 0.25) -> tuple[Trace, Trace]:
-    """Splits a trace into a fitting window (the first `fit_fraction` of its requests) and
-    the disjoint scored window (the rest, arrivals shifted to start at 0).
-
-    Fitted policies (SITA thresholds, `tuned_static`) are fitted on the first and scored on
-    the second, never on the requests they are scored on.
-    """
-    tr = validate_trace(trace)
-    n = len(tr)
-    if not 0.0 < fit_fraction < 1.0:
-        raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
-    cut = int(round(n * fit_fraction))
-    if cut < 2 or n - cut < 2:
-        raise ValueError(f"a trace of {n} requests is too short to split into a fitting and a "
-                         f"scored window of >= 2 requests each")
-
-    def part(lo, hi):
-        a = np.asarray(tr.arrival_s[lo:hi], np.float64)
-        return Trace(arrival_s=a - a[0], prompt_tokens=np.asarray(tr.prompt_tokens[lo:hi]),
-                     output_tokens=np.asarray(tr.output_tokens[lo:hi]))
-    return part(0, cut), part(cut, n)
 
 
 # ----------------------------------------------------------------------------- statistics

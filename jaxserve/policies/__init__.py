@@ -22,7 +22,8 @@ power_of_two, join_idle_queue, sita (+ `fit_sita`); and two ORACLES given true o
 sed_oracle and least_work_left_oracle (references, not realisable baselines).
 Fitted or tuned policies (sita, tuned_static, smdp_optimal) draw their samples with a tuning
 key (`evaluation.evaluate.tuning_key`), which evaluation refuses.
-Batching (`batching.py`, `smdp.py`): static, greedy, tuned_static (+ `tune_static`),
+Batching (`batching.py`, `smdp.py`): static, greedy, tuned_static (registered by
+`jaxserve.evaluation.tuning`, whose `tune_static` simulates the grid),
 smdp_optimal (+ `solve_smdp`).
 Autoscaling (`autoscaling.py`, Autoscaling-v0): fixed, hpa (Kubernetes HPA on utilisation),
 knative (Knative KPA on concurrency, stable/panic windows), ray_serve (Ray Serve's ongoing-
@@ -36,10 +37,10 @@ from jaxserve.policies import routing  # noqa: E402  (registers the routing poli
 from jaxserve.policies import batching  # noqa: E402  (registers the batching policies)
 from jaxserve.policies import smdp  # noqa: E402  (registers smdp_optimal)
 from jaxserve.policies import autoscaling  # noqa: E402 (registers the autoscalers)
-from jaxserve.policies.batching import make_static, tune_static
+from jaxserve.policies.batching import make_static
 from jaxserve.policies.routing import SitaFit, fit_sita
 from jaxserve.policies.smdp import SMDPModel, SMDPSolution, build_model, solve_smdp
 
 __all__ = ["KINDS", "Policy", "SMDPModel", "SMDPSolution", "SitaFit", "batching",
            "build_model", "env_kind", "fit_sita", "get", "kind_of", "make_static", "names", "options",
-           "register", "routing", "smdp", "solve_smdp", "tune_static"]
+           "register", "routing", "smdp", "solve_smdp"]

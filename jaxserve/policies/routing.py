@@ -222,7 +222,7 @@ def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, outp
     Returns:
       (prompt, output, estimate) float64 numpy arrays.
     """
-    from jaxserve.evaluation.evaluate import mark_tuning_key, sample_tokens_n, tuning_key
+    from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
     key = tuning_key() if key is None else mark_tuning_key(key)
     if prompt is None:
         k_tok, key = jax.random.split(key)

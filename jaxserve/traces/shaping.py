@@ -67,7 +67,7 @@ import numpy as np
 
 from jaxserve.core.service import full_batch_rate
 from jaxserve.core.types import Trace, validate_trace
-from jaxserve.envs.common import TraceArrays
+from jaxserve.core.sources import TraceArrays
 
 __all__ = [
     "cluster_capacity",
