@@ -157,11 +157,22 @@ def test_batching_env_matches_reference(threshold):
                                   want["finish"][ok])
 
 
-def test_vmapped_replays_take_the_compacted_path_and_match_reference_exactly():
-    """Under `vmap` the event loop is lane-compacted (`cluster._advance_lanes`); run six dyadic
-    workloads (different arrivals, sizes, routings and profiles) as one batch and require
-    each to match the reference exactly, as the single-environment path does."""
+@pytest.mark.parametrize("path", ["compact", "dense"])
+def test_vmapped_replays_match_reference_exactly_on_both_batched_paths(path, monkeypatch):
+    """Under `vmap` the event loop is lane-compacted (`cluster._advance_lanes`, the CPU
+    default) or dense (`cluster._advance_unrolled` vmapped, the GPU default); force each, run
+    six dyadic workloads (different arrivals, sizes, routings and profiles) as one batch and
+    require each to match the reference exactly, as the single-environment path does. A spy
+    checks the forced path is the one traced."""
     import importlib
+
+    from jaxserve.core import cluster as C
+    taken = []
+    for name in ("_advance_lanes", "_advance_unrolled"):
+        fn = getattr(C, name)
+        monkeypatch.setattr(C, name, lambda *a, _fn=fn, _n=name: taken.append(_n) or _fn(*a))
+    monkeypatch.setattr(C, "engine_path", path)
+    jax.clear_caches()  # the path is read at trace time: retrace under this one
 
     from jaxserve.evaluation.evaluate import trace_env
     R = importlib.import_module("jaxserve.evaluation.replay")  # the module, not the function
@@ -195,3 +206,20 @@ def test_vmapped_replays_take_the_compacted_path_and_match_reference_exactly():
                                 jax.tree.map(lambda x: x[b], log), dropped[b])
         want = ref.simulate(arrival, prompt, output, gpu, profile_dicts(profiles))
         assert_same_schedule(got, want, atol=0.0)
+    want_fn = "_advance_lanes" if path == "compact" else "_advance_unrolled"
+    assert taken and set(taken) == {want_fn}
+    jax.clear_caches()
+
+
+def test_batched_path_choice_and_override(monkeypatch):
+    from jaxserve.core import cluster as C
+    monkeypatch.delenv(C.ENGINE_PATH_ENV, raising=False)
+    monkeypatch.setattr(C, "engine_path", None)
+    assert C.batched_path() == ("compact" if jax.default_backend() == "cpu" else "dense")
+    monkeypatch.setenv(C.ENGINE_PATH_ENV, "dense")
+    assert C.batched_path() == "dense"
+    monkeypatch.setattr(C, "engine_path", "compact")  # the module switch wins
+    assert C.batched_path() == "compact"
+    monkeypatch.setattr(C, "engine_path", "sparse")
+    with pytest.raises(ValueError, match="engine path"):
+        C.batched_path()

@@ -18,6 +18,8 @@ has joined its queue.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -298,8 +300,11 @@ def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s
     One environment runs a `lax.while_loop` over all its GPUs at once. Under `vmap` the loop
     is lane-compacted (`custom_vmap`): every (environment, GPU) pair is a lane, and each round
     processes only the lanes with an event due, so the batch pays for the events that happen
-    rather than for its busiest environment's count times every GPU. Both give the same counts
-    exactly and the same times up to float32 rounding (metrics are summed in another order).
+    rather than for its busiest environment's count times every GPU. On GPU/TPU the batched
+    loop is instead the dense one (`DENSE_UNROLL` unconditional masked iterations, then a
+    fallback `while_loop`); `batched_path` picks per backend and can be overridden. All give
+    the same counts exactly and the same times up to float32 rounding (the compacted path sums
+    metrics in another order; the dense one is bit for bit the single-environment loop).
 
     Returns:
       (cluster, metrics for the window, log).
@@ -308,8 +313,10 @@ def advance_static(cluster: Cluster, gpus: GPUProfile, horizon: jax.Array, slo_s
                     jnp.asarray(slo_s, jnp.float32), log)
 
 
-def _advance_dense(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
-    """`advance_static` for one environment: each iteration handles every due GPU."""
+def _loop_body(gpus: GPUProfile, horizon, slo_s):
+    """One event-loop iteration of one environment: every due completion, then every due
+    dispatch, then the next due flags. A no-op (bit for bit) where nothing is due, which the
+    dense masked path relies on."""
 
     def body(carry):
         cl, m, lg, completion, dispatch_due, start = carry
@@ -321,11 +328,68 @@ def _advance_dense(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
         cl, lg = dispatch(cl, gpus, dispatch_due, k, start, slo_s, lg)
         return (cl, m, lg, *_due(cl, gpus, horizon))
 
+    return body
+
+
+def _any_due(carry) -> jax.Array:
     # The due flags ride in the carry so each iteration evaluates them once, not in cond too.
+    return jnp.any(carry[3] | carry[4])
+
+
+def _advance_dense(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
+    """`advance_static` for one environment: each iteration handles every due GPU."""
     carry = (cluster, StepMetrics.zeros(), log, *_due(cluster, gpus, horizon))
-    cluster, metrics, log, *_ = jax.lax.while_loop(
-        lambda c: jnp.any(c[3] | c[4]), body, carry)
+    cluster, metrics, log, *_ = jax.lax.while_loop(_any_due, _loop_body(gpus, horizon, slo_s),
+                                                   carry)
     return cluster, _close_window(cluster, metrics, horizon), log
+
+
+DENSE_UNROLL = 2  # unconditional iterations of the dense path: enough for most steps
+
+
+def _advance_unrolled(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
+    """`advance_static` for one environment, shaped for `vmap` on an accelerator.
+
+    `DENSE_UNROLL` loop iterations run unconditionally (an iteration with nothing due changes
+    nothing), then a `while_loop` finishes what remains. Under `vmap` the unrolled iterations
+    are plain masked array work over every (environment, GPU), with no host round trip to test
+    a loop condition; the fallback loop runs only in steps where some environment has more
+    events than that (its condition is one reduction over the batch). Same results as
+    `_advance_dense`, bit for bit.
+    """
+    body = _loop_body(gpus, horizon, slo_s)
+    carry = (cluster, StepMetrics.zeros(), log, *_due(cluster, gpus, horizon))
+    for _ in range(DENSE_UNROLL):
+        carry = body(carry)
+    cluster, metrics, log, *_ = jax.lax.while_loop(_any_due, body, carry)
+    return cluster, _close_window(cluster, metrics, horizon), log
+
+
+# ----------------------------------------------------------------- the batched path, per backend
+
+ENGINE_PATH_ENV = "JAXSERVE_ENGINE_PATH"
+ENGINE_PATHS = ("compact", "dense")
+# Module-level override of the batched path ("compact", "dense", or None: the environment
+# variable JAXSERVE_ENGINE_PATH, then the backend's default). Read when a program is traced:
+# after changing it, call `jax.clear_caches()` so cached programs are traced again.
+engine_path: str | None = None
+
+
+def batched_path() -> str:
+    """The event loop `advance_static` runs under `vmap`, chosen when the program is traced.
+
+    "compact" (lane compaction, `_advance_lanes`) on CPU, where a masked iteration over every
+    lane costs real work and a loop test is cheap; "dense" (`_advance_unrolled` vmapped) on
+    GPU/TPU, where masked work over every lane is nearly free and each data-dependent loop
+    test is a device-to-host synchronisation. Overridden by `engine_path`, then by the
+    `JAXSERVE_ENGINE_PATH` environment variable, so both are testable on any backend.
+    """
+    choice = engine_path or os.environ.get(ENGINE_PATH_ENV) or (
+        "compact" if jax.default_backend() == "cpu" else "dense")
+    if choice not in ENGINE_PATHS:
+        raise ValueError(f"engine path must be one of {ENGINE_PATHS}, got {choice!r} "
+                         f"(cluster.engine_path or ${ENGINE_PATH_ENV})")
+    return choice
 
 
 _advance = jax.custom_batching.custom_vmap(_advance_dense)
@@ -337,7 +401,10 @@ def _advance_vmap(axis_size, in_batched, cluster, gpus, horizon, slo_s, log):
     args = jax.tree.map(
         lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
         args, tuple(in_batched))
-    out = _advance_lanes(*args)
+    if batched_path() == "dense":
+        out = jax.vmap(_advance_unrolled)(*args)
+    else:
+        out = _advance_lanes(*args)
     return out, jax.tree.map(lambda _: True, out)
 
 
