@@ -244,6 +244,7 @@ class Autoscaling(common.StaticConfig,
       `slo_violations`.
     """
 
+    policy_kind = "autoscaling"  # registered policies that act here (envs.base)
     STATIC_FIELDS = ("max_replicas", "queue_buffer", "max_batch", "trace_len", "history_len")
 
     FEATURES = ("active", "serving", "warming", "draining", "offered_load", "offered_load_prev",

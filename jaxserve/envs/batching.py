@@ -62,6 +62,7 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
       Truncation after `max_steps_in_episode` decisions.
     """
 
+    policy_kind = "batching"  # registered policies that act here (envs.base)
     STATIC_FIELDS = ("max_batch", "queue_buffer", "trace_len", "log_capacity")
 
     def __init__(self, max_batch: int, queue_buffer: int = 64, trace_len: int = 0,

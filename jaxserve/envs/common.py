@@ -117,10 +117,19 @@ def draw_request(u: jax.Array, params: ServingParams, arrival, req_id, tokens=No
                    size_class=cls, req_id=jnp.asarray(req_id, jnp.int32))
 
 
-def next_arrival(key: jax.Array, params: ServingParams, phase, trace_pos, req_id):
+REQUEST_UNIFORMS = 5  # what one request costs: class/row, two normals, estimate, gap
+
+
+def request_uniforms(key: jax.Array) -> jax.Array:
+    """The uniforms of one request (`REQUEST_UNIFORMS`), from one PRNG call on `key`."""
+    return A.uniforms(key, REQUEST_UNIFORMS)
+
+
+def next_arrival(key: jax.Array, params: ServingParams, phase, trace_pos, req_id, u=None):
     """The next request and the gap (s) before it, from the trace or the arrival process.
 
-    One PRNG call draws all of it (a second only for a multi-phase MMPP's gap).
+    One PRNG call draws all of it (a second only for a multi-phase MMPP's gap), or none when
+    the caller passes that draw as `u` (`request_uniforms(key)`) to share it.
 
     Args:
       trace_pos: trace row of the request to produce (ignored without a trace).
@@ -128,7 +137,7 @@ def next_arrival(key: jax.Array, params: ServingParams, phase, trace_pos, req_id
       (gap, request arriving at time 0 of the new frame, new phase, exhausted). `exhausted` is
       True when a trace has no row `trace_pos` (the gap is then `inf`).
     """
-    u = A.uniforms(key, 5)
+    u = request_uniforms(key) if u is None else u
     tr = params.trace
     if tr.gap.shape[0] > 0:
         exhausted = trace_pos >= tr.length
@@ -143,8 +152,14 @@ def next_arrival(key: jax.Array, params: ServingParams, phase, trace_pos, req_id
     return gap, draw_request(u, params, 0.0, req_id), phase, jnp.bool_(False)
 
 
-def first_phase(key: jax.Array, params: ServingParams) -> jax.Array:
-    """The arrival process's phase at reset (its stationary law)."""
+def first_phase(key: jax.Array, params: ServingParams, salt: int | None = None) -> jax.Array:
+    """The arrival process's phase at reset (its stationary law).
+
+    With `salt`, drawn from `fold_in(key, salt)`, a call made only for a multi-phase MMPP
+    (Poisson has one phase and draws nothing).
+    """
+    if salt is not None and params.arrivals.rates.shape[-1] > 1:
+        key = jax.random.fold_in(key, salt)
     return A.sample_phase(key, params.arrivals)
 
 
@@ -206,17 +221,25 @@ class StaticConfig:
     def __hash__(self):
         return hash(self._key())
 
+    def step_and_reset(self, key, state, action, params):
+        """`step_env`'s five outputs, and the `(obs, state)` an auto-reset would start from.
+
+        By default the two draw from independent keys (a split of `key`). An environment whose
+        step draws one request overrides this to draw both from one PRNG call on `key`.
+        """
+        key_step, key_reset = jax.random.split(key)
+        return (self.step_env(key_step, state, action, params),
+                self.reset_env(key_reset, params))
+
     @partial(jax.jit, static_argnames=("self",))
     def step(self, key, state, action, params=None):
         """gymnax 1.0 step with auto-reset; see the class docstring."""
         if params is None:
             params = self.default_params
-        key_step, key_reset = jax.random.split(key)
-        obs_st, state_st, reward, terminated, info = self.step_env(key_step, state, action,
-                                                                   params)
+        (obs_st, state_st, reward, terminated, info), (obs_re, state_re) = self.step_and_reset(
+            key, state, action, params)
         truncated = self.is_truncated(state_st, params)
         done = jnp.logical_or(terminated, truncated)
-        obs_re, state_re = self.reset_env(key_reset, params)
         q_st, q_re = state_st.cluster.queues, state_re.cluster.queues
         q_re = q_re.replace(arrival=q_st.arrival, prompt=q_st.prompt, output=q_st.output,
                             estimate=q_st.estimate, req_id=q_st.req_id)

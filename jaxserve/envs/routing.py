@@ -84,6 +84,13 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
       cluster, so the return counts every request's whole latency). Truncation after
       `max_steps_in_episode` decisions.
     State: `RoutingState`.
+    Randomness: a step draws the next request (tokens, estimate, Poisson gap) from one PRNG
+      call on its key (`common.request_uniforms`), and `step` takes the auto-reset's first
+      request from the same uniforms: with synthetic arrivals the new episode's first request
+      is the one the terminal state shows as pending (never served); with a trace its tokens
+      are row 0's. So `step(key, ...)` equals `step_env(key, ...)` when the episode goes on,
+      and `reset_env(key, ...)` after a reset. A multi-phase MMPP also draws the gap and the
+      reset phase from `fold_in(key, 1)` and `fold_in(key, 2)`.
 
     Static configuration: `num_gpus`, `queue_buffer`, `max_batch`, `trace_len`,
     `log_capacity` (shapes), and `shaping_gamma` (float in [0, 1] or None: no shaping; a
@@ -91,6 +98,7 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
     shaping_gamma=...)`).
     """
 
+    policy_kind = "routing"  # registered policies that act here (envs.base)
     STATIC_FIELDS = ("num_gpus", "queue_buffer", "max_batch", "trace_len", "log_capacity",
                      "shaping_gamma")
 
@@ -126,9 +134,22 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
         return NUM_REQUEST_FEATURES, self.num_gpus, NUM_GPU_FEATURES
 
     def reset_env(self, key, params):
-        k_phase, k_req = jax.random.split(key)
-        phase = common.first_phase(k_phase, params)
-        _, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
+        return self._reset(key, common.request_uniforms(key), params)
+
+    def step_env(self, key, state, action, params):
+        return self._step(key, common.request_uniforms(key), state, action, params)
+
+    def step_and_reset(self, key, state, action, params):
+        """One PRNG call per step: the step's next request and the auto-reset's first request
+        come from the same uniforms (see `Routing`, Randomness)."""
+        u = common.request_uniforms(key)
+        return self._step(key, u, state, action, params), self._reset(key, u, params)
+
+    def _reset(self, key, u, params):
+        # A multi-phase MMPP draws its phase from its own key; Poisson draws nothing.
+        phase = common.first_phase(key, params, salt=2)
+        _, req, phase, _ = common.next_arrival(key, params, phase, jnp.int32(0), jnp.int32(0),
+                                               u=u)
         state = RoutingState(cluster=C.empty_cluster(
                                  self.num_gpus, self.queue_buffer, self.max_batch,
                                  with_ids=self.log_capacity > 0),
@@ -136,7 +157,7 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
                              time=jnp.int32(0), log=C.empty_log(self.log_capacity))
         return self.get_obs(state, params), state
 
-    def step_env(self, key, state, action, params):
+    def _step(self, key, u, state, action, params):
         action = jnp.asarray(action, jnp.int32)
         invalid = (action < 0) | (action >= self.num_gpus)
         gpu = jnp.clip(action, 0, self.num_gpus - 1)
@@ -144,7 +165,7 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
         cluster, dropped = C.route(state.cluster, params.gpus, state.pending, gpu)
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(
-            key, params, state.phase, nxt_pos, state.pending.req_id + 1)
+            key, params, state.phase, nxt_pos, state.pending.req_id + 1, u=u)
         cluster, metrics, log = C.advance_static(cluster, params.gpus, gap, params.slo_s,
                                                  state.log)
         # A drained cluster (gap = inf) has no times left to keep precise; skip the rebase.
