@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Callable
 
@@ -16,6 +17,28 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise CLIError(message)
+
+
+def parse_value(text: str):
+    """A `--set`/`--hp` value: JSON (numbers, true/false, lists) or else the plain string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        low = text.lower()
+        if low in ("true", "false"):
+            return low == "true"
+        return text
+
+
+def parse_pairs(pairs: list[str], flag: str) -> dict:
+    """`["k=v", ...]` from a repeatable `flag` as `{k: parse_value(v)}`; CLIError if malformed."""
+    out = {}
+    for p in pairs:
+        k, sep, v = p.partition("=")
+        if not sep or not k.strip():
+            raise CLIError(f"{flag} expects KEY=VALUE, got {p!r}")
+        out[k.strip()] = parse_value(v.strip())
+    return out
 
 
 def run_cli(prog: str, body: Callable[[], int]) -> int:

@@ -25,6 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from agents.sweep import DEFAULT_GRID, SWEPT, SweepResult, plot_sweep, run_sweep  # noqa: F401
+from scripts.cli import CLIError as _CLIError
+from scripts.cli import Parser as _Parser
+from scripts.cli import parse_pairs
+
 
 def print_sweep(result: SweepResult, title: str) -> None:
     from rich.console import Console
@@ -41,15 +45,6 @@ def print_sweep(result: SweepResult, title: str) -> None:
                 " ".join(f"{x:.4g}" for x in f)]
         t.add_row(*row, style="bold green" if i == result.best else None)
     Console(width=max(Console().width, 120)).print(t)
-
-
-class _CLIError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise _CLIError(message)
 
 
 def _floats(text: str, flag: str) -> tuple[float, ...]:
@@ -82,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (2 with one line on stderr for bad input)."""
-    from scripts.train import parse_pairs
     try:
         args = build_parser().parse_args(argv)
         if args.seeds < 1:

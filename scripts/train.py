@@ -39,12 +39,12 @@ import numpy as np
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
-from scripts.cli import run_cli
+from scripts.cli import parse_pairs, parse_value, run_cli  # noqa: F401 (re-exported)
 
-ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita")
-BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
-AUTOSCALING_BASELINES = ("hpa", "knative", "ray_serve", "scheduled")  # plus "fixed-<n>" for every n
-EVAL_SEED_OFFSET = 1_000_000
+# The comparison itself is library code (agents.evaluate); re-exported for old imports.
+from agents.evaluate import (AUTOSCALING_BASELINES, BATCHING_BASELINES,  # noqa: F401
+                             EVAL_SEED_OFFSET, ROUTING_BASELINES, VERDICT_METRIC,
+                             baseline_policies, paired_verdicts)
 
 # Hyperparameter flags: (flag, config field, type).
 HPARAM_FLAGS = (
@@ -100,27 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_value(text: str):
-    """A `--set`/`--hp` value: JSON (numbers, true/false, lists) or else the plain string."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        low = text.lower()
-        if low in ("true", "false"):
-            return low == "true"
-        return text
-
-
-def parse_pairs(pairs: list[str], flag: str) -> dict:
-    out = {}
-    for p in pairs:
-        k, sep, v = p.partition("=")
-        if not sep or not k.strip():
-            raise _CLIError(f"{flag} expects KEY=VALUE, got {p!r}")
-        out[k.strip()] = parse_value(v.strip())
-    return out
-
-
 def hparams_from_args(args) -> dict:
     hp = parse_pairs(args.hparams, "--hp")
     for _, field, _ in HPARAM_FLAGS:
@@ -166,30 +145,6 @@ def print_table(results: dict, title: str, learned: str) -> None:
           "dropped one at the env's drop_penalty_s")
 
 
-VERDICT_METRIC = "mean_latency_incl_drops"
-
-
-def paired_verdicts(results: dict, learned: str) -> dict:
-    """`{baseline: {"difference": paired_difference(learned - baseline), "verdict": ...}}` on
-    the drop-inclusive mean latency (lower is better): "better" / "worse" when the paired 95%
-    CI excludes 0, else "no significant difference"."""
-    from jaxserve.evaluation.evaluate import paired_table
-
-    out = {}
-    for name, row in paired_table(results, learned, (VERDICT_METRIC, "mean_latency",
-                                                     "goodput")).items():
-        if name.startswith(learned):
-            continue
-        # paired_table gives (baseline - learned); flip to learned - baseline.
-        d = {m: {**v, "mean": -v["mean"], "low": -v["high"], "high": -v["low"]}
-             for m, v in row.items()}
-        main = d[VERDICT_METRIC]
-        verdict = ("better" if main["significant"] and main["mean"] < 0 else
-                   "worse" if main["significant"] else "no significant difference")
-        out[name] = {"difference": d, "verdict": verdict}
-    return out
-
-
 def print_verdicts(verdicts: dict, learned: str) -> None:
     for name, v in verdicts.items():
         d = v["difference"]
@@ -202,37 +157,6 @@ def print_verdicts(verdicts: dict, learned: str) -> None:
               f"[{d[VERDICT_METRIC]['low']:+.2f}, {d[VERDICT_METRIC]['high']:+.2f}] s: "
               f"no significant difference")
     print("(paired differences on common streams, 95% Student-t CI over environments)")
-
-
-def baseline_policies(kind: str, env, params, requested: str | None, tuning=None) -> dict:
-    """`{label: Policy}` of the heuristics to compare (`--policies`, or the env's defaults).
-
-    Autoscaling-v0 labels `fixed-<n>` are the fixed count `n`; `fixed` alone means all of them.
-    Policies that fit or tune (their factory takes `key`) get `tuning` (a tuning key).
-    """
-    from jaxserve import policies as P
-
-    defaults = {"routing": ROUTING_BASELINES, "batching": BATCHING_BASELINES,
-                "autoscaling": ("fixed",) + AUTOSCALING_BASELINES}[kind]
-    names = ([n.strip() for n in requested.split(",") if n.strip()] if requested is not None
-             else [n for n in defaults if n in P.names(kind)])
-    pols = {}
-    for n in names:
-        if kind == "autoscaling" and n.startswith("fixed"):
-            counts = range(1, env.max_replicas + 1) if n == "fixed" else [n[len("fixed-"):]]
-            for c in counts:
-                try:
-                    pols[f"fixed-{int(c)}"] = P.get("fixed", env=env, params=params,
-                                                    replicas=int(c))
-                except ValueError as e:
-                    raise _CLIError(f"bad fixed count {n!r}: {e}") from None
-            continue
-        if n not in P.names(kind):
-            raise _CLIError(f"unknown {kind} policy {n!r}; choose from "
-                            f"{', '.join(P.names(kind))}")
-        opts = {"key": tuning} if tuning is not None and "key" in P.options(n) else {}
-        pols[n] = P.get(n, env=env, params=params, **opts)
-    return pols
 
 
 AUTOSCALING_SCALARS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas",
@@ -260,45 +184,12 @@ def print_scaling_table(results: dict, title: str, learned: str) -> None:
 
 
 def evaluate_run(result, args) -> tuple[dict, dict]:
-    """Evaluates the learned policy and the baselines; returns `(results, info)`."""
-    import jax
-
-    import jaxserve
-    from jaxserve import policies as P
-
-    env, params = result.env, result.env_params
-    eval_overrides = parse_pairs(args.eval_overrides, "--eval-set")
-    if eval_overrides:
-        from agents.train import make_env
-        env, params = make_env(result.env_name, {**result.env_overrides, **eval_overrides})
-        if (env.observation_space(params).shape != result.env.observation_space(
-                result.env_params).shape or env.num_actions != result.env.num_actions):
-            raise _CLIError("--eval-set changed the observation or action space; the learned "
-                            "policy cannot act in that environment")
-    from jaxserve.evaluation.evaluate import tuning_key
-
-    kind = P.env_kind(env)
-    eval_seed = args.seed + EVAL_SEED_OFFSET if args.eval_seed is None else args.eval_seed
-    if eval_seed == args.seed:
-        raise _CLIError("--eval-seed must differ from --seed (evaluate on fresh arrivals)")
-    baselines = baseline_policies(kind, env, params, args.policies,
-                                  tuning_key(jax.random.key(eval_seed)))
-    pols = {result.algo: result.policy}
-    if args.sampled:
-        pols[result.algo + "-sampled"] = result.make_policy(greedy=False)
-    pols.update(baselines)
-    t0 = time.perf_counter()
-    if kind == "autoscaling":
-        from jaxserve.evaluation.scaling import evaluate_autoscalers
-        results = evaluate_autoscalers(env, params, pols, jax.random.key(eval_seed),
-                                       args.eval_envs, args.eval_steps)
-    else:
-        results = jaxserve.evaluate_many(env, params, pols, jax.random.key(eval_seed),
-                                         args.eval_envs, args.eval_steps or 1000)
-    info = {"eval_seed": eval_seed, "eval_envs": args.eval_envs, "eval_steps": args.eval_steps,
-            "eval_overrides": eval_overrides,
-            "eval_wall_s": time.perf_counter() - t0, "policies": list(pols)}
-    return results, info
+    """`agents.evaluate.evaluate_run` with the CLI's arguments."""
+    from agents.evaluate import evaluate_run as evaluate
+    return evaluate(result, seed=args.seed, eval_seed=args.eval_seed, eval_envs=args.eval_envs,
+                    eval_steps=args.eval_steps,
+                    eval_overrides=parse_pairs(args.eval_overrides, "--eval-set"),
+                    policies=args.policies, sampled=args.sampled)
 
 
 def run(args, argv) -> int:

@@ -227,8 +227,9 @@ def test_cli_errors_are_one_line(argv, match, capsys):
 
 
 def test_cli_value_parsing():
-    assert train_cli.parse_pairs(["arrival_rate=2.5", "estimate_mode=0", "anneal_lr=false",
-                                  "set_mixer=mean", "hidden_sizes=[16, 16]"], "--set") == {
+    from scripts.cli import parse_pairs
+    assert parse_pairs(["arrival_rate=2.5", "estimate_mode=0", "anneal_lr=false",
+                        "set_mixer=mean", "hidden_sizes=[16, 16]"], "--set") == {
         "arrival_rate": 2.5, "estimate_mode": 0, "anneal_lr": False, "set_mixer": "mean",
         "hidden_sizes": [16, 16]}
 
