@@ -1,44 +1,62 @@
-"""Throughput benchmark: env-steps/s of the jaxserve environments under jit(vmap(lax.scan)).
+"""Throughput benchmark of the jaxserve environments under jit(vmap(lax.scan)), in one run.
 
-Measures, with random actions and observations consumed inside the scan (XLA would otherwise
-drop the observation work):
-  - env-steps/s at several env counts, compile time reported apart from run time;
-  - state bytes per env, and the memory-bandwidth bound 2 x state bytes per step against a
-    measured copy bandwidth;
-  - gymnax's Breakout-MinAtar at the same harness and env count, as a ratio;
-  - the pure-Python reference simulator (tests/reference_sim.py) on the same Routing workload
-    (same GPUs, arrival rate and sizes, random routing), as a ratio;
-  - optionally PPO training steps/s on Routing-v0 and CartPole-v1 (`--ppo`).
+For every environment and env count it reports, with random actions and every step's
+observation and reward consumed inside the scan (XLA would otherwise drop that work):
+  - compile time (`lower().compile()`), apart from run time;
+  - env-steps/s **from reset** (the scan starts at freshly reset states: empty queues) and
+    **warmed up** (it starts where `--warmup` earlier steps left the same environments);
+  - the ratio to gymnax's Breakout-MinAtar measured by the same harness, env count and run;
+  - requests/s (arrivals handled per second, `info["arrived"]`) against the pure-Python
+    reference (`tests/reference_sim.py`) on the same workload: the same GPUs, arrival rate
+    and token law, random decisions;
+  - state bytes per environment.
+Routing-v0 also runs on the dense batched engine path (`cluster.batched_path`, the GPU
+default) so both paths are compared on the same backend. `--ppo` adds PPO training steps/s on
+Routing-v0 against the same PureJaxRL-style PPO on CartPole-v1 at equal env count.
 
-Usage:
-  python scripts/bench.py                      # full run (a few minutes on 2 CPU cores)
-  python scripts/bench.py --quick              # small sizes, for a smoke test
-  python scripts/bench.py --out docs/bench.json
+Usage (from the repository root):
+  python -m scripts.bench --out docs/bench_cpu.json     # the acceptance run (CPU: ~30 min)
+  python -m scripts.bench --quick                       # small sizes, a smoke test
+  python -m scripts.bench --num-envs 16384,65536,262144 --ppo   # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
-import sys
 import time
 from pathlib import Path
 
+import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxserve
+from jaxserve.core import arrivals as A
+from jaxserve.core import cluster as C
+from jaxserve.core.sources import sample_tokens_n
+from jaxserve.core.types import GPUProfile
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROUTING = "Routing-v0 (8 GPUs, queue 64)"
+ROUTING_DENSE = "Routing-v0 (8 GPUs, queue 64), dense path"
+BREAKOUT = "Breakout-MinAtar"
 
-import gymnax  # noqa: E402
 
-import jaxserve  # noqa: E402
-from jaxserve.core.types import GPUProfile  # noqa: E402
+def load_reference(name: str = "reference_sim"):
+    """The pure-Python reference simulator, imported from tests/ by file path."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "tests" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def routing_env():
+    """The issue's workload: 4 fast and 4 slow GPUs, queues of 64, 12 requests/s."""
     gpus = [GPUProfile(c0=0.02, alpha=5e-5, beta=0.012, gamma=2e-4, max_batch=8, queue_cap=64,
                        name="fast")] * 4 + [
         GPUProfile(c0=0.03, alpha=1.2e-4, beta=0.025, gamma=4e-4, max_batch=8, queue_cap=64,
@@ -46,39 +64,59 @@ def routing_env():
     return jaxserve.make("Routing-v0", gpus=gpus, arrival_rate=12.0)
 
 
-def make_runner(env, params, num_envs, num_steps):
-    """jit(vmap(scan)) of random-action steps; returns a function of a key."""
+def make_runner(env, params, num_steps):
+    """jit(vmap(scan)) of random-action steps from given states.
 
-    def one_env(key):
-        obs, state = env.reset(key, params)
+    Returns `run(keys, states) -> (states, checksum, arrived)`: `arrived` counts the requests
+    that arrived (0 for gymnax environments).
+    """
 
+    def one_env(key, state):
         def step(carry, k):
-            state, acc = carry
+            state, acc, arrived = carry
             k_a, k_s = jax.random.split(k)
             a = env.action_space(params).sample(k_a)
-            obs, state, r, term, trunc, _ = env.step(k_s, state, a, params)
-            return (state, acc + obs.sum() + r), None
+            obs, state, r, term, trunc, info = env.step(k_s, state, a, params)
+            return (state, acc + obs.sum() + r,
+                    arrived + jnp.asarray(info.get("arrived", 0), jnp.int32)), None
 
-        (state, acc), _ = jax.lax.scan(step, (state, jnp.float32(0.0)),
-                                       jax.random.split(key, num_steps))
-        return acc
+        (state, acc, arrived), _ = jax.lax.scan(
+            step, (state, jnp.float32(0.0), jnp.int32(0)), jax.random.split(key, num_steps))
+        return state, acc, arrived
 
-    return jax.jit(jax.vmap(one_env)), jax.random.split(jax.random.PRNGKey(0), num_envs)
+    return jax.jit(jax.vmap(one_env))
 
 
-def time_env(env, params, num_envs, num_steps, repeats=3):
-    fn, keys = make_runner(env, params, num_envs, num_steps)
-    t0 = time.perf_counter()
-    compiled = fn.lower(keys).compile()
-    compile_s = time.perf_counter() - t0
-    compiled(keys).block_until_ready()  # warm-up
+def _best(fn, repeats):
     best = np.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
-        compiled(keys).block_until_ready()
+        jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t0)
-    return {"num_envs": num_envs, "num_steps": num_steps, "compile_s": compile_s,
-            "run_s": best, "steps_per_s": num_envs * num_steps / best}
+    return best
+
+
+def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3):
+    """Compile time, env-steps/s from reset and after `warmup_steps`, arrivals per step."""
+    run = make_runner(env, params, num_steps)
+    keys = jax.random.split(jax.random.PRNGKey(0), num_envs)
+    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
+    t0 = time.perf_counter()
+    compiled = run.lower(keys, states).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(compiled(keys, states))  # first call: allocation, thread pools
+    reset_s = _best(lambda: compiled(keys, states), repeats)
+    warm = states
+    for i in range(-(-warmup_steps // num_steps)):
+        warm = compiled(jax.random.split(jax.random.PRNGKey(i + 1), num_envs), warm)[0]
+    timed_keys = jax.random.split(jax.random.PRNGKey(10 ** 6), num_envs)
+    warm_s = _best(lambda: compiled(timed_keys, warm), repeats)
+    arrived = int(np.asarray(compiled(timed_keys, warm)[2]).sum())
+    total = num_envs * num_steps
+    return {"num_envs": num_envs, "num_steps": num_steps, "warmup_steps": warmup_steps,
+            "compile_s": compile_s, "reset_run_s": reset_s, "warm_run_s": warm_s,
+            "reset_steps_per_s": total / reset_s, "warm_steps_per_s": total / warm_s,
+            "arrivals_per_step": arrived / total}
 
 
 def state_bytes(env, params):
@@ -86,115 +124,204 @@ def state_bytes(env, params):
     return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))
 
 
-def copy_bandwidth_gbs():
-    """Sustained read+write bandwidth of a large jitted copy (GB/s, bytes read + written)."""
-    x = jnp.ones((64 * 1024 * 1024 // 4,), jnp.float32)
-    f = jax.jit(lambda x: x * 1.0001)
-    f(x).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        x = f(x)
-    x.block_until_ready()
-    return 10 * 2 * x.nbytes / (time.perf_counter() - t0) / 1e9
+def _profiles(gpus, ref):
+    n = np.shape(gpus.c0)[-1]
+    return [{k: float(np.asarray(getattr(gpus, k))[g]) for k in ref.PROFILE_KEYS}
+            for g in range(n)]
 
 
-def reference_requests_per_s(n):
-    from tests import reference_sim as ref
-    env, params = routing_env()
-    rng = np.random.default_rng(0)
-    arrival = np.cumsum(rng.exponential(1 / 12.0, size=n))
-    prompt = np.where(rng.random(n) < 0.2, 1024, 256)
-    output = np.where(prompt > 256, 512, 32)
-    gpu = rng.integers(0, env.num_gpus, size=n)
-    profiles = [{k: float(np.asarray(getattr(params.gpus, k))[g]) for k in ref.PROFILE_KEYS}
-                for g in range(env.num_gpus)]
+def _workload(serving, n, rng, rate_scale=1.0):
+    """`n` requests of a `ServingParams`' workload: Poisson arrivals at its mean rate times
+    `rate_scale`, tokens from its token law."""
+    rate = float(A.mean_rate(serving.arrivals)) * rate_scale
+    arrival = np.cumsum(rng.exponential(1.0 / rate, size=n))
+    p, o = sample_tokens_n(jax.random.PRNGKey(int(rng.integers(2 ** 31))), serving.tokens, n)
+    return arrival, np.asarray(p), np.asarray(o)
+
+
+def reference_requests_per_s(kind, params, n, rng):
+    """Requests/s of the pure-Python reference on the environment's workload, random decisions
+    (Routing: random GPU; Batching: random batch size; Autoscaling: random replica among all,
+    at the mean diurnal rate)."""
+    ref = load_reference()
+    if kind == "batching":
+        arrival, p, o = _workload(params, n, rng)
+        prof = _profiles(params.gpus, ref)[0]
+        mb = int(prof["max_batch"])
+        decide = lambda *_: int(rng.integers(0, mb + 1))  # noqa: E731
+        t0 = time.perf_counter()
+        ref.simulate_batching(arrival, p, o, prof, decide)
+        return n / (time.perf_counter() - t0)
+    serving = params.serving if kind == "autoscaling" else params
+    arrival, p, o = _workload(serving, n, rng)
+    profiles = _profiles(serving.gpus, ref)
+    gpu = rng.integers(0, len(profiles), size=n)
     t0 = time.perf_counter()
-    ref.simulate(arrival, prompt, output, gpu, profiles)
+    ref.simulate(arrival, p, o, gpu, profiles)
     return n / (time.perf_counter() - t0)
 
 
 def ppo_steps_per_s(env_name, num_envs, total_steps):
     import agents
-    t0 = time.perf_counter()
     out = agents.train(env_name, {}, "ppo", total_steps=total_steps, seed=0, num_envs=num_envs,
                        progress=False)
-    wall = time.perf_counter() - t0
-    return {"env": env_name, "num_envs": num_envs, "total_steps": total_steps,
-            "wall_s_incl_compile": wall, "steps_per_s_incl_compile": total_steps / wall}
+    steps = int(out.curves["env_steps"][-1])
+    run_s = out.wall_time_s - out.compile_time_s
+    return {"env": env_name, "num_envs": num_envs, "env_steps": steps,
+            "wall_s": out.wall_time_s, "compile_s": out.compile_time_s,
+            "steps_per_s": steps / run_s, "steps_per_s_incl_compile": steps / out.wall_time_s}
+
+
+def environments():
+    """(name, env, params, kind, steps divisor): a step of the slow environments (many
+    arrivals per Autoscaling interval, the continuous engine) gets a shorter scan."""
+    routing, rparams = routing_env()
+    return [
+        (ROUTING, routing, rparams, "routing", 1),
+        (ROUTING_DENSE, routing, rparams, "routing", 1),
+        ("Batching-v0", *jaxserve.make("Batching-v0"), "batching", 1),
+        # One step is a 15 s control interval (~18 arrivals at the default diurnal load).
+        ("Autoscaling-v0 (8 replicas)", *jaxserve.make("Autoscaling-v0"), "autoscaling", 10),
+        ("LLMRouting-v0 (4 OPT-13B replicas)", *jaxserve.make("LLMRouting-v0"), None, 10),
+        (BREAKOUT, *gymnax.make("Breakout-MinAtar"), None, 1),
+    ]
+
+
+def profile_routing(counts, steps, repeats):
+    """What a vmapped Routing-v0 step spends its time on, by timing variants of the same step
+    (same run, from reset): each batched engine path, the step with the engine replaced by
+    nothing (`advance_static` returning its input: the cost of everything else), the same
+    without reward shaping, and Breakout-MinAtar for scale. Microseconds per env-step."""
+    from jaxserve.core.metrics import StepMetrics
+
+    real = C.advance_static
+
+    def no_engine(cluster, gpus, horizon, slo_s, log=None):
+        return cluster, StepMetrics.zeros(), log
+
+    routing, params = routing_env()
+    variants = {"engine: compact": ("compact", real, routing),
+                "engine: dense (2 unrolled + loop)": ("dense", real, routing),
+                "engine: loop (before compaction)": ("loop", real, routing),
+                "no engine": (None, no_engine, routing),
+                "no engine, no shaping": (None, no_engine,
+                                          routing.replace_static(shaping_gamma=None)),
+                BREAKOUT: (None, real, None)}
+    out = {}
+    try:
+        for n in counts:
+            for name, (path, advance, env) in variants.items():
+                C.engine_path, C.advance_static = path, advance
+                jax.clear_caches()
+                env, p = (env, params) if env is not None else gymnax.make("Breakout-MinAtar")
+                r = time_env(env, p, n, steps, 0, repeats)
+                us = 1e6 / r["reset_steps_per_s"]
+                out[f"{name} @ {n}"] = {**r, "us_per_env_step": us}
+                print(f"profile {name:34s} envs={n:6d} compile {r['compile_s']:6.1f}s "
+                      f"{us:7.2f} us/env-step", flush=True)
+    finally:
+        C.engine_path, C.advance_static = None, real
+        jax.clear_caches()
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--num-envs", default=None, help="comma-separated env counts")
-    ap.add_argument("--num-steps", type=int, default=None, help="scan length per env")
+    ap.add_argument("--num-steps", type=int, default=None, help="scan length per timed call")
+    ap.add_argument("--warmup", type=int, default=None, help="steps before the warmed timing")
+    ap.add_argument("--repeats", type=int, default=None, help="timed calls (best is kept)")
+    ap.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     ap.add_argument("--ppo", action="store_true", help="also time PPO training")
+    ap.add_argument("--ppo-envs", type=int, default=256, help="PPO parallel envs (both)")
     ap.add_argument("--ppo-steps", type=int, default=None,
-                    help="PPO steps per environment (default 1M; 20k with --quick)")
+                    help="PPO env steps (default 262,144; 16,384 with --quick)")
+    ap.add_argument("--profile", action="store_true",
+                    help="only time Routing-v0 step variants (engine paths, no engine)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
-    counts = ([1, 256] if args.quick else [1, 256, 4096, 16384]) if args.num_envs is None \
+    counts = ([16, 64] if args.quick else [256, 4096]) if args.num_envs is None \
         else [int(x) for x in args.num_envs.split(",")]
-    steps = args.num_steps or (20 if args.quick else 100)
-    # The env count of the cross-environment comparisons: the largest one measured.
-    big = (256 if args.quick else 4096) if args.num_envs is None else max(counts)
+    steps = args.num_steps or (10 if args.quick else 100)
+    warmup = args.warmup if args.warmup is not None else (10 if args.quick else 300)
+    repeats = args.repeats or (1 if args.quick else 3)
+    rng = np.random.default_rng(0)
 
     res = {"device": str(jax.devices()[0]), "backend": jax.default_backend(),
-           "jax": jax.__version__, "machine": platform.machine(), "results": {}}
-    envs = {"Routing-v0 (8 GPUs, queue 64)": routing_env(),
-            "Batching-v0": jaxserve.make("Batching-v0"),
-            # One step is a 15 s control interval (~18 arrivals at the default diurnal load).
-            "Autoscaling-v0 (8 replicas)": jaxserve.make("Autoscaling-v0")}
-    for name, (env, params) in envs.items():
-        rows = []
+           "jax": jax.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
+           "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
+           "command": "python -m scripts.bench " + " ".join(argv or []), "results": {}}
+    if args.profile:
+        res["profile"] = profile_routing(counts, steps, repeats)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
+    for name, env, params, kind, div in environments():
+        if args.only and not any(name.startswith(p) for p in args.only.split(",")):
+            continue
+        C.engine_path = "dense" if name == ROUTING_DENSE else None
+        jax.clear_caches()  # the batched path is read when a program is traced
+        entry = {"state_bytes": state_bytes(env, params), "rows": []}
+        n_steps, n_warm = max(steps // div, 2), warmup // div
         for n in counts:
-            r = time_env(env, params, n, steps)
-            rows.append(r)
-            print(f"{name:30s} envs={n:6d}  compile {r['compile_s']:6.1f}s  "
-                  f"{r['steps_per_s']:12,.0f} env-steps/s", flush=True)
-        res["results"][name] = {"state_bytes": state_bytes(env, params), "rows": rows}
+            r = time_env(env, params, n, n_steps, n_warm, repeats)
+            entry["rows"].append(r)
+            print(f"{name:42s} envs={n:6d} compile {r['compile_s']:6.1f}s  from reset "
+                  f"{r['reset_steps_per_s']:11,.0f}  warmed {r['warm_steps_per_s']:11,.0f} "
+                  f"env-steps/s", flush=True)
+        if kind is not None:
+            entry["reference_requests_per_s"] = reference_requests_per_s(
+                kind, params, 2_000 if args.quick else 100_000, rng)
+        res["results"][name] = entry
+    C.engine_path = None
+    jax.clear_caches()
 
-    brk, brk_params = gymnax.make("Breakout-MinAtar")
-    r = time_env(brk, brk_params, big, steps)
-    res["results"]["Breakout-MinAtar"] = {"state_bytes": state_bytes(brk, brk_params),
-                                          "rows": [r]}
-    print(f"{'Breakout-MinAtar':30s} envs={big:6d}  compile {r['compile_s']:6.1f}s  "
-          f"{r['steps_per_s']:12,.0f} env-steps/s", flush=True)
-
-    ref_rate = reference_requests_per_s(20_000 if args.quick else 200_000)
-    res["reference_python_requests_per_s"] = ref_rate
-    bw = copy_bandwidth_gbs()
-    res["copy_bandwidth_gbs"] = bw
-
-    routing_name = next(iter(envs))
-    rrow = next(r for r in res["results"][routing_name]["rows"] if r["num_envs"] == big)
-    sb = res["results"][routing_name]["state_bytes"]
-    bound = bw * 1e9 / (2 * sb)
-    summary = {
-        "routing_vs_breakout": rrow["steps_per_s"] / r["steps_per_s"],
-        "routing_vs_reference_python": rrow["steps_per_s"] / ref_rate,
-        "routing_state_bytes": sb,
-        "routing_bandwidth_bound_steps_per_s": bound,
-        "routing_fraction_of_bandwidth_bound": rrow["steps_per_s"] / bound,
-    }
+    res["summary"] = summarize(res["results"])
+    for line in res["summary"]["lines"]:
+        print(line)
     if args.ppo:
-        tot = args.ppo_steps or (20_000 if args.quick else 1_000_000)
-        res["ppo"] = [ppo_steps_per_s("Routing-v0", big // 4, tot),
-                      ppo_steps_per_s("CartPole-v1", big // 4, tot)]
+        tot = args.ppo_steps or (16_384 if args.quick else 262_144)
+        res["ppo"] = [ppo_steps_per_s(e, args.ppo_envs, tot) for e in ("Routing-v0",
+                                                                       "CartPole-v1")]
         for p in res["ppo"]:
-            print(f"PPO {p['env']:12s} envs={p['num_envs']}  "
-                  f"{p['steps_per_s_incl_compile']:,.0f} steps/s incl. compile", flush=True)
-    res["summary"] = summary
-    print(f"\nreference (pure Python): {ref_rate:,.0f} requests/s;  copy bandwidth {bw:.1f} GB/s")
-    print(f"Routing-v0 at {big} envs: {summary['routing_vs_breakout']:.2f}x Breakout-MinAtar, "
-          f"{summary['routing_vs_reference_python']:.1f}x the Python reference; state "
-          f"{sb:,} B/env -> bandwidth bound {bound:,.0f} steps/s "
-          f"({summary['routing_fraction_of_bandwidth_bound']:.1%} of it)")
+            print(f"PPO {p['env']:12s} envs={p['num_envs']}  {p['steps_per_s']:,.0f} steps/s "
+                  f"({p['steps_per_s_incl_compile']:,.0f} incl. {p['compile_s']:.0f} s compile)")
+        res["summary"]["ppo_routing_vs_cartpole"] = (res["ppo"][0]["steps_per_s"]
+                                                     / res["ppo"][1]["steps_per_s"])
+        print(f"PPO Routing-v0 / CartPole-v1: {res['summary']['ppo_routing_vs_cartpole']:.2f}x")
+    res["load_average_end"] = os.getloadavg()
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(f"wrote {args.out}")
     return res
+
+
+def summarize(results):
+    """Ratios to Breakout-MinAtar (same env count, same start) and to the Python reference."""
+    brk = {r["num_envs"]: r for r in results.get(BREAKOUT, {"rows": []})["rows"]}
+    out, lines = {}, []
+    for name, entry in results.items():
+        if name == BREAKOUT:
+            continue
+        for r in entry["rows"]:
+            n, row = r["num_envs"], {}
+            for start in ("reset", "warm"):
+                if n in brk:
+                    row[f"{start}_vs_breakout"] = (r[f"{start}_steps_per_s"]
+                                                   / brk[n][f"{start}_steps_per_s"])
+                if "reference_requests_per_s" in entry:
+                    row[f"{start}_requests_per_s"] = (r[f"{start}_steps_per_s"]
+                                                      * r["arrivals_per_step"])
+                    row[f"{start}_vs_reference"] = (row[f"{start}_requests_per_s"]
+                                                    / entry["reference_requests_per_s"])
+            out[f"{name} @ {n}"] = row
+            text = ", ".join(f"{k} {v:,.2f}" if v < 1e3 else f"{k} {v:,.0f}"
+                             for k, v in row.items())
+            lines.append(f"{name} @ {n} envs: {text}")
+    out["lines"] = lines
+    return out
 
 
 if __name__ == "__main__":

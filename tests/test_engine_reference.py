@@ -157,7 +157,7 @@ def test_batching_env_matches_reference(threshold):
                                   want["finish"][ok])
 
 
-@pytest.mark.parametrize("path", ["compact", "dense"])
+@pytest.mark.parametrize("path", ["compact", "dense", "loop"])
 def test_vmapped_replays_match_reference_exactly_on_both_batched_paths(path, monkeypatch):
     """Under `vmap` the event loop is lane-compacted (`cluster._advance_lanes`, the CPU
     default) or dense (`cluster._advance_unrolled` vmapped, the GPU default); force each, run
@@ -168,7 +168,8 @@ def test_vmapped_replays_match_reference_exactly_on_both_batched_paths(path, mon
 
     from jaxserve.core import cluster as C
     taken = []
-    for name in ("_advance_lanes", "_advance_unrolled"):
+    spied = {"compact": "_advance_lanes", "dense": "_advance_unrolled", "loop": "_advance_dense"}
+    for name in spied.values():
         fn = getattr(C, name)
         monkeypatch.setattr(C, name, lambda *a, _fn=fn, _n=name: taken.append(_n) or _fn(*a))
     monkeypatch.setattr(C, "engine_path", path)
@@ -206,8 +207,7 @@ def test_vmapped_replays_match_reference_exactly_on_both_batched_paths(path, mon
                                 jax.tree.map(lambda x: x[b], log), dropped[b])
         want = ref.simulate(arrival, prompt, output, gpu, profile_dicts(profiles))
         assert_same_schedule(got, want, atol=0.0)
-    want_fn = "_advance_lanes" if path == "compact" else "_advance_unrolled"
-    assert taken and set(taken) == {want_fn}
+    assert taken and set(taken) == {spied[path]}
     jax.clear_caches()
 
 

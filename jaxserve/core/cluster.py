@@ -368,7 +368,7 @@ def _advance_unrolled(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
 # ----------------------------------------------------------------- the batched path, per backend
 
 ENGINE_PATH_ENV = "JAXSERVE_ENGINE_PATH"
-ENGINE_PATHS = ("compact", "dense")
+ENGINE_PATHS = ("compact", "dense", "loop")
 # Module-level override of the batched path ("compact", "dense", or None: the environment
 # variable JAXSERVE_ENGINE_PATH, then the backend's default). Read when a program is traced:
 # after changing it, call `jax.clear_caches()` so cached programs are traced again.
@@ -383,6 +383,8 @@ def batched_path() -> str:
     GPU/TPU, where masked work over every lane is nearly free and each data-dependent loop
     test is a device-to-host synchronisation. Overridden by `engine_path`, then by the
     `JAXSERVE_ENGINE_PATH` environment variable, so both are testable on any backend.
+    "loop" (the plain `while_loop` vmapped, as before lane compaction: every lane runs the
+    batch's largest event count) is kept for profiling and comparison.
     """
     choice = engine_path or os.environ.get(ENGINE_PATH_ENV) or (
         "compact" if jax.default_backend() == "cpu" else "dense")
@@ -401,8 +403,11 @@ def _advance_vmap(axis_size, in_batched, cluster, gpus, horizon, slo_s, log):
     args = jax.tree.map(
         lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
         args, tuple(in_batched))
-    if batched_path() == "dense":
+    path = batched_path()
+    if path == "dense":
         out = jax.vmap(_advance_unrolled)(*args)
+    elif path == "loop":
+        out = jax.vmap(_advance_dense)(*args)
     else:
         out = _advance_lanes(*args)
     return out, jax.tree.map(lambda _: True, out)
