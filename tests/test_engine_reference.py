@@ -210,16 +210,3 @@ def test_vmapped_replays_match_reference_exactly_on_both_batched_paths(path, mon
     assert taken and set(taken) == {spied[path]}
     jax.clear_caches()
 
-
-def test_batched_path_choice_and_override(monkeypatch):
-    from jaxserve.core import cluster as C
-    monkeypatch.delenv(C.ENGINE_PATH_ENV, raising=False)
-    monkeypatch.setattr(C, "engine_path", None)
-    assert C.batched_path() == ("compact" if jax.default_backend() == "cpu" else "dense")
-    monkeypatch.setenv(C.ENGINE_PATH_ENV, "dense")
-    assert C.batched_path() == "dense"
-    monkeypatch.setattr(C, "engine_path", "compact")  # the module switch wins
-    assert C.batched_path() == "compact"
-    monkeypatch.setattr(C, "engine_path", "sparse")
-    with pytest.raises(ValueError, match="engine path"):
-        C.batched_path()
