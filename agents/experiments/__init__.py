@@ -1,0 +1,19 @@
+"""Experiments that regenerate docs/results.md: one function per experiment, in a list.
+
+An experiment is `fn(ctx: Context) -> Section` registered with `@experiment(key, title)`;
+`run_experiments` runs the selected ones in key order (later ones may reuse what earlier
+ones left in `ctx.cache`, e.g. the trained routers), and `report.write_results`
+turns the sections into markdown and figures. `scripts/reproduce.py` is the command line.
+
+Modules: `budget` (quick, full and tiny budgets), `common` (training several seeds in one
+program, seed statistics, markdown tables), `scenarios` (every scenario, fixed up front with
+its reason), `routing` (a, c, e), `batching` (b), `generalisation` (d), `report`.
+"""
+
+from agents.experiments.budget import BUDGETS, Budget
+from agents.experiments.common import Context, Section
+from agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
+from agents.experiments import routing, batching, generalisation  # noqa: F401,E402 (register)
+
+__all__ = ["BUDGETS", "Budget", "Context", "EXPERIMENTS", "Section", "experiment",
+           "run_experiments"]

@@ -1,0 +1,65 @@
+"""Regenerates docs/results.md and docs/figures/results_*.png: every experiment, one command.
+
+    python scripts/reproduce.py --quick        # 2-core CPU, under 20 minutes
+    python scripts/reproduce.py                # full budgets, meant for a GPU
+    python scripts/reproduce.py --quick --only b,c --out /tmp/results.md
+
+The experiments live in `agents.experiments` (one registered function each); this script
+only parses arguments, runs them with stage lines on stderr, and writes the page.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a file (python scripts/reproduce.py)
+    sys.path.insert(0, str(ROOT))
+
+from scripts.cli import Parser, run_cli  # noqa: E402
+
+
+def build_parser():
+    ap = Parser(prog="reproduce", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CPU budget (3 short seeds)")
+    ap.add_argument("--budget", choices=("quick", "full", "tiny"), default=None,
+                    help="budget by name (overrides --quick)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated experiment keys (default: all)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"),
+                    help="markdown file to write (figures go to its figures/ folder)")
+    ap.add_argument("--figures", default=None,
+                    help="figure folder (default: figures/ next to --out)")
+    ap.add_argument("--eval-seed", type=int, default=20261202, help="evaluation key seed")
+    ap.add_argument("--no-progress", action="store_true", help="no stage lines")
+    return ap
+
+
+def main(argv=None) -> int:
+    def body() -> int:
+        args = build_parser().parse_args(argv)
+        from agents.experiments import BUDGETS, Context, run_experiments
+        from agents.experiments.report import write_results
+        budget = BUDGETS[args.budget or ("quick" if args.quick else "full")]
+        only = None if args.only is None else [k.strip() for k in args.only.split(",") if k]
+        argv_ = sys.argv[1:] if argv is None else list(argv)
+        command = " ".join(["python scripts/reproduce.py", *map(shlex.quote, argv_)])
+        ctx = Context(budget, command, eval_seed=args.eval_seed, progress=not args.no_progress,
+                      keep_going=True)
+        t0 = time.perf_counter()
+        sections = run_experiments(ctx, only)
+        out = Path(args.out)
+        figs = Path(args.figures) if args.figures else out.parent / "figures"
+        path = write_results(sections, ctx, out, figs, time.perf_counter() - t0)
+        failed = [s.key for s in sections if "failed" in s.data]
+        print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)"
+              + (f"; FAILED: {failed}" if failed else ""))
+        return 1 if failed else 0
+    return run_cli("reproduce", body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
