@@ -49,6 +49,9 @@ def build_parser() -> _Parser:
     ap.add_argument("--num-steps", type=int, default=None,
                     help="control intervals per episode (default: one episode / the trace)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scheduled-grid", default="4,4.5,5,5.5,6,6.5,7",
+                    help="replicas_at_mean values for `scheduled`, chosen on tuning episodes "
+                         "disjoint from the reported ones (one value: no tuning)")
     ap.add_argument("--out", default=None, help="directory for CSV, JSON and the plot")
     ap.add_argument("--no-plot", action="store_true")
     return ap
@@ -110,6 +113,49 @@ def verdicts(results: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+TRAINING_ONLY = ("control_interval_s", "max_steps_in_episode", "random_phase", "random_initial",
+                 "invalid_penalty_s", "action_mode")
+PAIRED_METRICS = ("cost", "mean_latency", "slo_violation_rate", "gpu_hours")
+
+
+def tune_scheduled(env, params, eval_key, args) -> tuple[float, dict]:
+    """`scheduled`'s `replicas_at_mean`, the cheapest of `--scheduled-grid` on episodes drawn
+    from `tuning_key(eval_key)` (disjoint from the reported ones); `(choice, {c: cost})`."""
+    from jaxserve import policies as P
+    from jaxserve.core.sources import tuning_key
+    from jaxserve.evaluation.scaling import evaluate_autoscalers
+
+    grid = [float(c) for c in args.scheduled_grid.split(",") if c.strip()]
+    if not grid:
+        raise _CLIError("--scheduled-grid needs at least one value")
+    if len(grid) == 1:
+        return grid[0], {}
+    pols = {c: P.get("scheduled", env=env, params=params, replicas_at_mean=c) for c in grid}
+    res = evaluate_autoscalers(env, params, {str(c): p for c, p in pols.items()},
+                               tuning_key(eval_key), args.num_envs, args.num_steps)
+    costs = {c: res[str(c)]["cost"] for c in grid}
+    return min(costs, key=costs.get), costs
+
+
+def paired_comparisons(per_env: dict, subjects: list[str]) -> dict:
+    """Paired differences (subject - other, same episodes) of `PAIRED_METRICS` against HPA,
+    Knative, Ray Serve and every fixed count: `{subject: {other: {metric: stats}}}`."""
+    from jaxserve.evaluation.stats import paired_difference
+
+    others = [n for n in per_env if n.startswith("fixed-")
+              or n in ("hpa", "knative", "ray_serve")]
+    return {s: {o: {m: paired_difference(per_env[s][m], per_env[o][m]) for m in PAIRED_METRICS}
+                for o in others} for s in subjects if s in per_env}
+
+
+def print_paired(paired: dict) -> None:
+    for s, rows in paired.items():
+        print(f"paired differences, {s} minus other (mean +- 95% half-width over episodes):")
+        for o, d in rows.items():
+            print(f"  vs {o:>12}: " + "; ".join(
+                f"{m} {d[m]['mean']:+,.4g} +- {d[m]['ci']:,.3g}" for m in PAIRED_METRICS))
+
+
 def plot(results: dict[str, dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -156,29 +202,41 @@ def run(args) -> int:
     # The learned runs act in their training action mode; every baseline acts by target
     # (`action_for_target`), so all share one environment built like the first run's.
     if learned:
-        base = dict(learned[0][1].env_overrides)
+        # Training-only settings (decision cadence, episode length, random phase of the day)
+        # are not the evaluation scenario: the baselines run at the registry's cadence and a
+        # policy trained at k times it decides every k-th interval (`hold_every`).
+        base = {k: v for k, v in learned[0][1].env_overrides.items() if k not in TRAINING_ONLY}
         for k in ("workload", "load", "trace", "arrivals", "arrival_rate", "tokens"):
             if k in overrides:
                 base.pop(k, None)
         overrides = {**base, **overrides}
     env, params = jaxserve.make("Autoscaling-v0", **overrides)
+    dt = float(params.control_interval_s)
     for label, res in learned:
-        if (res.env.num_actions != env.num_actions
-                or int(res.env_params.action_mode) != int(params.action_mode)):
-            raise _CLIError(f"run {label} was trained with another action space or mode")
+        if res.env.num_actions != env.num_actions:
+            raise _CLIError(f"run {label} was trained with another action space")
+    key = jax.random.key(args.seed)
     pols = {f"fixed-{n}": P.get("fixed", env=env, params=params, replicas=n)
             for n in range(1, env.max_replicas + 1)}
-    for n in ("hpa", "knative", "ray_serve", "scheduled"):
+    for n in ("hpa", "knative", "ray_serve"):
         pols[n] = P.get(n, env=env, params=params)
+    sched_c, sched_tuning = tune_scheduled(env, params, key, args)
+    pols["scheduled"] = P.get("scheduled", env=env, params=params, replicas_at_mean=sched_c)
     pols["ray_serve(target=B)"] = P.get("ray_serve", env=env, params=params,
                                         target_ongoing_requests=None)
     for label, res in learned:
-        pols[label] = res.policy
+        k = float(res.env_params.control_interval_s) / dt
+        if abs(k - round(k)) > 1e-6 or round(k) < 1:
+            raise _CLIError(f"run {label} decided every {k * dt:g} s, not a multiple of {dt:g} s")
+        pol = P.autoscaling.in_action_mode(res.policy, int(res.env_params.action_mode))
+        pols[label] = P.autoscaling.hold_every(pol, round(k))
     t0 = time.perf_counter()
-    results = evaluate_autoscalers(env, params, pols, jax.random.key(args.seed), args.num_envs,
-                                   args.num_steps)
+    results, per_env = evaluate_autoscalers(env, params, pols, key, args.num_envs,
+                                            args.num_steps, episodes=True)
     wall = time.perf_counter() - t0
     ver = verdicts(results)
+    paired = paired_comparisons(per_env, [label for label, _ in learned] + ["scheduled"])
+    print_paired(paired)
     print_table(results, ver, f"Autoscaling-v0 {overrides or ''}: {args.num_envs} episodes of "
                 f"{next(iter(results.values()))['intervals']:.0f} intervals ({wall:.0f} s)")
     if args.out:
@@ -191,7 +249,8 @@ def run(args) -> int:
                 w.writerow([n, *[r[k] for k in COLUMNS]])
         doc = {"command": "jaxserve-autoscale " + " ".join(sys.argv[1:]),
                "overrides": overrides, "num_envs": args.num_envs, "wall_s": wall,
-               "results": results, "verdicts": ver}
+               "results": results, "verdicts": ver, "paired": paired,
+               "scheduled_tuning": sched_tuning}
         (out / "autoscale.json").write_text(json.dumps(to_jsonable(doc), indent=1))
         if not args.no_plot:
             plot(results, out / "cost_latency.png", f"Autoscaling-v0 {overrides or ''}")

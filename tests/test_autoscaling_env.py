@@ -242,3 +242,48 @@ def test_named_trace_workloads():
     assert int(info["arrived"].sum()) > 0 and np.isfinite(np.asarray(r)).all()
     env2, params2 = jaxserve.make("Autoscaling-v0", workload="azure_code_mmpp", load=0.2)
     assert env2.trace_len == 0 and params2.serving.arrivals.rates.shape == (2,)
+
+
+def test_random_phase_spreads_the_time_of_day_per_key():
+    # random_phase=1: the reset clock is a function of the key alone (vmappable, repeatable),
+    # spread over the whole cycle; random_phase=0 keeps every episode at diurnal_phase_s.
+    env, params = small(diurnal_phase_s=600.0)
+    keys = jax.random.split(jax.random.key(3), 64)
+    clock = lambda p: jax.vmap(lambda k: env.reset(k, p)[1].clock)(keys)  # noqa: E731
+    np.testing.assert_array_equal(clock(params), np.full(64, 600.0, np.float32))
+    rnd = params.replace(random_phase=jnp.int32(1))
+    c = np.asarray(clock(rnd))
+    np.testing.assert_array_equal(c, np.asarray(clock(rnd)))
+    period = float(params.diurnal_period_s)
+    assert (c >= 0).all() and (c < period).all()
+    # 64 uniform draws: each quarter of the day holds one with probability 1 - 0.75^64.
+    assert len(np.unique((c // (period / 4)).astype(int))) == 4
+    # The observation's time-of-day features follow the clock.
+    obs = jax.vmap(lambda k: env.reset(k, rnd)[0])(keys)
+    day_sin = np.asarray(obs[:, env.FEATURES.index("day_sin")])
+    np.testing.assert_allclose(day_sin, (1 + np.sin(2 * np.pi * c / period)) / 2, atol=1e-5)
+    with pytest.raises(ValueError, match="random_phase"):
+        env.check_params(params.replace(random_phase=jnp.int32(2)))
+
+
+def test_random_initial_and_invalid_penalty():
+    env, params = small(max_replicas=4, initial_replicas=2, action_mode=1)
+    keys = jax.random.split(jax.random.key(5), 64)
+    n0 = lambda p: np.asarray(jax.vmap(  # noqa: E731
+        lambda k: (env.reset(k, p)[1].mode == AS.ACTIVE).sum())(keys))
+    assert (n0(params) == 2).all()
+    n = n0(params.replace(random_initial=jnp.int32(1)))
+    assert set(n.tolist()) == {1, 2, 3, 4}  # 64 draws of 4 values: each missing w.p. < 1e-7
+    # A clipped step costs exactly invalid_penalty_s more, same key, same everything else.
+    _, state = env.reset(jax.random.key(0), params)
+
+    def reward(p, a):
+        return float(env.step_env(jax.random.key(1), state, jnp.int32(a), p)[2])
+    pen = params.replace(invalid_penalty_s=jnp.float32(250.0))
+    scale = float(params.serving.latency_scale)
+    assert reward(pen, 3) == reward(params, 3)  # action 3 steps +1 (a - 2): 2 -> 3, valid
+    full = state.replace(mode=jnp.full((4,), AS.ACTIVE, jnp.int32))
+    r = lambda p, a: float(env.step_env(jax.random.key(1), full, jnp.int32(a), p)[2])  # noqa
+    assert r(pen, 3) == pytest.approx(r(params, 3) - 250.0 / scale, abs=1e-6)  # 4 -> 5: clipped
+    with pytest.raises(ValueError, match="random_initial"):
+        env.check_params(params.replace(random_initial=jnp.int32(3)))

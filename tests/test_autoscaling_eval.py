@@ -80,3 +80,19 @@ def test_cli_writes_results_and_plot(tmp_path, capsys):
     assert "fixed-2" in capsys.readouterr().out
     assert autoscale.main(["--run", str(tmp_path / "nope")]) == 2
     assert "not a jaxserve-train run" in capsys.readouterr().err
+
+
+def test_per_episode_metrics_pair_with_the_summary():
+    env, params = small()
+    pols = {"fixed-1": P.get("fixed", env=env, params=params, replicas=1),
+            "fixed-3": P.get("fixed", env=env, params=params, replicas=3)}
+    out, per = evaluate_autoscalers(env, params, pols, jax.random.key(0), num_envs=3,
+                                    episodes=True)
+    for n in pols:
+        assert per[n]["cost"].shape == (3,)
+        assert out[n]["cost"] == pytest.approx(per[n]["cost"].mean(), rel=1e-9)
+    # Same episodes: the paired GPU-hour difference is exact, 2 replicas x duration.
+    from jaxserve.evaluation.stats import paired_difference
+    d = paired_difference(per["fixed-3"]["gpu_hours"], per["fixed-1"]["gpu_hours"])
+    assert d["mean"] == pytest.approx(2 * 12 * float(params.control_interval_s) / 3600, rel=1e-5)
+    assert d["ci"] == pytest.approx(0.0, abs=1e-9)

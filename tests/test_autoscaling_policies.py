@@ -544,3 +544,46 @@ def test_scheduled_follows_the_cycle_one_warmup_ahead():
     assert int(AS.target_from_action(a, state, flat, env.max_replicas)[0]) == 5
     with pytest.raises(ValueError, match="replicas_at_mean"):
         P.get("scheduled", env=env, params=params, replicas_at_mean=0.0)
+
+
+def test_hold_every_decides_only_every_kth_interval():
+    # A policy that asks for a random target every interval changes the active count only at
+    # state.time % k == 0 once held, and unheld it changes it more often.
+    env, params = jaxserve.make("Autoscaling-v0", max_replicas=4, max_steps_in_episode=40,
+                                arrival_rate=0.5)
+
+    def rand(key, obs, state, params):
+        return jax.random.randint(key, (), 0, 4)
+
+    def actives(policy):
+        obs, state = env.reset(jax.random.key(0), params)
+
+        def step(state, k):
+            k_p, k_s = jax.random.split(k)
+            a = policy(k_p, env.get_obs(state, params), state, params)
+            _, state2, *_ = env.step_env(k_s, state, a, params)
+            return state2, ((state2.mode == AS.ACTIVE).sum(), state.time)
+        return jax.lax.scan(step, state, jax.random.split(jax.random.key(1), 40))[1]
+
+    active, t = map(np.asarray, actives(PA.hold_every(rand, 4)))
+    changed = np.flatnonzero(np.diff(active)) + 1
+    assert len(changed) > 0 and (t[changed] % 4 == 0).all()
+    free, _ = map(np.asarray, actives(rand))
+    assert (t[np.flatnonzero(np.diff(free)) + 1] % 4 != 0).any()
+    assert PA.hold_every(rand, 1) is rand
+    with pytest.raises(ValueError, match="every"):
+        PA.hold_every(rand, 0)
+
+
+def test_in_action_mode_re_expresses_a_step_policy_by_target():
+    env, params = jaxserve.make("Autoscaling-v0", max_replicas=8, initial_replicas=3,
+                                max_steps_in_episode=8, arrival_rate=0.5)
+    obs, state = env.reset(jax.random.key(0), params)
+    for a, want in ((4, 3), (6, 5), (0, 1), (7, 6)):  # delta a - 4 from 3 active, clipped to 1
+        step = lambda *_, a=a: jnp.int32(a)  # noqa: E731
+        got = PA.in_action_mode(step, AS.DELTA)(None, obs, state, params)
+        assert int(got) == want - 1  # target mode: action = target - 1
+        tgt, _ = AS.target_from_action(got, state, params, 8)
+        assert int(tgt) == want
+    with pytest.raises(ValueError, match="mode"):
+        PA.in_action_mode(step, 5)

@@ -34,9 +34,9 @@ from jaxserve.core import queues as Q
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.service import per_request_work
 from jaxserve.envs import common
+from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
 
 OFF, ACTIVE, DRAINING = 0, 1, 2
-FEATURE_CLIP = 1e3
 
 # Per-interval record kept in `AutoscalingState.history` (most recent first), read by the
 # baseline autoscalers (`jaxserve.policies.autoscaling`), which need windows of past metrics.
@@ -81,6 +81,16 @@ class AutoscalingParams:
         the active count by `a - max_replicas // 2` (a step, e.g. -4..+3 with 8 slots), which
         explores more smoothly (a random policy random-walks instead of thrashing warm-ups).
         Use `action_for_target` to act by target in either mode. int32.
+      random_phase: 1 draws the time of day at reset uniformly over the cycle (added to
+        `diurnal_phase_s`) from the reset key, so vmapped episodes are not in lockstep and a
+        policy sees every time of day in every batch; 0 starts every episode at
+        `diurnal_phase_s`. int32.
+      random_initial: 1 draws the replicas serving at reset uniformly from `[1, R]` (warm)
+        instead of `initial_replicas`, so training visits every (time of day, count) pair;
+        0 uses `initial_replicas`. int32.
+      invalid_penalty_s: cost of each invalid action (out of range, or a step clipped at
+        `[1, R]`), in request-seconds; 0 (the default) leaves clipping free, which lets a
+        step policy push against the bound at no cost. float32.
     """
 
     serving: common.ServingParams
@@ -94,6 +104,9 @@ class AutoscalingParams:
     diurnal_phase_s: jax.Array
     initial_replicas: jax.Array
     action_mode: jax.Array
+    random_phase: jax.Array
+    random_initial: jax.Array
+    invalid_penalty_s: jax.Array
 
     @property
     def max_steps_in_episode(self) -> jax.Array:
@@ -105,6 +118,7 @@ SCALING_FIELDS = {
     "latency_weight": jnp.float32, "slo_penalty_s": jnp.float32,
     "diurnal_amplitude": jnp.float32, "diurnal_period_s": jnp.float32,
     "diurnal_phase_s": jnp.float32, "initial_replicas": jnp.int32, "action_mode": jnp.int32,
+    "random_phase": jnp.int32, "random_initial": jnp.int32, "invalid_penalty_s": jnp.float32,
 }
 TARGET, DELTA = 0, 1
 
@@ -237,7 +251,8 @@ class Autoscaling(common.StaticConfig,
       SLO, SLO-violation and drop fractions, the time of day as `(1 + sin, 1 + cos) / 2`, the
       price as `p / (1 + p)` and the mean remaining warm-up / `warmup_s`.
     Reward: `-(latency_weight * time-in-system + slo_penalty_s * SLO violations
-      + drop_penalty_s * drops + gpu_price * GPU-seconds) / latency_scale` over the interval.
+      + drop_penalty_s * drops + gpu_price * GPU-seconds + invalid_penalty_s * invalid)
+      / latency_scale` over the interval.
     Termination: with a replayed trace, once it has ended and the cluster has drained.
       Truncation after `max_steps_in_episode` intervals.
     Info: `StepMetrics` fields plus `gpu_seconds`, `active`, `serving`, `provisioned` and
@@ -286,11 +301,19 @@ class Autoscaling(common.StaticConfig,
         k_phase, k_req = jax.random.split(key)
         phase = common.first_phase(k_phase, sp)
         gap, req, phase, _ = common.next_arrival(k_req, sp, phase, jnp.int32(0), jnp.int32(0))
-        clock = jnp.mod(params.diurnal_phase_s, params.diurnal_period_s).astype(jnp.float32)
+        # The random phase comes from a key folded out of `key`, so the request streams of
+        # a key are the same with and without it (common random numbers across the flag).
+        offset = jax.random.uniform(jax.random.fold_in(key, 0x50484153), (),
+                                    maxval=params.diurnal_period_s)
+        clock = jnp.mod(params.diurnal_phase_s + jnp.where(params.random_phase == 1, offset, 0.0),
+                        params.diurnal_period_s).astype(jnp.float32)
         # A synthetic first request arrives after one gap at the current rate; a trace's at 0.
         is_trace = sp.trace.gap.shape[0] > 0
         first = gap if is_trace else gap / rate_multiplier(clock, params)
-        n0 = jnp.clip(params.initial_replicas, 1, self.max_replicas)
+        n_rand = jax.random.randint(jax.random.fold_in(key, 0x494E4954), (), 1,
+                                    self.max_replicas + 1)
+        n0 = jnp.clip(jnp.where(params.random_initial == 1, n_rand, params.initial_replicas),
+                      1, self.max_replicas)
         r = self.max_replicas
         state = AutoscalingState(
             cluster=C.empty_cluster(r, self.queue_buffer, self.max_batch, with_ids=False),
@@ -398,7 +421,8 @@ class Autoscaling(common.StaticConfig,
         new_state = new_state.replace(history=history)
 
         cost = (params.latency_weight * m.in_system_time + params.slo_penalty_s * slo_violations
-                + sp.drop_penalty_s * m.dropped + params.gpu_price * gpu_seconds)
+                + sp.drop_penalty_s * m.dropped + params.gpu_price * gpu_seconds
+                + params.invalid_penalty_s * invalid)
         reward = (-cost / sp.latency_scale).astype(jnp.float32)
         info = {**m.as_dict(), "gpu_seconds": gpu_seconds.astype(jnp.float32),
                 "slo_violations": slo_violations, "active": values["active"].astype(jnp.int32),
@@ -435,7 +459,7 @@ class Autoscaling(common.StaticConfig,
             p.gpu_price / (1.0 + p.gpu_price),
             warm_left / jnp.maximum(p.warmup_s, 1e-6),
         ])
-        return jnp.clip(jnp.nan_to_num(feats), 0.0, FEATURE_CLIP).astype(jnp.float32)
+        return clip_features(feats)
 
     def is_terminated(self, state, params):
         cl = state.cluster
@@ -447,7 +471,7 @@ class Autoscaling(common.StaticConfig,
         return spaces.Discrete(self.max_replicas)
 
     def observation_space(self, params=None):
-        return spaces.Box(0.0, FEATURE_CLIP, (NUM_FEATURES,), jnp.float32)
+        return feature_box((NUM_FEATURES,))
 
     def state_space(self, params=None) -> Any:
         raise NotImplementedError("Autoscaling-v0 exposes its state as the AutoscalingState "
@@ -470,6 +494,9 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
     if np.any(np.asarray(params.diurnal_amplitude) >= 1):
         raise ValueError(f"params.diurnal_amplitude must be in [0, 1), got "
                          f"{np.asarray(params.diurnal_amplitude)}")
+    for f in ("random_phase", "random_initial"):
+        if not np.all(np.isin(np.asarray(getattr(params, f)), (0, 1))):
+            raise ValueError(f"params.{f} must be 0 or 1, got {np.asarray(getattr(params, f))}")
     if not np.all(np.isin(np.asarray(params.action_mode), (TARGET, DELTA))):
         raise ValueError(f"params.action_mode must be 0 (target) or 1 (delta), got "
                          f"{np.asarray(params.action_mode)}")

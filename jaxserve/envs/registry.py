@@ -11,7 +11,8 @@ Each entry builds a default scenario; keyword overrides replace parts of it:
 Autoscaling-v0 also takes `max_replicas`, `gpu` (one profile for every replica slot),
 `history_len` and the scalar fields of `AutoscalingParams` (control_interval_s, warmup_s,
 gpu_price, latency_weight, slo_penalty_s, diurnal_amplitude, diurnal_period_s,
-diurnal_phase_s, initial_replicas, action_mode).
+diurnal_phase_s, initial_replicas, action_mode, random_phase, random_initial,
+invalid_penalty_s).
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None
 AUTOSCALING_DEFAULTS = dict(control_interval_s=15.0, warmup_s=120.0, gpu_price=4.0,
                             latency_weight=1.0, slo_penalty_s=0.0, diurnal_amplitude=0.6,
                             diurnal_period_s=7200.0, diurnal_phase_s=0.0, initial_replicas=2,
-                            action_mode=0)
+                            action_mode=0, random_phase=0, random_initial=0,
+                            invalid_penalty_s=0.0)
 
 
 def scaling_params(serving: common.ServingParams, **scalars) -> AS.AutoscalingParams:

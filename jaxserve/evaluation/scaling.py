@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.envs.autoscaling import Autoscaling, AutoscalingParams
+from jaxserve.evaluation.episodes import Step, from_policy, run_episode
 from jaxserve.evaluation.evaluate import switch_policy
 from jaxserve.evaluation.stats import t_halfwidth
 
@@ -43,26 +44,17 @@ def episode_totals(env: Autoscaling, policy: Callable, params: AutoscalingParams
     sp = params.serving
     params = params.replace(serving=sp.replace(
         max_steps_in_episode=jnp.maximum(sp.max_steps_in_episode, num_steps + 1)))
-    k_reset, k_run = jax.random.split(key)
-    obs, state = env.reset(k_reset, params)
 
-    def step(carry, k):
-        obs, state, done = carry
-        k_pol, k_env = jax.random.split(k)
-        action = policy(k_pol, obs, state, params)
-        obs2, state2, reward, term, info = env.step_env(k_env, state, action, params)
-        live = ~done
-        cost = -reward * sp.latency_scale
-        row = {name: jnp.where(live, jnp.asarray(info[name], jnp.float32), 0.0)
+    def fold(acc, s: Step):
+        cost = -s.reward * sp.latency_scale
+        row = {name: jnp.where(s.live, jnp.asarray(s.info[name], jnp.float32), 0.0)
                for name in SUMS[:-3]}
-        row.update(cost=jnp.where(live, cost, 0.0), reward=jnp.where(live, reward, 0.0),
-                   intervals=live.astype(jnp.float32))
-        state = jax.tree.map(lambda a, b: jnp.where(done, a, b), state, state2)
-        obs = jnp.where(done, obs, obs2)
-        return (obs, state, done | term), row
+        row.update(cost=jnp.where(s.live, cost, 0.0), reward=jnp.where(s.live, s.reward, 0.0),
+                   intervals=s.live.astype(jnp.float32))
+        return acc, row
 
-    (_, state, _), rows = jax.lax.scan(step, (obs, state, jnp.bool_(False)),
-                                       jax.random.split(k_run, num_steps))
+    _, state, _, _, rows = run_episode(env, from_policy(policy, params), params, key,
+                                       num_steps, fold=fold)
     totals = {k: v.sum() for k, v in rows.items()}
     cl = state.cluster
     totals["in_flight"] = (cl.queues.count + cl.servers.run_count).sum().astype(jnp.float32)
@@ -77,13 +69,15 @@ def _run(env, policies, params, keys, num_steps):
     return jax.vmap(per_policy)(jnp.arange(len(policies)))
 
 
-def summarise(totals: dict, control_interval_s: float) -> dict:
-    """Host-side per-policy metrics from `(E,)` episode totals (see the module docstring)."""
+def per_episode(totals: dict, control_interval_s: float) -> dict[str, np.ndarray]:
+    """Host-side `(E,)` per-episode metrics from episode totals (see the module docstring);
+    episode `i` of every policy ran on the same streams, so pair them
+    (`evaluation.stats.paired_difference`)."""
     t = {k: np.asarray(v, np.float64) for k, v in totals.items()}
     completed = np.maximum(t["completed"], 1.0)
     arrived = np.maximum(t["arrived"], 1.0)
     duration = np.maximum(t["intervals"] * control_interval_s, 1e-9)
-    per_env = {
+    return {
         "gpu_hours": t["gpu_seconds"] / 3600.0,
         "mean_replicas": t["gpu_seconds"] / duration,
         "mean_latency": np.where(t["completed"] > 0, t["latency_sum"] / completed, np.nan),
@@ -94,6 +88,12 @@ def summarise(totals: dict, control_interval_s: float) -> dict:
         "cost": t["cost"],
         "return": t["reward"],
     }
+
+
+def summarise(totals: dict, control_interval_s: float) -> dict:
+    """Host-side per-policy metrics from `(E,)` episode totals (see the module docstring)."""
+    t = {k: np.asarray(v, np.float64) for k, v in totals.items()}
+    per_env = per_episode(totals, control_interval_s)
     out: dict = {"num_envs": int(t["cost"].shape[0]),
                  "intervals": float(t["intervals"].mean()),
                  "arrived": float(t["arrived"].mean()), "dropped": int(t["dropped"].sum())}
@@ -105,7 +105,8 @@ def summarise(totals: dict, control_interval_s: float) -> dict:
 
 def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
                          policies: Mapping[str, Callable], key, num_envs: int = 8,
-                         num_steps: int | None = None) -> dict[str, dict]:
+                         num_steps: int | None = None,
+                         episodes: bool = False) -> dict[str, dict]:
     """Evaluates autoscaling policies on common random numbers (one compiled program).
 
     Args:
@@ -115,9 +116,11 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
       num_envs: independent episodes (replicates for the CIs).
       num_steps: control intervals per episode (default `max_steps_in_episode`; with a trace,
         default: enough to replay it and drain, its duration plus 10%, plus 40 intervals).
+      episodes: also return the per-episode metrics, for paired comparisons.
 
     Returns:
-      `{name: metrics}` (see the module docstring).
+      `{name: metrics}` (see the module docstring); with `episodes=True`, the pair
+      `({name: metrics}, {name: per_episode metrics})`.
 
     Raises:
       ValueError: not an Autoscaling-v0 environment, no policies, or bad sizes.
@@ -143,4 +146,8 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
     names = list(policies)
     keys = jax.random.split(key, int(num_envs))
     totals = _run(env, tuple(policies[n] for n in names), params, keys, int(num_steps))
-    return {n: summarise({k: v[i] for k, v in totals.items()}, dt) for i, n in enumerate(names)}
+    per = {n: {k: v[i] for k, v in totals.items()} for i, n in enumerate(names)}
+    summaries = {n: summarise(t, dt) for n, t in per.items()}
+    if episodes:
+        return summaries, {n: per_episode(t, dt) for n, t in per.items()}
+    return summaries

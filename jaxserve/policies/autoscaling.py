@@ -196,6 +196,49 @@ def _fixed_factory(env=None, params=None, replicas: int | None = None, min_repli
                   info={"replicas": n, "min_replicas": lo, "max_replicas": hi})
 
 
+# ----------------------------------------------------------------------------- held
+
+def hold_every(policy, every: int):
+    """`policy` deciding only at every `every`-th control instant, keeping the active count in
+    between (so a replica it asks for is kept through its warm-up, not cancelled 15 s later).
+
+    A policy trained with `control_interval_s = k * dt` is run on the `dt` environment (the
+    baselines' own cadence, same episodes) as `hold_every(policy, k)`. Decisions fall on
+    `state.time % every == 0`, the episode's first instant included. Pure, jit/vmap-safe.
+    """
+    every = int(every)
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    if every == 1:
+        return policy
+
+    def held(key, obs, state, params):
+        keep = AS.action_for_target((state.mode == AS.ACTIVE).sum(), state, params,
+                                    state.mode.shape[0])
+        return jnp.where(state.time % every == 0, policy(key, obs, state, params),
+                         keep).astype(jnp.int32)
+
+    return held
+
+
+def in_action_mode(policy, mode: int):
+    """`policy`, which acts in `action_mode = mode`, run on an environment whose params use
+    another action mode: its action is read as it meant it (`target_from_action` under its
+    own mode) and re-expressed by target (`action_for_target`). A learned step policy can so
+    be evaluated beside the baselines in the registry's target mode, on the same episodes."""
+    mode = int(mode)
+    if mode not in (AS.TARGET, AS.DELTA):
+        raise ValueError(f"mode must be {AS.TARGET} (target) or {AS.DELTA} (delta), got {mode}")
+
+    def translated(key, obs, state, params):
+        own = params.replace(action_mode=jnp.int32(mode))
+        r = state.mode.shape[0]
+        target, _ = AS.target_from_action(policy(key, obs, state, own), state, own, r)
+        return AS.action_for_target(target, state, params, r)
+
+    return translated
+
+
 # ----------------------------------------------------------------------------- scheduled
 
 def make_scheduled(replicas_at_mean: float, lead_s: float | None = None, min_replicas: int = 1,
