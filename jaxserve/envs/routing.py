@@ -15,10 +15,10 @@ from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
 from jaxserve.envs import common
+from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
 
 NUM_REQUEST_FEATURES = 3
 NUM_GPU_FEATURES = 6
-FEATURE_CLIP = 1e3  # keeps time features finite and inside the observation space at any load
 DEFAULT_SHAPING_GAMMA = 0.99  # PureJaxRL's discount; see `Routing` (Reward)
 
 
@@ -34,6 +34,9 @@ class RoutingState:
       time: decisions taken this episode (gymnax's step counter). int32.
       log: per-request schedule of the episode's first `log_capacity` requests (empty unless
         the environment was built with a log, as `replay` and `evaluate` do).
+      backlog: `expected_backlog(cluster)` (s), the shaping potential's input, kept so a step
+        reads the potential before it instead of scanning the queues again (0 without
+        shaping). float32.
     """
 
     cluster: C.Cluster
@@ -42,6 +45,7 @@ class RoutingState:
     trace_pos: jax.Array
     time: jax.Array
     log: C.RequestLog
+    backlog: jax.Array
 
 
 class Routing(common.StaticConfig, environment.Environment[RoutingState, common.ServingParams]):
@@ -154,14 +158,14 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
                                  self.num_gpus, self.queue_buffer, self.max_batch,
                                  with_ids=self.log_capacity > 0),
                              pending=req, phase=phase, trace_pos=jnp.int32(0),
-                             time=jnp.int32(0), log=C.empty_log(self.log_capacity))
+                             time=jnp.int32(0), log=C.empty_log(self.log_capacity),
+                             backlog=jnp.float32(0.0))
         return self.get_obs(state, params), state
 
     def _step(self, key, u, state, action, params):
         action = jnp.asarray(action, jnp.int32)
         invalid = (action < 0) | (action >= self.num_gpus)
         gpu = jnp.clip(action, 0, self.num_gpus - 1)
-        state_cluster_before = state.cluster
         cluster, dropped = C.route(state.cluster, params.gpus, state.pending, gpu)
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(
@@ -172,13 +176,14 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
         cluster = C.rebase(cluster, jnp.where(exhausted, 0.0, gap))
         metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
                                   invalid_actions=invalid.astype(jnp.int32))
-        state = RoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
-                             time=state.time + 1, log=log)
         reward = common.reward_from(metrics, params)
+        backlog = jnp.float32(0.0)
         if self.shaping_gamma is not None:
-            phi0 = -expected_backlog(state_cluster_before, params.gpus) / params.latency_scale
-            phi1 = -expected_backlog(cluster, params.gpus) / params.latency_scale
+            backlog = expected_backlog(cluster, params.gpus)
+            phi0, phi1 = -state.backlog / params.latency_scale, -backlog / params.latency_scale
             reward = (reward + self.shaping_gamma * phi1 - phi0).astype(jnp.float32)
+        state = RoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
+                             time=state.time + 1, log=log, backlog=backlog)
         return self.get_obs(state, params), state, reward, exhausted, metrics.as_dict()
 
     def get_obs(self, state, params=None, key=None):
@@ -193,7 +198,7 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
 
     def observation_space(self, params=None):
         n = NUM_REQUEST_FEATURES + self.num_gpus * NUM_GPU_FEATURES
-        return spaces.Box(0.0, FEATURE_CLIP, (n,), jnp.float32)
+        return feature_box((n,))
 
     def state_space(self, params=None) -> Any:
         raise NotImplementedError("Routing-v0 exposes its state as the RoutingState pytree")
@@ -215,7 +220,7 @@ def gpu_features(cluster: C.Cluster, params: common.ServingParams) -> jax.Array:
         ref.min() / ref,
         jnp.log1p(mean_estimate) / jnp.log1p(params.tokens.max_output),
     ], axis=-1)
-    return jnp.clip(jnp.nan_to_num(rows), 0.0, FEATURE_CLIP).astype(jnp.float32)
+    return clip_features(rows)
 
 
 def expected_backlog(cluster: C.Cluster, gpus) -> jax.Array:
