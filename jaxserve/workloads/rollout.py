@@ -33,6 +33,16 @@ With all requests present at time 0 the batcher dispatches full batches at once 
 batch at the profile's `timeout` (or when its replica frees up past it); the engine's semantics
 are kept as they are. Nothing here special-cases the timeout.
 
+Continuous-batching replicas: give `make_params` a `ReplicaProfile` (or a named replica profile
+such as "opt13b-a100-80g") instead of a `GPUProfile`, and every replica runs the
+continuous-batching engine (`jaxserve.core.continuous`: vLLM-v1 FCFS, paged KV cache, recompute
+preemption, chunked prefill) on the same request draws; the makespan is the last request's
+finish. Rules `round_robin`, `jsq`, `least_work_left` and `lpt` apply, with the work estimate of
+`core.continuous_load.queued_work`; `lpt_batch` plans static batches and is refused (ValueError
+on the host; clipped to `lpt` under jit). In sweeps the `max_batch` axis is `max_seqs`, and
+`batches` counts iterations. Requests that can never fit a replica's KV cache are dropped
+(`dropped`), as the engine drops them.
+
 Everything is pure JAX: `simulate_iteration` is jit- and vmap-able over keys, parameters
 (including `num_replicas`, up to the static `max_replicas`) and rule indices; `sweep_raw` runs
 replica counts x rules x batch sizes x seeds as ONE jitted program. Host functions
@@ -53,8 +63,12 @@ from flax import struct
 
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
+from jaxserve.core import continuous as CB
+from jaxserve.core.continuous_load import queued_work as continuous_work
 from jaxserve.core.profiles import get_profile
 from jaxserve.core.queues import Request
+from jaxserve.core.replica import NAMED_REPLICAS, REPLICA_BOOL_FIELDS, REPLICA_FLOAT_FIELDS, \
+    REPLICA_INT_FIELDS, ReplicaProfile, replica_profile, validate_replica
 from jaxserve.core.service import batch_service_time
 from jaxserve.core.types import PROFILE_FLOAT_FIELDS, PROFILE_INT_FIELDS, GPUProfile, \
     validate_profile
@@ -62,6 +76,7 @@ from jaxserve.evaluation.stats import t_halfwidth
 
 RULES: tuple[str, ...] = ("round_robin", "jsq", "least_work_left", "lpt", "lpt_batch")
 ROUND_ROBIN, JSQ, LEAST_WORK_LEFT, LPT, LPT_BATCH = range(len(RULES))
+CONTINUOUS_RULES: tuple[str, ...] = RULES[:LPT + 1]  # lpt_batch plans static batches
 ESTIMATE_MODES = {"exact": A.ESTIMATE_EXACT, "noisy": A.ESTIMATE_NOISY,
                   "class": A.ESTIMATE_CLASS}
 
@@ -78,6 +93,7 @@ class RolloutParams:
       gpu: one replica's `GPUProfile` as scalar leaves (float32 coefficients, int32
         `max_batch` / `queue_cap`); every replica is identical, the leaves are broadcast.
         `queue_cap` must be >= K (a rollout is never dropped; `make_params` raises it).
+        A `ReplicaProfile` (scalar leaves) selects continuous-batching replicas.
       tokens: `TokenDist` of (prompt, output) lengths (tokens).
       estimate_mode: what routing sees of output lengths: 0 exact, 1 noisy (lognormal,
         `estimate_noise`), 2 size class (`size_edges`, `size_values`). int32.
@@ -109,14 +125,35 @@ def default_tokens() -> A.TokenDist:
     return A.lognormal_tokens(512, 0.5, 1024, 1.0, max_prompt=8192, max_output=16384)
 
 
-def scalar_profile(profile: GPUProfile) -> GPUProfile:
-    """A profile with float32 / int32 scalar leaves (the form `RolloutParams.gpu` holds)."""
-    kw = {f: jnp.asarray(getattr(profile, f), jnp.float32) for f in PROFILE_FLOAT_FIELDS}
-    kw.update({f: jnp.asarray(getattr(profile, f), jnp.int32) for f in PROFILE_INT_FIELDS})
+def scalar_profile(profile: GPUProfile | ReplicaProfile) -> GPUProfile | ReplicaProfile:
+    """A profile with float32 / int32 (/ bool) scalar leaves (the form `RolloutParams.gpu`
+    holds)."""
+    floats, ints, bools = _fields(profile)
+    kw = {f: jnp.asarray(getattr(profile, f), jnp.float32) for f in floats}
+    kw.update({f: jnp.asarray(getattr(profile, f), jnp.int32) for f in ints})
+    kw.update({f: jnp.asarray(getattr(profile, f), jnp.bool_) for f in bools})
     return profile.replace(**kw)
 
 
-def make_params(num_requests: int, *, gpu: str | GPUProfile = "mid",
+def is_continuous(params_or_profile) -> bool:
+    """Whether rollouts are served by continuous-batching replicas (a `ReplicaProfile`)."""
+    gpu = getattr(params_or_profile, "gpu", params_or_profile)
+    return isinstance(gpu, ReplicaProfile)
+
+
+def _fields(profile) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    if isinstance(profile, ReplicaProfile):
+        return REPLICA_FLOAT_FIELDS, REPLICA_INT_FIELDS, REPLICA_BOOL_FIELDS
+    return PROFILE_FLOAT_FIELDS, PROFILE_INT_FIELDS, ()
+
+
+def _batch_field(params_or_profile) -> str:
+    """The profile field the sweeps' `max_batch` axis sets: `max_batch`, or `max_seqs` for
+    continuous-batching replicas."""
+    return "max_seqs" if is_continuous(params_or_profile) else "max_batch"
+
+
+def make_params(num_requests: int, *, gpu: str | GPUProfile | ReplicaProfile = "mid",
                 tokens: A.TokenDist | None = None, estimate_mode: str | int = "noisy",
                 estimate_noise: float = 0.5, size_edges: Sequence[float] = DEFAULT_SIZE_EDGES,
                 size_values: Sequence[float] = DEFAULT_SIZE_VALUES, train_s: float = 0.0,
@@ -127,21 +164,27 @@ def make_params(num_requests: int, *, gpu: str | GPUProfile = "mid",
     Args:
       num_requests: K, rollouts per iteration (sizes the queues; the profile's `queue_cap` is
         raised to K if it is smaller, so no rollout is dropped).
-      gpu: a named profile (`jaxserve.core.profiles.get_profile`, e.g. "mid") or a GPUProfile.
+      gpu: a named profile (`jaxserve.core.profiles.get_profile`, e.g. "mid") or a GPUProfile;
+        or, for continuous-batching replicas, a named replica profile
+        (`jaxserve.core.replica.replica_profile`, e.g. "opt13b-a100-80g") or a ReplicaProfile.
       tokens: token lengths (default `default_tokens()`).
       estimate_mode: "exact", "noisy" or "class" (or 0, 1, 2).
-      gpu_overrides: GPUProfile fields to replace (e.g. `max_batch=32`, `timeout=0.0`).
+      gpu_overrides: profile fields to replace (e.g. `max_batch=32`, `timeout=0.0`; for a
+        ReplicaProfile e.g. `max_seqs=32`, `kv_blocks=1000`).
       Other arguments: see `RolloutParams`.
 
     Raises:
       ValueError naming the field for any invalid value.
     """
-    if isinstance(gpu, str):
+    if isinstance(gpu, str) and gpu in NAMED_REPLICAS:
+        profile = replica_profile(gpu, **gpu_overrides)
+    elif isinstance(gpu, str):
         profile = get_profile(gpu, **gpu_overrides)
-    elif isinstance(gpu, GPUProfile):
+    elif isinstance(gpu, (GPUProfile, ReplicaProfile)):
         profile = gpu.replace(**gpu_overrides) if gpu_overrides else gpu
     else:
-        raise ValueError(f"gpu must be a profile name or a GPUProfile, got {type(gpu).__name__}")
+        raise ValueError(f"gpu must be a profile name, a GPUProfile or a ReplicaProfile, got "
+                         f"{type(gpu).__name__}")
     _check_int(num_requests, "num_requests", 1)
     if int(np.max(np.asarray(profile.queue_cap))) < num_requests:
         profile = profile.replace(queue_cap=int(num_requests))
@@ -150,7 +193,7 @@ def make_params(num_requests: int, *, gpu: str | GPUProfile = "mid",
             raise ValueError(f"estimate_mode must be one of {sorted(ESTIMATE_MODES)}, "
                              f"got {estimate_mode!r}")
         estimate_mode = ESTIMATE_MODES[estimate_mode]
-    validate_profile(profile, where="gpu")
+    _validate_gpu(profile, where="gpu")
     params = RolloutParams(
         gpu=scalar_profile(profile), tokens=default_tokens() if tokens is None else tokens,
         estimate_mode=jnp.asarray(estimate_mode, jnp.int32),
@@ -178,13 +221,22 @@ def _check_int(v, name: str, lo: int, hi: int | None = None) -> int:
     return v
 
 
-def rule_index(rule: str | int) -> int:
-    """Index of a routing rule given by name (`RULES`) or index; ValueError if unknown."""
+def _validate_gpu(profile, where: str) -> None:
+    if isinstance(profile, ReplicaProfile):
+        validate_replica(profile, where=where)
+    else:
+        validate_profile(profile, where=where)
+
+
+def rule_index(rule: str | int, params: RolloutParams | None = None) -> int:
+    """Index of a routing rule given by name (`RULES`) or index; ValueError if unknown, or if
+    `params` has continuous-batching replicas and the rule is not in `CONTINUOUS_RULES`."""
+    valid = CONTINUOUS_RULES if params is not None and is_continuous(params) else RULES
     if isinstance(rule, str):
-        if rule not in RULES:
-            raise ValueError(f"unknown routing rule {rule!r}; valid: {', '.join(RULES)}")
+        if rule not in valid:
+            raise ValueError(f"unknown routing rule {rule!r}; valid: {', '.join(valid)}")
         return RULES.index(rule)
-    return _check_int(rule, "rule", 0, len(RULES) - 1)
+    return _check_int(rule, "rule", 0, len(valid) - 1)
 
 
 def validate_params(params: RolloutParams, num_requests: int, max_replicas: int,
@@ -199,14 +251,15 @@ def validate_params(params: RolloutParams, num_requests: int, max_replicas: int,
     r = _check_int(max_replicas, "max_replicas", 1)
     if max_batch_bound is not None:
         _check_int(max_batch_bound, "max_batch_bound", 1)
-    validate_profile(params.gpu, where="params.gpu")
+    _validate_gpu(params.gpu, where="params.gpu")
     qc = np.asarray(params.gpu.queue_cap)
     if np.any(qc < k):
         raise ValueError(f"params.gpu.queue_cap ({qc}) must be >= num_requests ({k}): every "
                          f"rollout must fit a replica's queue (make_params raises it)")
-    mb = np.asarray(params.gpu.max_batch)
+    field = _batch_field(params)
+    mb = np.asarray(getattr(params.gpu, field))
     if max_batch_bound is not None and max_batch_bound < k and np.any(mb > max_batch_bound):
-        raise ValueError(f"params.gpu.max_batch ({mb}) exceeds max_batch_bound "
+        raise ValueError(f"params.gpu.{field} ({mb}) exceeds max_batch_bound "
                          f"({max_batch_bound})")
     nr = np.asarray(params.num_replicas)
     if not np.all(nr == np.round(nr)) or np.any(nr < 1) or np.any(nr > r):
@@ -272,19 +325,27 @@ def _draw_requests(key, params: RolloutParams, num_requests: int):
     return prompt, output, est, cls
 
 
+def _requests(key, params: RolloutParams, num_requests: int, requests):
+    """The K requests: drawn from `key`, or the given `(prompt, output, estimate)`."""
+    if requests is None:
+        return _draw_requests(key, params, num_requests)
+    prompt, output, est = (jnp.broadcast_to(jnp.asarray(x, jnp.float32), (num_requests,))
+                           for x in requests)
+    return prompt, output, est, A.size_class(est, params.size_edges)
+
+
 def _simulate(key, params: RolloutParams, rule, num_requests: int, max_replicas: int,
               max_batch_bound: int | None, per_request: bool, requests=None):
+    if is_continuous(params):
+        return _simulate_continuous(key, params, rule, num_requests, max_replicas,
+                                    max_batch_bound, per_request, requests)
     K, R = num_requests, max_replicas
     f32 = jnp.float32
     gpus = jax.tree.map(lambda x: jnp.broadcast_to(x, (R,)), params.gpu)
     n = jnp.clip(params.num_replicas, 1, R).astype(jnp.int32)
     active = jnp.arange(R) < n
     rule = jnp.clip(jnp.asarray(rule, jnp.int32), 0, len(RULES) - 1)
-    if requests is None:
-        prompt, output, est, cls = _draw_requests(key, params, K)
-    else:
-        prompt, output, est = (jnp.broadcast_to(jnp.asarray(x, f32), (K,)) for x in requests)
-        cls = A.size_class(est, params.size_edges)
+    prompt, output, est, cls = _requests(key, params, K, requests)
 
     sorted_rule = (rule == LPT) | (rule == LPT_BATCH)
     order = jnp.where(sorted_rule, jnp.argsort(-est, stable=True),
@@ -336,6 +397,78 @@ def _simulate(key, params: RolloutParams, rule, num_requests: int, max_replicas:
 
     done = log.batch >= 0
     latency = jnp.where(done, log.wait + log.service, jnp.nan)  # arrival 0: latency = finish
+    out = _result(params, m, n, done, latency, cluster.servers.batches.sum(), dropped)
+    if per_request:
+        out["replica"] = jnp.zeros((K,), jnp.int32).at[order].set(routed)
+        out["latency_s"] = jnp.where(done, latency, 0.0)
+        out["route_order"] = order
+        out["prompt"], out["output"], out["estimate"] = prompt, output, est
+    return out
+
+
+def _simulate_continuous(key, params: RolloutParams, rule, num_requests: int,
+                         max_replicas: int, max_seqs_bound: int | None, per_request: bool,
+                         requests=None):
+    """`_simulate` on continuous-batching replicas (`core.continuous`), same request draws.
+
+    Routing happens at time 0 before any iteration (the engine's event order: arrivals at an
+    instant are queued before it is scheduled), then `continuous.advance` drains every
+    replica. `max_seqs_bound` is the static number of running slots (default K).
+    """
+    K, R = num_requests, max_replicas
+    f32 = jnp.float32
+    prof = jax.tree.map(lambda x: jnp.broadcast_to(x, (R,)), params.gpu)
+    n = jnp.clip(params.num_replicas, 1, R).astype(jnp.int32)
+    active = jnp.arange(R) < n
+    rule = jnp.clip(jnp.asarray(rule, jnp.int32), 0, LPT)  # lpt_batch plans static batches
+    prompt, output, est, cls = _requests(key, params, K, requests)
+    order = jnp.where(rule == LPT, jnp.argsort(-est, stable=True),
+                      jnp.arange(K, dtype=jnp.int32)).astype(jnp.int32)
+
+    def argmin_active(x):
+        return jnp.argmin(jnp.where(active, x, jnp.inf)).astype(jnp.int32)
+
+    def rr(rep, j):
+        return (j % n).astype(jnp.int32)
+
+    def jsq(rep, j):
+        return argmin_active((rep.queues.count + rep.run.count).astype(f32))
+
+    def lwl(rep, j):
+        return argmin_active(continuous_work(rep, prof))
+
+    slots = K if max_seqs_bound is None else max(1, min(int(max_seqs_bound), K))
+    cluster = CB.empty_replicas(R, K, slots, with_ids=True)
+
+    def step(rep, j):
+        i = order[j]
+        req = Request(arrival=f32(0.0), prompt=prompt[i], output=output[i], estimate=est[i],
+                      size_class=cls[i], req_id=i)
+        g = jax.lax.switch(rule, [rr, jsq, lwl, lwl], rep, j)
+        rep, dropped, _ = CB.route(rep, prof, req, g)
+        return rep, (g, dropped)
+
+    cluster, (routed, dropped) = jax.lax.scan(step, cluster, jnp.arange(K, dtype=jnp.int32))
+    inf = jnp.float32(jnp.inf)
+    cluster, m, _, log = CB.advance(cluster, prof, inf, inf, CB.empty_log(K))
+    done = jnp.isfinite(log.e2e)
+    out = _result(params, m, n, done, log.e2e, cluster.iterations.sum(),
+                  dropped.sum().astype(jnp.int32))
+    out["preemptions"] = cluster.preemptions.sum()
+    if per_request:
+        out["replica"] = jnp.zeros((K,), jnp.int32).at[order].set(routed)
+        out["latency_s"] = jnp.where(done, log.e2e, 0.0)
+        out["ttft_s"] = jnp.where(done, log.ttft, 0.0)
+        out["route_order"] = order
+        out["prompt"], out["output"], out["estimate"] = prompt, output, est
+    return out
+
+
+def _result(params: RolloutParams, m, n, done, latency, batches, dropped) -> dict:
+    """The iteration's summary (see `simulate_iteration`) from the engine's metrics and the
+    per-request latencies (finish times: every request arrives at 0)."""
+    f32 = jnp.float32
+    K = latency.shape[0]
     lat_sorted = jnp.sort(jnp.where(done, latency, jnp.inf))
     completed = jnp.maximum(m.completed, 1)
 
@@ -346,7 +479,7 @@ def _simulate(key, params: RolloutParams, rule, num_requests: int, max_replicas:
     makespan = m.elapsed.astype(f32)
     iteration = (makespan + params.train_s).astype(f32)
     nf = n.astype(f32)
-    out = {
+    return {
         "makespan_s": makespan,
         "iteration_s": iteration,
         "gpu_hours": nf * params.gpus_per_replica * iteration / 3600.0,
@@ -355,19 +488,13 @@ def _simulate(key, params: RolloutParams, rule, num_requests: int, max_replicas:
         "p50_latency_s": pct(50.0),
         "p99_latency_s": pct(99.0),
         "max_latency_s": jnp.where(m.completed > 0, lat_sorted[completed - 1], 0.0),
-        "batches": cluster.servers.batches.sum(),
+        "batches": batches,
         "busy_s": m.busy_time,
         "utilisation": m.busy_time / jnp.maximum(nf * iteration, 1e-30),
         "completed": m.completed,
         "dropped": dropped,
         "num_replicas": n,
     }
-    if per_request:
-        out["replica"] = jnp.zeros((K,), jnp.int32).at[order].set(routed)
-        out["latency_s"] = jnp.where(done, latency, 0.0)
-        out["route_order"] = order
-        out["prompt"], out["output"], out["estimate"] = prompt, output, est
-    return out
 
 
 @partial(jax.jit, static_argnames=("num_requests", "max_replicas", "max_batch_bound",
@@ -388,7 +515,8 @@ def simulate_iteration(key: jax.Array, params: RolloutParams, rule, *, num_reque
       rule: routing rule index into `RULES` (int32, may be traced).
       num_requests: K (static).
       max_replicas: static number of replica slots; replicas `>= num_replicas` get nothing.
-      max_batch_bound: static bound of `max_batch` (the dispatch window); default K.
+      max_batch_bound: static bound of `max_batch` (the dispatch window), or of `max_seqs`
+        (running slots) for continuous-batching replicas; default K.
       per_request: also return per-request arrays (in submission order): `replica` (int32),
         `latency_s`, `prompt`, `output`, `estimate` (tokens), and `route_order` (the request
         ids in the order they were routed, i.e. queued).
@@ -401,9 +529,12 @@ def simulate_iteration(key: jax.Array, params: RolloutParams, rule, *, num_reque
       (makespan + train_s, s), `gpu_hours` (r * gpus_per_replica * iteration_s / 3600, h),
       `trainer_gpu_hours` (trainer_gpus * iteration_s / 3600, h), `mean_latency_s`,
       `p50_latency_s`, `p99_latency_s` (nearest rank), `max_latency_s` (request latency = its
-      finish time, s), `batches` (static batches run), `busy_s` (replica-seconds serving),
+      finish time, s), `batches` (static batches run; iterations for continuous-batching
+      replicas), `busy_s` (replica-seconds serving),
       `utilisation` (busy_s / (r * iteration_s)), `completed`, `dropped` (0 when
-      queue_cap >= K), `num_replicas`.
+      queue_cap >= K; continuous replicas drop requests that never fit their KV cache),
+      `num_replicas`; continuous-batching replicas also `preemptions`, and with
+      `per_request` `ttft_s` (first-token time).
     """
     return _simulate(key, params, rule, num_requests, max_replicas, max_batch_bound,
                      per_request, requests)
@@ -420,7 +551,8 @@ def simulate(key: jax.Array, params: RolloutParams, rule: str | int = "round_rob
     if max_replicas is None:
         max_replicas = int(np.max(np.asarray(params.num_replicas)))
     validate_params(params, num_requests, max_replicas)
-    for f in PROFILE_FLOAT_FIELDS + PROFILE_INT_FIELDS:
+    floats, ints, bools = _fields(params.gpu)
+    for f in floats + ints + bools:
         if np.ndim(getattr(params.gpu, f)) != 0:
             raise ValueError(f"params.gpu.{f} must be a scalar (identical replicas)")
     if np.ndim(params.num_replicas) != 0:
@@ -434,9 +566,10 @@ def simulate(key: jax.Array, params: RolloutParams, rule: str | int = "round_rob
             if x.shape != (int(num_requests),) or not np.all(np.isfinite(x)) or np.any(x < 1):
                 raise ValueError(f"requests {name} must be {int(num_requests)} finite token "
                                  f"counts >= 1")
-    out = simulate_iteration(key, params, rule_index(rule), num_requests=int(num_requests),
-                             max_replicas=int(max_replicas), per_request=per_request,
-                             requests=requests)
+    bound = (int(np.asarray(params.gpu.max_seqs)) if is_continuous(params) else None)
+    out = simulate_iteration(key, params, rule_index(rule, params),
+                             num_requests=int(num_requests), max_replicas=int(max_replicas),
+                             max_batch_bound=bound, per_request=per_request, requests=requests)
     return jax.tree.map(np.asarray, out)
 
 
@@ -450,7 +583,8 @@ _SWEPT = ("makespan_s", "mean_latency_s", "p50_latency_s", "p99_latency_s", "max
 def _sweep_program(keys, params, rules, max_batches, *, num_requests, max_replicas,
                    max_batch_bound):
     def point(mb, rule, r, key):
-        p = params.replace(gpu=params.gpu.replace(max_batch=mb), num_replicas=r)
+        p = params.replace(gpu=params.gpu.replace(**{_batch_field(params): mb}),
+                           num_replicas=r)
         out = _simulate(key, p, rule, num_requests, max_replicas, max_batch_bound, False)
         return {k: out[k] for k in _SWEPT}
 
@@ -476,12 +610,14 @@ def sweep_raw(key: jax.Array, params: RolloutParams, *, num_requests: int, max_r
       busy_s, dropped`; and `rules` (names), `max_batches`, `replicas` (1..R), `iterations`,
       `seconds` (compile + run wall time).
     """
-    rules = list(RULES) if rules is None else list(rules)
+    if rules is None:
+        rules = list(CONTINUOUS_RULES if is_continuous(params) else RULES)
+    rules = list(rules)
     if not rules:
         raise ValueError("rules must name at least one routing rule")
-    idx = [rule_index(r) for r in rules]
+    idx = [rule_index(r, params) for r in rules]
     if max_batches is None:
-        max_batches = [int(np.asarray(params.gpu.max_batch))]
+        max_batches = [int(np.asarray(getattr(params.gpu, _batch_field(params))))]
     max_batches = [_check_int(b, "max_batches entry", 1) for b in max_batches]
     if not max_batches:
         raise ValueError("max_batches must hold at least one value")
@@ -490,7 +626,7 @@ def sweep_raw(key: jax.Array, params: RolloutParams, *, num_requests: int, max_r
     params = params.replace(num_replicas=jnp.int32(1))  # swept: 1..max_replicas
     validate_params(params, num_requests, max_replicas)
     for b in max_batches:
-        validate_profile(params.gpu.replace(max_batch=b), where="params.gpu")
+        _validate_gpu(params.gpu.replace(**{_batch_field(params): b}), where="params.gpu")
     bound = min(int(num_requests), max(max_batches))
     t0 = time.perf_counter()
     out = _sweep_program(jax.random.split(key, iterations), params,
