@@ -41,7 +41,7 @@ class Budget:
 
 
 BUDGETS = {
-    "quick": Budget("quick", seeds=(0, 1, 2), routing_steps=131_072, batching_steps=65_536,
+    "quick": Budget("quick", seeds=(0, 1, 2), routing_steps=98_304, batching_steps=49_152,
                     eval_envs=8, eval_steps=384, warmup=32,
                     batching_loads=(0.3, 0.7, 0.95),
                     sweep_rates=(0.3, 0.5, 0.7, 0.85, 1.0, 1.2), sweep_envs=4, sweep_steps=384,
