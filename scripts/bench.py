@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -255,7 +256,8 @@ def main(argv=None):
     res = {"device": str(jax.devices()[0]), "backend": jax.default_backend(),
            "jax": jax.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
            "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
-           "command": "python -m scripts.bench " + " ".join(argv or []), "results": {}}
+           "command": " ".join(["python -m scripts.bench", *(sys.argv[1:] if argv is None
+                                                             else argv)]), "results": {}}
     if args.profile:
         res["profile"] = profile_routing(counts, steps, repeats)
         if args.out:
