@@ -115,3 +115,12 @@ def test_paired_across_seeds_and_formatting():
     assert d["wins"] == 2 and d["losses"] == 0  # constant differences: zero-width CIs
     assert fmt(float("nan")) == "n/a" and fmt(1.23456, 0.01) == "1.23 ± 0.01"
     assert table(["a", "b"], [[1, 2]]).splitlines()[2] == "| 1 | 2 |"
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from scripts.reproduce import main
+    assert main(["--budget", "nope"]) == 2
+    assert main(["--budget", "tiny", "--only", "zz", "--out", str(tmp_path / "r.md")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown experiment" in err and "Traceback" not in err
+    assert not (tmp_path / "r.md").exists()
