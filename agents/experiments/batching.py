@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from agents.experiments import scenarios as S
-from agents.experiments.common import (LATENCY, Context, Section, across_seeds, fmt, fmt_diff,
+from agents.experiments.common import (LATENCY, Context, Section, fmt, fmt_diff,
                                        learned_dict, made_by, metric_of, paired_across_seeds,
                                        table, train_scenarios)
 from agents.experiments.registry import experiment

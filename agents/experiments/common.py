@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax

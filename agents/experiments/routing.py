@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from agents.experiments import scenarios as S
-from agents.experiments.common import (LATENCY, Context, Section, across_seeds, drops_of, fmt,
+from agents.experiments.common import (LATENCY, Context, Section, drops_of, fmt,
                                        fmt_diff, learned_dict, made_by, metric_of,
                                        paired_across_seeds, seed_names, table,
                                        train_scenarios)

@@ -26,7 +26,7 @@ STUDY_REASON = ("two identical A100x4 Llama-2-70B replicas ('mid'), Routing-v0's
 
 def study():
     """(env, params) of experiment (a)."""
-    env, p = jaxserve.make("Routing-v0", gpus=[get_profile("mid")] * 2)
+    _, p = jaxserve.make("Routing-v0", gpus=[get_profile("mid")] * 2)
     rate = STUDY_LOAD * service_capacity(p)
     return jaxserve.make("Routing-v0", gpus=[get_profile("mid")] * 2, arrival_rate=rate)
 
@@ -46,7 +46,7 @@ ROUTING_RATE_A = 2.0
 CAPACITY_SLO_P99_S = 60.0  # above p99_lower_bound (23.5 s: a long request alone on a slow GPU)
 
 
-def routing_mix(name: str, load_of_a: bool = True):
+def routing_mix(name: str):
     """(env, params) of mix `name` at the high load of experiment (c)."""
     _, pa = jaxserve.make("Routing-v0")
     frac = ROUTING_RATE_A / service_capacity(pa)
