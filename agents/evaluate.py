@@ -122,9 +122,9 @@ def evaluate_run(result, *, seed: int, eval_seed: int | None = None, eval_envs: 
                 result.env_params).shape or env.num_actions != result.env.num_actions):
             raise ValueError("--eval-set changed the observation or action space; the learned "
                              "policy cannot act in that environment")
-    from jaxserve.policies import env_kind
+    from jaxserve.envs.base import policy_kind
 
-    kind = env_kind(env)
+    kind = policy_kind(env)
     eval_seed = seed + EVAL_SEED_OFFSET if eval_seed is None else eval_seed
     if eval_seed == seed:
         raise ValueError("--eval-seed must differ from --seed (evaluate on fresh arrivals)")

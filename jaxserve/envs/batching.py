@@ -13,9 +13,9 @@ from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.envs import common
+from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
 
 NUM_FEATURES = 6
-FEATURE_CLIP = 1e3
 
 
 @struct.dataclass
@@ -179,7 +179,7 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
             C.queued_work(state.cluster, p.gpus)[0] / p.time_scale,
             jnp.log1p(mean_estimate) / jnp.log1p(p.tokens.max_output),
         ])
-        return jnp.clip(jnp.nan_to_num(feats), 0.0, FEATURE_CLIP).astype(jnp.float32)
+        return clip_features(feats)
 
     def is_terminated(self, state, params):
         cl = state.cluster
@@ -190,7 +190,7 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
         return spaces.Discrete(self.max_batch + 1)
 
     def observation_space(self, params=None):
-        return spaces.Box(0.0, FEATURE_CLIP, (NUM_FEATURES,), jnp.float32)
+        return feature_box((NUM_FEATURES,))
 
     def state_space(self, params=None) -> Any:
         raise NotImplementedError("Batching-v0 exposes its state as the BatchingState pytree")

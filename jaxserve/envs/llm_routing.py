@@ -15,10 +15,10 @@ from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
+from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
 
 NUM_REQUEST_FEATURES = 3
 NUM_REPLICA_FEATURES = 7
-FEATURE_CLIP = 1e3  # keeps features finite and inside the observation space at any load
 
 
 @struct.dataclass
@@ -153,7 +153,7 @@ class LLMRouting(common.StaticConfig,
 
     def observation_space(self, params=None):
         n = NUM_REQUEST_FEATURES + self.num_replicas * NUM_REPLICA_FEATURES
-        return spaces.Box(0.0, FEATURE_CLIP, (n,), jnp.float32)
+        return feature_box((n,))
 
     def state_space(self, params=None) -> Any:
         raise NotImplementedError("LLMRouting-v0 exposes its state as the LLMRoutingState pytree")
@@ -180,7 +180,7 @@ def replica_features(rep: CB.Replicas, params: common.ServingParams) -> jax.Arra
         rep.q_preempted / jnp.maximum(prof.max_seqs, 1),
         ref.min() / ref,
     ], axis=-1)
-    return jnp.clip(jnp.nan_to_num(rows), 0.0, FEATURE_CLIP).astype(jnp.float32)
+    return clip_features(rows)
 
 
 def check_llm_params(params: common.ServingParams, num_replicas: int, queue_buffer: int,

@@ -80,16 +80,9 @@ def kind_of(name: str) -> str:
 
 
 def env_kind(env: Any) -> str:
-    """The policy kind of a jaxserve environment (by its class); ValueError otherwise."""
-    from jaxserve.envs import Autoscaling, Batching, Routing
-    if isinstance(env, Autoscaling):
-        return "autoscaling"
-    if isinstance(env, Routing):
-        return "routing"
-    if isinstance(env, Batching):
-        return "batching"
-    raise ValueError(f"not a jaxserve Routing, Batching or Autoscaling environment: "
-                     f"{type(env).__name__}")
+    """The policy kind of a jaxserve environment (its `policy_kind`); ValueError otherwise."""
+    from jaxserve.envs.base import policy_kind
+    return policy_kind(env)
 
 
 def _check(name: str) -> None:
