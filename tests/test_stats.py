@@ -24,3 +24,19 @@ def test_t_halfwidth_along_axis_equals_row_by_row():
         for j in range(7):
             assert got[i, j] == pytest.approx(stats.t_halfwidth(x[i, :, j]))
     assert np.all(np.isnan(stats.t_halfwidth(x[:, :1], axis=1)))
+
+
+def test_percentiles_exact_over_finite_values():
+    v = [4.0, 1.0, np.nan, 3.0, 2.0, np.inf]  # NaN and inf left out: 1, 2, 3, 4
+    np.testing.assert_array_equal(stats.percentiles(v, [0, 50, 100]), [1.0, 2.5, 4.0])
+    assert stats.percentiles(v, [99])[0] == pytest.approx(1.0 + 0.99 * 3.0)
+    assert np.isnan(stats.percentiles([np.nan], [50, 99])).all()
+
+
+def test_percentile_with_drops_counts_a_drop_as_infinitely_late():
+    served = np.arange(1.0, 101.0)  # 1..100: p99 = 99.01
+    assert stats.percentile_with_drops(served, 99) == pytest.approx(99.01)
+    with_drops = np.concatenate([served[:98], [np.nan, np.nan]])
+    assert stats.percentile_with_drops(with_drops, 99) == np.inf  # never NaN
+    assert stats.percentile_with_drops(with_drops, 50) == pytest.approx(50.5)
+    assert np.isnan(stats.percentile_with_drops(np.array([]), 99))

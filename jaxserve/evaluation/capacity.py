@@ -22,20 +22,12 @@ from jaxserve.core.service import full_batch_rate, host_profile, service_time
 from jaxserve.evaluation.evaluate import (_check_args, params_trace, rollout_envs,
                                           sample_stream, sample_tokens_n, summarise,
                                           switch_policy, trace_env)
+from jaxserve.evaluation.stats import percentile_with_drops, percentiles
 
 
 def p99_with_drops(result_out_lat: np.ndarray) -> float:
     """p99 (linear interpolation) of latencies where NaN (dropped) counts as infinitely late."""
-    x = np.sort(np.where(np.isnan(result_out_lat), np.inf, result_out_lat).ravel())
-    if x.size == 0:
-        return float("nan")
-    pos = 0.99 * (x.size - 1)
-    lo = int(np.floor(pos))
-    hi = min(lo + 1, x.size - 1)
-    frac = pos - lo
-    if frac == 0.0 or x[hi] == x[lo]:
-        return float(x[lo])
-    return float(x[lo] + frac * (x[hi] - x[lo]))
+    return percentile_with_drops(result_out_lat, 99)
 
 
 def service_capacity(params, num_samples: int = 512, key=None) -> float:
@@ -57,7 +49,7 @@ def p99_lower_bound(params, num_samples: int = 4096, key=None) -> float:
     o = np.asarray(o, np.float64)[:, None]
     t = service_time(host_profile(params.gpus), 1, p, p * p, o)  # (num_samples, num_gpus)
     # The 99th percentile of the sample, less 1% slack for sampling error.
-    return float(0.99 * np.percentile(t.min(axis=1), 99))
+    return float(0.99 * percentiles(t.min(axis=1), [99])[0])
 
 
 def check_slo(params, slo_p99_s: float) -> float:

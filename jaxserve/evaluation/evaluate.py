@@ -59,41 +59,30 @@ from jaxserve.core.sources import (TUNING_SALT, check_not_tuning_key, is_tuning_
                                    split_trace, tuning_key)
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
-from jaxserve.envs.batching import Batching
-from jaxserve.envs.routing import Routing
-from jaxserve.evaluation.stats import paired_difference, t_halfwidth  # noqa: F401
-
-_ENV_CACHE: dict = {}
-
+from jaxserve.envs.base import with_static
+from jaxserve.evaluation import episodes
+from jaxserve.evaluation.episodes import as_action
+from jaxserve.evaluation.stats import paired_difference, percentiles, t_halfwidth  # noqa: F401
 
 # ----------------------------------------------------------------------------- building blocks
 
 def is_routing(env) -> bool:
     """True for Routing-v0-style environments, False for Batching-v0; ValueError otherwise."""
-    if isinstance(env, Routing):
-        return True
-    if isinstance(env, Batching):
-        return False
-    raise ValueError(f"evaluate needs a jaxserve Routing or Batching environment, got "
-                     f"{type(env).__name__}")
+    kind = getattr(env, "policy_kind", None)
+    if kind not in ("routing", "batching"):
+        raise ValueError(f"evaluate needs a jaxserve Routing or Batching environment, got "
+                         f"{type(env).__name__}")
+    return kind == "routing"
 
 
 def trace_env(env, n: int):
     """`env` rebuilt for replaying `n`-request streams with a per-request log (cached)."""
-    cfg = {**env.static_config(), "trace_len": int(n), "log_capacity": int(n)}
-    k = (type(env), tuple(sorted(cfg.items())))
-    if k not in _ENV_CACHE:
-        _ENV_CACHE[k] = env.replace_static(trace_len=int(n), log_capacity=int(n))
-    return _ENV_CACHE[k]
+    return with_static(env, trace_len=int(n), log_capacity=int(n))
 
 
 def host_trace(trace: Trace) -> common.TraceArrays:
     """A validated host trace as `TraceArrays` (no padding)."""
     return common.trace_arrays(validate_trace(trace))
-
-
-def _as_action(a) -> jax.Array:
-    return jnp.asarray(a).astype(jnp.int32).reshape(())
 
 
 def rollout(env_t, policy: Callable, params: common.ServingParams, key, routing: bool) -> dict:
@@ -112,35 +101,34 @@ def rollout(env_t, policy: Callable, params: common.ServingParams, key, routing:
     k_reset, k_step, k_pol = jax.random.split(key, 3)
     obs, state = env_t.reset_env(k_reset, params)
     at_reset = C.in_system(state.cluster)
-
-    def one(obs, state, i):
-        a = _as_action(policy(jax.random.fold_in(k_pol, i), obs, state, params))
-        obs, state, _, done, info = env_t.step_env(jax.random.fold_in(k_step, i), state, a,
-                                                   params)
-        return obs, state, done, StepMetrics(**info), a
+    act = episodes.from_policy(policy, params)
 
     if routing:
-        def step(carry, i):
-            obs, state, sums = carry
-            obs, state, _, m, a = one(obs, state, i)
-            return (obs, state, sums + m), jnp.clip(a, 0, env_t.num_gpus - 1)
+        # One decision per request: step i with fold_in(k_step, i), the policy with
+        # fold_in(k_pol, i).
+        idx = jnp.arange(n, dtype=jnp.int32)
+        pol_keys = jax.vmap(lambda i: jax.random.fold_in(k_pol, i))(idx)
+        env_keys = jax.vmap(lambda i: jax.random.fold_in(k_step, i))(idx)
 
-        (obs, state, sums), gpu = jax.lax.scan(step, (obs, state, StepMetrics.zeros()),
-                                               jnp.arange(n, dtype=jnp.int32))
+        def fold(sums, s: episodes.Step):
+            return sums + StepMetrics(**s.info), jnp.clip(s.action, 0, env_t.num_gpus - 1)
+
+        obs, state, _, sums, gpu = episodes.scan_steps(
+            env_t, act, params, obs, state, pol_keys, env_keys, fold=fold,
+            acc=StepMetrics.zeros())
         decisions = jnp.int32(n)
     else:
-        cap = 2 * n + 2
+        # Batching-v0 takes a data-dependent number of decisions (at most 2 per request): a
+        # while_loop to the episode's end, so a lane stops as soon as it has drained.
+        def keys_of(i):
+            return jax.random.fold_in(k_pol, i), jax.random.fold_in(k_step, i)
 
-        def cond(c):
-            return (~c[2]) & (c[4] < cap)
+        def fold(sums, s: episodes.Step):
+            return sums + StepMetrics(**s.info)
 
-        def body(c):
-            obs, state, _, sums, i = c
-            obs, state, done, m, _ = one(obs, state, i)
-            return obs, state, done, sums + m, i + 1
-
-        obs, state, _, sums, decisions = jax.lax.while_loop(
-            cond, body, (obs, state, jnp.bool_(False), StepMetrics.zeros(), jnp.int32(0)))
+        obs, state, _, sums, decisions = episodes.loop_steps(
+            env_t, act, params, obs, state, keys_of, 2 * n + 2, fold=fold,
+            acc=StepMetrics.zeros())
         gpu = jnp.zeros((n,), jnp.int32)
     return {"wait": state.log.wait, "service": state.log.service, "batch": state.log.batch,
             "gpu": gpu, "sums": sums, "arrived_at_reset": at_reset,
@@ -156,7 +144,7 @@ def rollout_envs(env_t, policy, params, streams: common.TraceArrays, keys, routi
 
 def switch_policy(policies, index):
     """The policy `policies[index]` with a traced `index` (one program for all policies)."""
-    branches = [lambda k, o, s, p, f=f: _as_action(f(k, o, s, p)) for f in policies]
+    branches = [lambda k, o, s, p, f=f: as_action(f(k, o, s, p)) for f in policies]
     if len(branches) == 1:
         return branches[0]
     return lambda k, o, s, p: jax.lax.switch(index, branches, k, o, s, p)
@@ -244,12 +232,11 @@ def summarise(out: dict, streams: common.TraceArrays, params, warmup: int = 0) -
     window = np.maximum(t1 - t0, 1e-12)
 
     pooled = lat[ok]
-    pct = (np.percentile(pooled, [50, 90, 99]) if pooled.size else np.full(3, np.nan))
+    pct = percentiles(pooled, [50, 90, 99])
     per_env_n = ok.sum(axis=1)
     with np.errstate(invalid="ignore", divide="ignore"):
         per_env_mean = np.where(per_env_n > 0, np.where(ok, lat, 0.0).sum(1) / per_env_n, np.nan)
-        per_env_p99 = np.array([np.percentile(lat[e][ok[e]], 99) if per_env_n[e] else np.nan
-                                for e in range(num_envs)])
+        per_env_p99 = np.array([percentiles(lat[e][ok[e]], [99])[0] for e in range(num_envs)])
     penalty = float(np.asarray(params.drop_penalty_s))
     # Drop-inclusive: served requests at their latency, dropped ones at the drop penalty.
     dropped_req = ~done & measured

@@ -6,6 +6,11 @@ freedom), never the normal 1.96 approximation, which is too narrow for the handf
 replicates a CPU run affords. Policies evaluated on one key see the same streams (common
 random numbers), so compare them with `paired_difference`, not by whether their separate
 intervals overlap.
+
+Percentiles are exact (no histogram): `percentiles` interpolates linearly between order
+statistics (`numpy.percentile`'s default) over the finite values; `percentile_with_drops`
+counts NaN (a dropped request) as infinitely late, so a policy cannot lower its tail by
+dropping.
 """
 
 from __future__ import annotations
@@ -62,3 +67,32 @@ def paired_difference(a, b, level: float = 0.95) -> dict:
     half = t_halfwidth(d, level)
     return {"mean": mean, "ci": half, "low": mean - half, "high": mean + half, "n": n,
             "significant": bool(np.isfinite(half) and (mean - half > 0 or mean + half < 0))}
+
+
+def percentiles(values, qs) -> np.ndarray:
+    """Exact percentiles `qs` (in [0, 100]) of the finite `values`, linear interpolation.
+
+    Returns float64 `(len(qs),)`; NaN everywhere when no value is finite.
+    """
+    v = np.asarray(values, np.float64).ravel()
+    v = v[np.isfinite(v)]
+    qs = np.atleast_1d(np.asarray(qs, np.float64))
+    return np.percentile(v, qs) if v.size else np.full(qs.shape, np.nan)
+
+
+def percentile_with_drops(values, q: float) -> float:
+    """The `q`-th percentile (linear interpolation) with NaN (dropped) counted as `+inf`.
+
+    Interpolates as `x[lo] + frac * (x[hi] - x[lo])` and returns `x[lo]` when the two order
+    statistics are equal, so a tail of infinities gives `inf`, never NaN. NaN for no values.
+    """
+    x = np.sort(np.where(np.isnan(values), np.inf, values).ravel())
+    if x.size == 0:
+        return float("nan")
+    pos = q / 100.0 * (x.size - 1)
+    lo = int(np.floor(pos))
+    hi = min(lo + 1, x.size - 1)
+    frac = pos - lo
+    if frac == 0.0 or x[hi] == x[lo]:
+        return float(x[lo])
+    return float(x[lo] + frac * (x[hi] - x[lo]))

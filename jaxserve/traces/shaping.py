@@ -58,10 +58,8 @@ step `info` metrics and the return.
 
 from __future__ import annotations
 
-from functools import lru_cache, partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -235,113 +233,11 @@ def windows(trace: Trace, window_len: float, stride: float | None = None, *,
     return arrays
 
 
-# ---------------------------------------------------------------------------------------------
-# Batched replay of windows.
-# ---------------------------------------------------------------------------------------------
-
-def _select(flag, new, old):
-    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
-
-
-@partial(jax.jit, static_argnames=("env", "policy", "num_steps"))
-def _replay_windows(env, policy, num_steps, key, params, wins, actions):
-    def one(key, tr, acts):
-        p = params.replace(trace=tr)
-        k_reset, k_run = jax.random.split(key)
-        obs, state = env.reset(k_reset, p)
-
-        def step(carry, x):
-            obs, state, done, tot = carry
-            t, k = x
-            k_act, k_step = jax.random.split(k)
-            if policy is None:
-                a = acts[jnp.minimum(t, acts.shape[0] - 1)]
-            else:
-                a = policy(k_act, obs, state, p)
-            obs2, state2, r, term, info = env.step_env(k_step, state, a, p)
-            live = ~done
-            vals = {"return": r, "steps": jnp.int32(1), **info}
-            tot = jax.tree.map(lambda acc, v: acc + jnp.where(live, v, jnp.zeros_like(v)),
-                               tot, vals)
-            taken = jnp.where(live, jnp.asarray(a, jnp.int32), -1)
-            return (_select(live, obs2, obs), _select(live, state2, state), done | term,
-                    tot), taken
-
-        zero = {"return": jnp.float32(0.0), "steps": jnp.int32(0)}
-        _, _, _, _, info0 = jax.eval_shape(env.step_env, k_run, state,
-                                           jnp.int32(0), p)
-        zero.update({k: jnp.zeros(v.shape, v.dtype) for k, v in info0.items()})
-        done0 = env.is_terminated(state, p)
-        xs = (jnp.arange(num_steps, dtype=jnp.int32), jax.random.split(k_run, num_steps))
-        (_, state, done, tot), taken = jax.lax.scan(step, (obs, state, done0, zero), xs)
-        tot["terminated"] = done
-        tot["actions"] = taken
-        # The draining step's `elapsed` runs to the last completion, so the episode's summed
-        # `elapsed` is its span from first arrival to last completion.
-        tot["makespan"] = tot["elapsed"]
-        return tot
-
-    keys = jax.random.split(key, wins.gap.shape[0])
-    return jax.vmap(one)(keys, wins, actions)
-
-
-@lru_cache(maxsize=32)
-def _window_env(env, length: int):
-    """`env.replace_static(trace_len=length)`, cached so repeated calls reuse one compilation
-    (environments hash by identity, and jit keys its cache on the static `env`)."""
-    return env.replace_static(trace_len=length)
-
-
-def replay_windows(env, params, wins: TraceArrays,
-                   policy: Callable | np.ndarray | jax.Array, *, key: jax.Array | None = None,
-                   num_steps: int | None = None) -> dict[str, jax.Array]:
-    """Runs every window as one episode of `env`, all windows in parallel (vmap, one program).
-
-    Each window `w` becomes `params.replace(trace=wins[w])` on
-    `env.replace_static(trace_len=L)`; the episode starts with `env.reset` and is stepped with
-    `env.step_env` (no auto-reset, no `max_steps_in_episode` truncation: the window's end is
-    the episode's end) until it terminates; steps after termination are no-ops.
-
-    Args:
-      env: a jaxserve environment (`Routing-v0`, `Batching-v0`).
-      params: its `ServingParams` (the `trace` field is replaced per window).
-      wins: windows from `windows(...)`, leaves `(W, L)` and `length (W,)`.
-      policy: a function `policy(key, obs, state, params) -> action` (traced once, vmapped
-        over windows; must be hashable, e.g. a module-level function), or an integer array of
-        actions `(W, >= num_steps)`, step `t` of window `w` taking `actions[w, t]`.
-      key: PRNG key (default `PRNGKey(0)`); window `w` uses the `w`-th split.
-      num_steps: steps scanned per window (default `L`, one routing decision per request;
-        Batching-v0 needs more decisions than requests, so pass e.g. `2 * L`).
-
-    Returns:
-      dict of `(W,)` arrays: `return` (summed reward), `steps` (decisions taken), every step
-      `info` metric summed over the episode (`arrived`, `completed`, `dropped`, `latency_sum`,
-      `slo_met`, `busy_time`, `in_system_time`, `elapsed`, `invalid_actions`),
-      `terminated` (whether the window's episode ended within `num_steps`), `makespan`
-      (seconds from the window's first arrival to its last completion, for a terminated
-      episode: the summed `elapsed`, kept under this name; a busy fraction is
-      `busy_time / (num_gpus * makespan)`), and `actions`
-      `(W, num_steps)` int32: the action of each step, -1 after the episode ended (so a
-      window can be replayed request by request, e.g. with `jaxserve.replay`).
-    """
-    if wins.gap.ndim != 2:
-        raise ValueError(f"wins must have a leading window axis (W, L), got {wins.gap.shape}")
-    length = int(wins.gap.shape[1])
-    env_w = _window_env(env, length)
-    steps = length if num_steps is None else int(num_steps)
-    key = jax.random.PRNGKey(0) if key is None else key
-    if callable(policy):
-        pol, acts = policy, jnp.zeros((wins.gap.shape[0], 1), jnp.int32)
-    else:
-        acts = jnp.asarray(policy, jnp.int32)
-        if acts.ndim != 2 or acts.shape[0] != wins.gap.shape[0]:
-            raise ValueError(f"actions must have shape (W, steps) with W={wins.gap.shape[0]}, "
-                             f"got {acts.shape}")
-        pol = None
-        if acts.shape[1] < steps:
-            raise ValueError(f"actions must hold at least {steps} steps per window, got "
-                             f"{acts.shape[1]}")
-    return _replay_windows(env_w, pol, steps, key, params, wins, acts)
+def replay_windows(env, params, wins: TraceArrays, policy, **kwargs):
+    """`jaxserve.evaluation.replay.replay_windows` (windows are cut here; episodes are run by the
+    evaluation's one driver). Imported lazily: traces/ sits below evaluation/."""
+    from jaxserve.evaluation.replay import replay_windows as run
+    return run(env, params, wins, policy, **kwargs)
 
 
 def window_trace(wins: TraceArrays, index: int, start: float = 0.0) -> Trace:
