@@ -12,6 +12,14 @@ program, paired over the same request draws. Prints, for each train_s, a table (
 speedup over r = 1 of the same setting, GPU-hours per iteration, marginal speedup per extra
 GPU-hour) and the Pareto frontier of (speedup over the reference setting's r = 1: up,
 GPU-hours per iteration: down); writes `pareto.csv`, `pareto.json` and `pareto.png` to --out.
+
+Continuous-batching replicas (vLLM-style iteration-level scheduling with a paged KV cache,
+`jaxserve.core.continuous`): `--replica opt13b-a100-80g` (a named `ReplicaProfile`) replaces
+`--profile`; `--max-batch` then sweeps `max_seqs` and `lpt_batch` is not a rule::
+
+    python -m scripts.pareto --replica opt13b-a100-80g --requests 256 --train-s 60 \
+        --max-replicas 8 --max-batch 32,64 --out runs/pareto_continuous
+
 Errors print one line on stderr and exit with status 2.
 """
 
@@ -50,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training seconds per iteration; comma-separated for several")
     ap.add_argument("--max-replicas", type=int, default=8, help="sweep r = 1..this")
     ap.add_argument("--profile", default="mid", help="GPU profile name (e.g. mid, fast, slow)")
+    ap.add_argument("--replica", default=None,
+                    help="continuous-batching replica profile name (e.g. opt13b-a100-80g); "
+                         "replaces --profile, and --max-batch sweeps max_seqs")
     ap.add_argument("--tokens", default="lognormal",
                     help="lognormal, azure_conv, azure_code (real trace lengths from "
                          "shared/traces) or a trace file path")
@@ -68,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rules", default="all", help="comma-separated routing rules, or all")
     ap.add_argument("--max-batch", default=None,
-                    help="comma-separated max_batch values (default: the profile's)")
+                    help="comma-separated max_batch values (max_seqs with --replica; default: "
+                         "the profile's)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="batching timeout (s) (default: the profile's)")
     ap.add_argument("--trainer-gpus", type=float, default=0.0,
@@ -269,19 +281,32 @@ def run(args) -> int:
     for name in ("requests", "max_replicas", "iterations"):
         if getattr(args, name) < 1:
             raise _CLIError(f"--{name.replace('_', '-')} must be >= 1")
-    rules = list(W.RULES) if args.rules.strip() == "all" else \
+    continuous = args.replica is not None
+    if continuous:
+        from jaxserve.core.replica import NAMED_REPLICAS
+        if args.replica not in NAMED_REPLICAS:
+            raise _CLIError(f"unknown --replica {args.replica!r}; known: "
+                            f"{', '.join(sorted(NAMED_REPLICAS))}")
+        if args.timeout is not None:
+            raise _CLIError("--timeout is a static-batching setting; continuous replicas have "
+                            "none")
+    all_rules = W.CONTINUOUS_RULES if continuous else W.RULES
+    rules = list(all_rules) if args.rules.strip() == "all" else \
         [x.strip() for x in args.rules.split(",") if x.strip()]
     if not rules:
         raise _CLIError("--rules names no rule")
     for r in rules:
-        W.rule_index(r)
+        if r not in all_rules:
+            raise _CLIError(f"unknown routing rule {r!r}; valid: {', '.join(all_rules)}")
     overrides = {} if args.timeout is None else {"timeout": args.timeout}
     tokens, tokens_desc = _tokens(args)
-    params = W.make_params(args.requests, gpu=args.profile, tokens=tokens,
+    params = W.make_params(args.requests, gpu=args.replica if continuous else args.profile,
+                           tokens=tokens,
                            estimate_mode=args.estimate, estimate_noise=args.estimate_noise,
                            train_s=train_s[0], trainer_gpus=args.trainer_gpus,
                            gpus_per_replica=args.gpus_per_replica, **overrides)
-    mbs = ([int(np.asarray(params.gpu.max_batch))] if args.max_batch is None
+    batch_field = "max_seqs" if continuous else "max_batch"
+    mbs = ([int(np.asarray(getattr(params.gpu, batch_field)))] if args.max_batch is None
            else _list(args.max_batch, int, "--max-batch"))
     console = Console(width=max(Console().width, 200))
     n_sims = len(mbs) * len(rules) * args.max_replicas * args.iterations
@@ -295,7 +320,9 @@ def run(args) -> int:
     rows = W.tabulate(raw, train_s=train_s, gpus_per_replica=args.gpus_per_replica,
                       trainer_gpus=args.trainer_gpus, reference=reference)
     _mark(rows)
-    title = (f"{args.requests} rollouts/iteration on {args.profile} replicas, {tokens_desc}; "
+    served = (f"continuous-batching {args.replica} replicas (max_batch column = max_seqs)"
+              if continuous else f"{args.profile} replicas")
+    title = (f"{args.requests} rollouts/iteration on {served}, {tokens_desc}; "
              f"estimates {args.estimate}; {args.iterations} iterations (paired)")
     _print_tables(rows, console, title)
     console.print(f"simulated {n_sims} iterations in {raw['seconds']:.1f} s (compile + run); "
@@ -315,8 +342,8 @@ def run(args) -> int:
         "config": {k: v for k, v in vars(args).items() if k != "argv"},
         "tokens": tokens_desc, "reference": {"rule": reference[0], "max_batch": reference[1]},
         "profile": {f: np.asarray(getattr(params.gpu, f)).item()
-                    for f in ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "max_batch",
-                              "queue_cap", "timeout")} | {"name": params.gpu.name},
+                    for f in params.gpu.__dataclass_fields__ if f != "name"}
+        | {"name": params.gpu.name, "continuous": continuous},
         "rows": rows,
         "frontier": [r for r in rows if r["on_frontier"]],
         "sweep_seconds": raw["seconds"],

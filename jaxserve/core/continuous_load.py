@@ -31,6 +31,7 @@ from jaxserve.core.replica import ReplicaProfile
 def full_batch(prof: ReplicaProfile, prompt, output) -> jax.Array:
     """Requests of `prompt + output` tokens a replica runs at once: `max_seqs`, or fewer when
     the KV cache (less the watermark) binds; at least 1. float32, broadcast over replicas."""
+    prof = jax.tree.map(jnp.asarray, prof)  # python scalars (an unstacked profile) too
     p = jnp.asarray(prompt, jnp.float32)
     o = jnp.asarray(output, jnp.float32)
     blocks = jnp.ceil((p + o) / prof.block_size.astype(jnp.float32))
@@ -41,6 +42,7 @@ def full_batch(prof: ReplicaProfile, prompt, output) -> jax.Array:
 
 def full_batch_time(prof: ReplicaProfile, prompt, output) -> jax.Array:
     """Seconds one full batch (`full_batch`) of `(prompt, output)`-token requests takes."""
+    prof = jax.tree.map(jnp.asarray, prof)
     p = jnp.asarray(prompt, jnp.float32)
     o = jnp.maximum(jnp.asarray(output, jnp.float32), 1.0)
     b = full_batch(prof, p, o)

@@ -30,9 +30,9 @@ from flax import struct
 from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
+from jaxserve.core import engines
 from jaxserve.core import queues as Q
 from jaxserve.core.metrics import StepMetrics
-from jaxserve.core.service import per_request_work
 from jaxserve.envs import common
 from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
 
@@ -49,7 +49,7 @@ HISTORY_FIELDS = (
     "active",          # replicas active (warming or serving) after the interval's decision
     "serving",         # replicas serving at the interval's end
     "provisioned",     # replicas costing at the interval's end (active + draining)
-    "offered_load",    # arrived work (per_request_work, from estimates) / interval: replicas
+    "offered_load",    # arrived work (ENGINE.request_work, estimates) / interval: replicas
     "latency_sum",     # summed latency of the interval's completions (s)
     "slo_violations",  # completions over the SLO
     "gpu_seconds",     # provisioned GPU-seconds in the interval
@@ -261,6 +261,8 @@ class Autoscaling(common.StaticConfig,
 
     policy_kind = "autoscaling"  # registered policies that act here (envs.base)
     STATIC_FIELDS = ("max_replicas", "queue_buffer", "max_batch", "trace_len", "history_len")
+    # The serving engine (`core.engines`); LLMAutoscaling-v0 swaps in continuous batching.
+    ENGINE = engines.STATIC
 
     FEATURES = ("active", "serving", "warming", "draining", "offered_load", "offered_load_prev",
                 "concurrency_per_replica", "utilization", "waiting", "latency_over_slo",
@@ -316,7 +318,7 @@ class Autoscaling(common.StaticConfig,
                       1, self.max_replicas)
         r = self.max_replicas
         state = AutoscalingState(
-            cluster=C.empty_cluster(r, self.queue_buffer, self.max_batch, with_ids=False),
+            cluster=self.ENGINE.empty(r, self.queue_buffer, self.max_batch),
             upcoming=req.replace(arrival=jnp.asarray(first, jnp.float32)),
             mode=jnp.where(jnp.arange(r) < n0, ACTIVE, OFF).astype(jnp.int32),
             ready_at=jnp.zeros((r,), jnp.float32), phase=phase, trace_pos=jnp.int32(0),
@@ -331,8 +333,9 @@ class Autoscaling(common.StaticConfig,
         gpus = sp.gpus
         dt = params.control_interval_s
         target, invalid = target_from_action(action, state, params, self.max_replicas)
+        eng = self.ENGINE
         mode, ready_at, up, down = apply_target(state, target, params,
-                                                C.queued_work(state.cluster, gpus))
+                                                eng.work(state.cluster, gpus))
         provisioned0 = mode != OFF
         # Serving time of each slot inside [0, dt] starts when its warm-up ends.
         serve_from = jnp.clip(ready_at, 0.0, dt)
@@ -346,16 +349,16 @@ class Autoscaling(common.StaticConfig,
             cl, nxt, phase, pos, rdy, t, m, work_in, key = c
             key, k_next = jax.random.split(key)
             gap = nxt.arrival
-            cl, m_adv, _ = C.advance_static(cl, gpus, gap, sp.slo_s)
-            cl = C.rebase(cl, gap)
+            cl, m_adv = eng.advance(cl, gpus, gap, sp.slo_s)
+            cl = eng.rebase(cl, gap)
             rdy = rdy - gap
             # Least queued work among serving slots (ties: lowest index).
             serving = serving_mask(mode, rdy)
-            work = jnp.where(serving, C.queued_work(cl, gpus), jnp.inf)
+            work = jnp.where(serving, eng.work(cl, gpus), jnp.inf)
             gpu = jnp.argmin(work).astype(jnp.int32)
             req = nxt.replace(arrival=jnp.float32(0.0))
-            cl, dropped = C.route(cl, gpus, req, gpu)
-            share = per_request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt,
+            cl, dropped = eng.route(cl, gpus, req, gpu)
+            share = eng.request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt,
                                      req.estimate)
             ogap, new, phase, exhausted = common.next_arrival(k_next, sp, phase, pos + 1,
                                                               nxt.req_id + 1)
@@ -368,17 +371,16 @@ class Autoscaling(common.StaticConfig,
                  jnp.float32(0.0), StepMetrics.zeros(), jnp.float32(0.0), key)
         cl, nxt, phase, pos, rdy, t, m, work_in, _ = jax.lax.while_loop(cond, body, carry)
         rest = dt - t
-        cl, m_adv, _ = C.advance_static(cl, gpus, rest, sp.slo_s)
+        cl, m_adv = eng.advance(cl, gpus, rest, sp.slo_s)
         m = m + m_adv
-        cl = C.rebase(cl, rest)
+        cl = eng.rebase(cl, rest)
         rdy = rdy - rest
         arrival_left = nxt.arrival - rest
 
         # Release drained replicas at their last completion (relative to the interval end).
-        s, q = cl.servers, cl.queues
-        empty = (q.count == 0) & (s.run_count == 0)
+        empty = eng.held(cl) == 0
         released = (mode == DRAINING) & empty
-        release_at = jnp.where(released, jnp.clip(dt + s.free_at, 0.0, dt), dt)
+        release_at = jnp.where(released, jnp.clip(dt + eng.idle_since(cl), 0.0, dt), dt)
         gpu_seconds = jnp.where(provisioned0, release_at, 0.0).sum()
         mode = jnp.where(released, OFF, mode)
         # Replica-seconds able to serve (warmed up, not yet released): utilisation's base.
@@ -441,7 +443,7 @@ class Autoscaling(common.StaticConfig,
         completed = jnp.maximum(h0[H["completed"]], 1.0)
         arrivals = jnp.maximum(h0[H["arrivals"]], 1.0)
         cl = state.cluster
-        in_system = (cl.queues.count + cl.servers.run_count).sum().astype(jnp.float32)
+        in_system = self.ENGINE.held(cl).sum().astype(jnp.float32)
         waiting_cap = jnp.maximum(sp.gpus.queue_cap.sum(), 1).astype(jnp.float32)
         angle = 2.0 * jnp.pi * state.clock / p.diurnal_period_s
         warming = (state.mode == ACTIVE) & (state.ready_at > 0)
@@ -449,7 +451,7 @@ class Autoscaling(common.StaticConfig,
         feats = jnp.stack([
             c["active"] / r, c["serving"] / r, c["warming"] / r, c["draining"] / r,
             h0[H["offered_load"]], h1[H["offered_load"]],
-            in_system / serving / jnp.maximum(sp.gpus.max_batch[0], 1),
+            in_system / serving / jnp.maximum(self.ENGINE.slots(sp.gpus)[0], 1),
             h0[H["utilization"]],
             cl.queues.count.sum() / waiting_cap,
             h0[H["latency_sum"]] / completed / sp.slo_s,
@@ -463,7 +465,7 @@ class Autoscaling(common.StaticConfig,
 
     def is_terminated(self, state, params):
         cl = state.cluster
-        empty = (cl.queues.count.sum() == 0) & (cl.servers.run_count.sum() == 0)
+        empty = self.ENGINE.held(cl).sum() == 0
         return (params.serving.trace.gap.shape[0] > 0) & ~jnp.isfinite(state.upcoming.arrival) \
             & empty
 

@@ -296,3 +296,46 @@ def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_ra
                      trace_len=params.trace.gap.shape[0], default=params)
     env.check_params(params)
     return env, params
+
+
+@register("LLMAutoscaling-v0")
+def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_seqs=None,
+                         arrival_rate=None, arrivals=None, history_len=64, **kw):
+    """LLMAutoscaling-v0: Autoscaling-v0 over continuous-batching LLM replicas.
+
+    `replicas`: list of `ReplicaProfile`, one per slot (default: `max_replicas` OPT-13B
+    A100-80GB replicas with `max_seqs = queue_cap = 16`, about 3.4 req/s each on Routing-v0's
+    token mix by `core.continuous_load`). Diurnal Poisson arrivals, mean 6 req/s (peak 9.6:
+    three replicas at the mean, all four near the peak); warm-up 60 s. Other keywords as
+    Autoscaling-v0's scaling and serving parameters (`envs/llm_autoscaling.py`).
+    """
+    from jaxserve.core.replica import replica_profile, stack_replicas
+    from jaxserve.envs.llm_autoscaling import LLMAutoscaling
+
+    if replicas is None:
+        replicas = [replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16)] * int(
+            max_replicas)
+    replicas = list(replicas)
+    prof = stack_replicas(replicas)
+    scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
+    scalars.setdefault("warmup_s", 60.0)
+    if kw.get("trace") is not None:
+        scalars.setdefault("diurnal_amplitude", 0.0)
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 6.0
+    kw.setdefault("tokens", routing_tokens())
+    kw.setdefault("slo_s", 20.0)
+    kw.setdefault("drop_penalty_s", 600.0)
+    kw.setdefault("latency_scale", 1000.0)
+    kw.setdefault("max_steps_in_episode", 480)
+    if kw.get("trace") is not None:
+        kw.setdefault("max_steps_in_episode", 1_000_000)
+    serving = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb = int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None else int(queue_buffer)
+    ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else int(max_seqs)
+    params = scaling_params(serving, **scalars)
+    env = LLMAutoscaling(max_replicas=len(replicas), queue_buffer=qb, max_batch=ms,
+                         trace_len=serving.trace.gap.shape[0], history_len=history_len,
+                         default=params)
+    env.check_params(params)
+    return env, params

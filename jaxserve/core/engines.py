@@ -1,0 +1,91 @@
+"""The serving engines behind one interface, for environments that can run either.
+
+`STATIC` is the static batcher of `core.cluster` (MODEL.md), `CONTINUOUS` the
+continuous-batching engine of `core.continuous` (MODEL_CONTINUOUS.md). An environment written
+against `Engine` (Autoscaling-v0's step: advance between arrivals, route each arrival, release
+drained replicas) runs unchanged on either; each method is a thin call into the engine module,
+so no mechanics are duplicated.
+
+Clock convention (both engines): stored times are relative to the current instant; `advance`
+runs to `horizon` without moving the origin, `rebase` moves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+from jaxserve.core import cluster as C
+from jaxserve.core import continuous as CB
+from jaxserve.core import continuous_load as CL
+from jaxserve.core.service import per_request_work
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """One engine's operations (all pure JAX except `empty`'s static sizes).
+
+    Attributes:
+      name: "static" or "continuous".
+      empty: `(num_replicas, queue_buffer, slots) -> state`, an idle cluster; `slots` is the
+        static batch bound (`max_batch`, or running slots `max_seqs`).
+      advance: `(state, profiles, horizon, slo_s) -> (state, StepMetrics)`, no arrivals.
+      rebase: `(state, dt) -> state`, the clock origin `dt` seconds forward.
+      route: `(state, profiles, request, replica) -> (state, dropped)`.
+      work: `(state, profiles) -> (R,)` estimated seconds of work each replica holds (from
+        output estimates).
+      request_work: `(one replica's profile, prompt, estimate) -> s` of replica time one
+        request takes.
+      held: `state -> (R,)` requests waiting or running at each replica. int32.
+      idle_since: `state -> (R,)` when each replica's last batch / iteration ended (relative
+        s); the release instant of a replica that holds nothing.
+      slots: `profiles -> (R,)` the per-replica batch limit (`max_batch` / `max_seqs`).
+    """
+
+    name: str
+    empty: Callable[..., Any]
+    advance: Callable[..., Any]
+    rebase: Callable[..., Any]
+    route: Callable[..., Any]
+    work: Callable[..., jax.Array]
+    request_work: Callable[..., jax.Array]
+    held: Callable[[Any], jax.Array]
+    idle_since: Callable[[Any], jax.Array]
+    slots: Callable[[Any], jax.Array]
+
+
+def _static_advance(cl, gpus, horizon, slo_s):
+    cl, m, _ = C.advance_static(cl, gpus, horizon, slo_s)
+    return cl, m
+
+
+def _continuous_advance(rep, prof, horizon, slo_s):
+    rep, m, _, _ = CB.advance(rep, prof, horizon, slo_s)
+    return rep, m
+
+
+def _continuous_route(rep, prof, req, replica):
+    rep, dropped, _ = CB.route(rep, prof, req, replica)
+    return rep, dropped
+
+
+STATIC = Engine(
+    name="static",
+    empty=lambda r, qb, slots: C.empty_cluster(r, qb, slots, with_ids=False),
+    advance=_static_advance, rebase=C.rebase, route=C.route, work=C.queued_work,
+    request_work=per_request_work,
+    held=lambda cl: cl.queues.count + cl.servers.run_count,
+    idle_since=lambda cl: cl.servers.free_at,
+    slots=lambda gpus: gpus.max_batch)
+
+CONTINUOUS = Engine(
+    name="continuous",
+    empty=lambda r, qb, slots: CB.empty_replicas(r, qb, slots, with_ids=False),
+    advance=_continuous_advance, rebase=CB.rebase, route=_continuous_route,
+    work=CL.queued_work, request_work=CL.request_work,
+    held=lambda rep: rep.queues.count + rep.run.count,
+    # An idle replica's `t_end` is the end of its last iteration (its last completion).
+    idle_since=lambda rep: rep.t_end,
+    slots=lambda prof: prof.max_seqs)
