@@ -39,6 +39,7 @@ from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from jaxserve.core.tree import select
 from jaxserve.envs import registry
 
 __all__ = ["NAMESPACE", "ServingEnv", "ServingVectorEnv", "make", "make_vec",
@@ -181,11 +182,7 @@ def _step_jit(h: _Static, key_data, state, action, params):
     return kd, state, _pack((h, "step"), (obs,), reward, term, trunc, info)
 
 
-def _where(mask, new, old):
-    """Per-env select over pytrees whose leaves have a leading env axis."""
-    def sel(n, o):
-        return jnp.where(mask.reshape(mask.shape + (1,) * (n.ndim - 1)), n, o)
-    return jax.tree.map(sel, new, old)
+_where = select  # per-env select over pytrees whose leaves have a leading env axis
 
 
 @partial(jax.jit, static_argnums=0)

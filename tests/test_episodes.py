@@ -27,6 +27,12 @@ def test_select_is_leafwise():
     old = {"a": -jnp.arange(3), "b": jnp.float32(2.0)}
     assert jax.tree.all(jax.tree.map(jnp.array_equal, E.select(True, new, old), new))
     assert jax.tree.all(jax.tree.map(jnp.array_equal, E.select(False, new, old), old))
+    # A per-env flag (E,) broadcasts over each leaf's trailing axes (gymnasium's batched reset).
+    flag = jnp.array([True, False])
+    got = E.select(flag, {"x": jnp.ones((2, 3)), "y": jnp.ones(2)},
+                   {"x": jnp.zeros((2, 3)), "y": jnp.zeros(2)})
+    np.testing.assert_array_equal(got["x"], [[1, 1, 1], [0, 0, 0]])
+    np.testing.assert_array_equal(got["y"], [1, 0])
 
 
 def test_from_actions_holds_the_last_action():

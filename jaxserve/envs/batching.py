@@ -12,6 +12,7 @@ from gymnax.environments import environment, spaces
 from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.tree import select
 from jaxserve.envs import common
 from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
 
@@ -37,10 +38,6 @@ class BatchingState:
     trace_pos: jax.Array
     time: jax.Array
     log: C.RequestLog
-
-
-def _pick(flag, a, b):
-    return jax.tree.map(lambda x, y: jnp.where(flag, x, y), a, b)
 
 
 class Batching(common.StaticConfig, environment.Environment[BatchingState, common.ServingParams]):
@@ -148,8 +145,8 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
             gap, req, phase_arr, _ = common.next_arrival(k_next, params, phase, pos + 1,
                                                          nxt.req_id + 1)
             nxt_arr = req.replace(arrival=t_new + gap)
-            cl, m = _pick(completion, (cl_done, m_done), (cl_arr, m_arr))
-            nxt, phase, pos = _pick(completion, (nxt, phase, pos), (nxt_arr, phase_arr, pos + 1))
+            cl, m = select(completion, (cl_done, m_done), (cl_arr, m_arr))
+            nxt, phase, pos = select(completion, (nxt, phase, pos), (nxt_arr, phase_arr, pos + 1))
             return cl, nxt, phase, pos, t_new, must & completion, m, key
 
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, jnp.float32(0.0),

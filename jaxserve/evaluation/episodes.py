@@ -30,6 +30,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxserve.core.tree import select
+
 
 class Step(NamedTuple):
     """One step, as a fold sees it.
@@ -50,11 +52,6 @@ class Step(NamedTuple):
     terminated: jax.Array
     info: dict
     live: jax.Array
-
-
-def select(flag, new, old):
-    """`new` where `flag` else `old`, leaf by leaf (a scalar `flag`, any pytree)."""
-    return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
 
 
 def as_action(a) -> jax.Array:
