@@ -6,14 +6,23 @@ Example::
 
 Evaluates every fixed replica count, the HPA-, Knative- and Ray-Serve-style autoscalers
 (`jaxserve.policies`, kind "autoscaling"; Ray Serve twice: its default target of 2 ongoing
-requests and a target of one batch), the `scheduled` reference that is told the daily cycle,
-and, with `--run DIR` (repeatable), policies trained by
-`jaxserve-train` (reloaded from their checkpoints), on the same episodes
-(`jaxserve.evaluation.scaling.evaluate_autoscalers`). Prints a table sorted by cost, says for
-each autoscaler whether it costs less than every fixed count and than HPA and whether its
-point lies below the fixed-count frontier (its mean latency under the piecewise-linear
-interpolation of the fixed counts' latency at the same GPU-hours), and writes
-`autoscale.csv`, `autoscale.json` and `cost_latency.png` (GPU-hours against mean latency).
+requests and a target of one batch), the `scheduled` reference that is told the daily cycle
+(its `replicas_at_mean` chosen from `--scheduled-grid` on tuning episodes,
+`core.sources.tuning_key`, disjoint from the reported ones), and, with `--run DIR`
+(repeatable), policies trained by `jaxserve-train` (reloaded from their checkpoints), all on
+the same episodes (`jaxserve.evaluation.scaling.evaluate_autoscalers`). A run trained with a
+longer decision interval (k x the evaluation's) decides every k-th interval and holds the
+count in between (`policies.autoscaling.hold_every`); one trained with step actions is
+re-expressed by target (`in_action_mode`), so the baselines keep the registry's scenario.
+Training-only settings of a run (`TRAINING_ONLY`) are not carried into the evaluation.
+Prints a table sorted by cost, says for each autoscaler whether it costs less than every fixed
+count and than HPA and whether its point lies below the fixed-count frontier (its mean latency
+under the piecewise-linear interpolation of the fixed counts' latency at the same
+replica-hours), prints paired differences (same episodes, Student-t 95% half-widths) of the
+learned runs and `scheduled` against every fixed count, HPA, Knative and Ray Serve, and writes
+`autoscale.csv`, `autoscale.json` and `cost_latency.png` (replica-hours against mean
+latency). Replica-hours are the `gpu_hours` fields: provisioned replica-seconds / 3600, not
+multiplied by the GPUs of a replica.
 Errors print one line on stderr and exit with status 2.
 """
 
@@ -49,7 +58,7 @@ def build_parser() -> _Parser:
     ap.add_argument("--num-steps", type=int, default=None,
                     help="control intervals per episode (default: one episode / the trace)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scheduled-grid", default="4,4.5,5,5.5,6,6.5,7",
+    ap.add_argument("--scheduled-grid", default="4,4.5,5,5.5,6,6.5,7,7.5,8",
                     help="replicas_at_mean values for `scheduled`, chosen on tuning episodes "
                          "disjoint from the reported ones (one value: no tuning)")
     ap.add_argument("--out", default=None, help="directory for CSV, JSON and the plot")
@@ -176,7 +185,7 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
         ax.errorbar(r["gpu_hours"], r["mean_latency"], yerr=r["mean_latency_ci95"]
                     if np.isfinite(r["mean_latency_ci95"]) else None,
                     fmt=next(markers, "o"), ms=8, label=n, capsize=3)
-    ax.set_xlabel("GPU-hours per episode (replica-hours)")
+    ax.set_xlabel("replica-hours per episode")
     ax.set_ylabel("mean latency (s)")
     lat = [r["mean_latency"] for r in results.values()]
     ax.set_ylim(0, min(max(lat) * 1.05, 3 * np.median(lat)))
@@ -264,7 +273,7 @@ def print_table(results: dict, ver: dict, title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("policy", "cost (req-s)", "GPU-hours", "replicas", "mean latency (s)",
+    for col in ("policy", "cost (req-s)", "replica-hours", "replicas", "mean latency (s)",
                 "SLO violated", "drops", "< every fixed", "< HPA", "below frontier"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     yes = {True: "yes", False: "no", None: "-"}
