@@ -1,0 +1,77 @@
+"""LLMAutoscaling-v0: Autoscaling-v0's step over continuous-batching replicas (issue 12 item 5).
+
+GPU-seconds exact on a hand-computed case (dyadic iteration times), and one program vmapped
+over parameter lanes equal to each lane alone. The gymnax contract is tests/test_env_contract.py
+(parametrised over every registered id, this one included).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxserve
+from jaxserve.core.replica import ReplicaProfile
+
+# c0 + alpha * tokens: a prefill of 8 tokens takes 0.625 s, a one-sequence decode 0.515625 s.
+PROF = ReplicaProfile(c0=0.5, alpha=2.0 ** -6, kv_blocks=1000, block_size=4, max_seqs=2,
+                      max_tokens=64, watermark=0.0, queue_cap=8, name="dyadic")
+OUT = 16
+FINISH = 0.625 + (OUT - 1) * 0.515625  # 8.359375 s
+
+
+def make_case():
+    trace = jaxserve.Trace(arrival_s=np.array([0.0, 0.0]), prompt_tokens=np.array([8, 8]),
+                           output_tokens=np.array([OUT, OUT]))
+    return jaxserve.make("LLMAutoscaling-v0", replicas=[PROF] * 3, trace=trace,
+                         control_interval_s=4.0, warmup_s=8.0, initial_replicas=2,
+                         estimate_mode=0)
+
+
+def test_gpu_seconds_exact_with_drain_warmup_and_release():
+    env, params = make_case()
+    assert env.name == "LLMAutoscaling-v0"
+    obs, state = env.reset(jax.random.PRNGKey(0), params)
+    step = jax.jit(env.step_env)
+    # Action a asks for a + 1 active replicas.
+    # [0, 4) keep 2: the two requests (both at t = 0) go to replicas 0 and 1 (least work,
+    #   ties to the lowest index): 2 x 4 GPU-seconds.
+    # [4, 8) scale to 1: replica 0 drains (equal work, lowest index) but runs its request
+    #   until 8.359375: still 2 x 4.
+    # [8, 12) keep 1: replica 0 is released at its last completion: 4 + 0.359375.
+    # [12, 16) scale to 2: replica 0 is off now, so it is provisioned again (warm-up 8 s) and
+    #   costs from the decision: 2 x 4.
+    # [16, 20) scale to 3: 3 x 4.
+    out = []
+    for a in (1, 0, 0, 1, 2):
+        obs, state, r, term, info = step(jax.random.PRNGKey(0), state, jnp.int32(a), params)
+        out.append((float(info["gpu_seconds"]), int(info["provisioned"]),
+                    int(info["completed"]), int(info["serving"])))
+    assert out[0] == (8.0, 2, 0, 2)
+    assert out[1] == (8.0, 2, 0, 1)
+    assert out[2] == (4.0 + (FINISH - 8.0), 1, 2, 1)
+    assert out[3] == (8.0, 2, 0, 1)  # the re-provisioned replica warms up until 20
+    assert out[4] == (12.0, 3, 0, 2)  # replica 0 serves from 20, the interval's end
+
+
+def test_vmap_over_params_equals_each_lane():
+    env, params = jaxserve.make("LLMAutoscaling-v0", replicas=[PROF] * 2, arrival_rate=2.0,
+                                max_steps_in_episode=8)
+    prices = jnp.asarray([0.5, 4.0], jnp.float32)
+    warm = jnp.asarray([0.0, 30.0], jnp.float32)
+    lanes = params.replace(gpu_price=prices, warmup_s=warm)
+
+    def run(p):
+        obs, s = env.reset(jax.random.PRNGKey(1), p)
+
+        def body(s, k):
+            o, s, r, te, tr, info = env.step(k, s, jnp.int32(1), p)
+            return s, (o, r, info["gpu_seconds"], info["completed"])
+        return jax.lax.scan(body, s, jax.random.split(jax.random.PRNGKey(2), 6))[1]
+
+    axes = jax.tree.map(lambda _: None, params).replace(gpu_price=0, warmup_s=0)
+    batched = jax.jit(jax.vmap(run, in_axes=(axes,)))(lanes)
+    for i in range(2):
+        one = jax.jit(run)(params.replace(gpu_price=prices[i], warmup_s=warm[i]))
+        for b, o in zip(batched, one):
+            np.testing.assert_allclose(np.asarray(b[i]), np.asarray(o), rtol=1e-6, atol=1e-6)
+    assert np.all(np.isfinite(np.asarray(batched[0])))
