@@ -33,8 +33,8 @@ ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
         "reinforce": dict(total_steps=1_000_000, num_envs=32, num_steps=16, lr=3e-3,
                           gamma=0.99, ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
     },
-    # LLMRouting-v0: Routing-v0's small mean-pooled set network; the default attention mixer
-    # took about two minutes to compile on 2 shared CPU cores (docs/continuous.md).
+    # LLMRouting-v0: Routing-v0's PPO settings (small mean-pooled set network), 16 envs as a
+    # step costs more; the issue-12 study ran with these (docs/continuous.md, item 6).
     "LLMRouting-v0": {
         "ppo": dict(total_steps=100_000, num_envs=16, num_steps=64, lr=1e-3,
                     num_minibatches=4, update_epochs=8, gamma=0.99, gae_lambda=0.95,
