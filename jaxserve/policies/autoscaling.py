@@ -263,8 +263,9 @@ def _scheduled_factory(env=None, params=None, replicas_at_mean: float = 6.0,
     """Scheduled (predictive) scaling that knows the daily load pattern, in the style of cron
     or scheduled-scaling rules (KEDA's cron scaler, AWS scheduled scaling): replicas follow the
     diurnal rate multiplier one warm-up ahead, scaled so that the mean rate gets
-    `replicas_at_mean` (default 6, the best of 4, 4.5, ..., 6 on the default scenario; see
-    docs/scaling.md). It reads the scenario's `diurnal_*` parameters, i.e. it is told the
+    `replicas_at_mean` (default 6; `jaxserve-autoscale` chooses it per scenario from
+    `--scheduled-grid` on tuning episodes disjoint from the reported ones, 7 on the default
+    scenario: docs/scaling.md). It reads the scenario's `diurnal_*` parameters, i.e. it is told the
     cycle: a reference for what anticipation is worth, not a reactive autoscaler. Without a
     cycle (`diurnal_amplitude=0`, e.g. a replayed trace) it is `fixed` at
     `ceil(replicas_at_mean)`."""
