@@ -15,11 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a file (python scripts/reproduce.py)
-    sys.path.insert(0, str(ROOT))
+from scripts.cli import Parser, run_cli
 
-from scripts.cli import Parser, run_cli  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_parser():

@@ -87,7 +87,7 @@ def test_unknown_experiment_is_an_error():
     ctx = Context(BUDGETS["tiny"], "x", progress=False)
     with pytest.raises(ValueError, match="unknown experiment"):
         run_experiments(ctx, ["zz"])
-    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e"]
+    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e", "f"]
 
 
 def test_capacity_from_sweep_takes_the_first_failure():
@@ -126,3 +126,13 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "unknown experiment" in err and "Traceback" not in err
     assert not (tmp_path / "r.md").exists()
+
+
+def test_budget_skip_leaves_out_the_llm_study_unless_named():
+    from agents.experiments.registry import select
+    keys = [e.key for e in EXPERIMENTS]
+    assert "f" in keys
+    quick = [e.key for e in select(None, BUDGETS["quick"].skip)]
+    assert "f" not in quick and quick == sorted(k for k in keys if k != "f")
+    assert [e.key for e in select(None, BUDGETS["full"].skip)] == sorted(keys)
+    assert [e.key for e in select(["f"], BUDGETS["quick"].skip)] == ["f"]

@@ -7,13 +7,14 @@ turns the sections into markdown and figures. `scripts/reproduce.py` is the comm
 
 Modules: `budget` (quick, full and tiny budgets), `common` (training several seeds in one
 program, seed statistics, markdown tables), `scenarios` (every scenario, fixed up front with
-its reason), `routing` (a, c, e), `batching` (b), `generalisation` (d), `report`.
+its reason), `routing` (a, c, e), `batching` (b), `generalisation` (d),
+`llm_routing` (f, skipped by the quick and tiny budgets unless named), `report`.
 """
 
 from agents.experiments.budget import BUDGETS, Budget
 from agents.experiments.common import Context, Section
 from agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
-from agents.experiments import routing, batching, generalisation  # noqa: F401,E402 (register)
+from agents.experiments import routing, batching, generalisation, llm_routing  # noqa: F401,E402 (register)
 
 __all__ = ["BUDGETS", "Budget", "Context", "EXPERIMENTS", "Section", "experiment",
            "run_experiments"]

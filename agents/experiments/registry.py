@@ -32,23 +32,29 @@ def experiment(key: str, title: str):
     return deco
 
 
-def run_experiments(ctx: Context, keys: Sequence[str] | None = None) -> list[Section]:
-    """Runs the experiments named by `keys` (default: all), in key order ((a), (b), ...;
-    (d) and (e) reuse the routers (c) trained, and train them if (c) did not run).
-
-    Raises ValueError for an unknown key. Each section records its own wall time. With
-    `ctx.keep_going` an experiment that raises becomes a section saying so (and the run
-    goes on); otherwise the error propagates.
-    """
+def select(keys: Sequence[str] | None, skip: Sequence[str] = ()) -> list[Experiment]:
+    """The experiments to run, in key order: those named by `keys`, or (`keys=None`) all but
+    the budget's `skip`. Raises ValueError for an unknown key."""
     known = [e.key for e in EXPERIMENTS]
     if keys is not None:
         unknown = sorted(set(keys) - set(known))
         if unknown:
             raise ValueError(f"unknown experiment(s) {unknown}; registered: {known}")
+    wanted = set(keys) if keys is not None else set(known) - set(skip)
+    return [e for e in sorted(EXPERIMENTS, key=lambda e: e.key) if e.key in wanted]
+
+
+def run_experiments(ctx: Context, keys: Sequence[str] | None = None) -> list[Section]:
+    """Runs the experiments named by `keys` (default: all but the budget's `skip`), in key
+    order ((a), (b), ...; (d) and (e) reuse the routers (c) trained, and train them if (c)
+    did not run).
+
+    Raises ValueError for an unknown key. Each section records its own wall time. With
+    `ctx.keep_going` an experiment that raises becomes a section saying so (and the run
+    goes on); otherwise the error propagates.
+    """
     sections = []
-    for e in sorted(EXPERIMENTS, key=lambda e: e.key):
-        if keys is not None and e.key not in keys:
-            continue
+    for e in select(keys, ctx.budget.skip):
         ctx.log(f"experiment ({e.key}) {e.title}")
         t0 = time.perf_counter()
         try:
