@@ -14,7 +14,8 @@ its reason), `routing` (a, c, e), `batching` (b), `generalisation` (d),
 from agents.experiments.budget import BUDGETS, Budget
 from agents.experiments.common import Context, Section
 from agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
-from agents.experiments import routing, batching, generalisation, llm_routing  # noqa: F401,E402 (register)
+# Importing the experiment modules registers them.
+from agents.experiments import batching, generalisation, llm_routing, routing  # noqa: F401,E402
 
 __all__ = ["BUDGETS", "Budget", "Context", "EXPERIMENTS", "Section", "experiment",
            "run_experiments"]

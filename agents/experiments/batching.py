@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from agents.experiments import scenarios as S
+from jaxserve.evaluation.plots import axes_row
 from agents.experiments.common import (LATENCY, Context, Section, fmt, fmt_diff,
                                        learned_dict, made_by, metric_of, paired_across_seeds,
                                        table, train_scenarios)
@@ -112,25 +113,19 @@ def batching(ctx: Context) -> Section:
 
 
 def _plot(curves: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     mids = [k for k in curves if k.startswith("mid")]
     loads = [float(k.split("load ")[1]) for k in mids]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for j, name in enumerate(curves[mids[0]]):
-        if name not in BASELINES and name not in ("ppo", "reinforce"):
-            continue
-        y = np.array([curves[k][name][0] for k in mids])
-        e = np.array([curves[k][name][1] for k in mids])
-        ax.errorbar(np.array(loads) + 0.004 * j, y, yerr=np.nan_to_num(e), marker="o",
-                    capsize=3, lw=1.0 if name in BASELINES else 2.2, label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("offered load (fraction of full-batch capacity)")
-    ax.set_ylabel("drop-inclusive mean latency (s)")
-    ax.set_title("Batching-v0 ('mid' replica)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with axes_row(path, 1, (7, 4.2)) as (fig, (ax,)):
+        for j, name in enumerate(curves[mids[0]]):
+            if name not in BASELINES and name not in ("ppo", "reinforce"):
+                continue
+            y = np.array([curves[k][name][0] for k in mids])
+            e = np.array([curves[k][name][1] for k in mids])
+            ax.errorbar(np.array(loads) + 0.004 * j, y, yerr=np.nan_to_num(e), marker="o",
+                        capsize=3, lw=1.0 if name in BASELINES else 2.2, label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (fraction of full-batch capacity)")
+        ax.set_ylabel("drop-inclusive mean latency (s)")
+        ax.set_title("Batching-v0 ('mid' replica)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)

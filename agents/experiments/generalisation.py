@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from agents.experiments import scenarios as S
+from jaxserve.evaluation.plots import axes_row
 from agents.experiments.common import (LATENCY, Context, Section, drops_of, fmt, fmt_diff,
                                        learned_dict, made_by, metric_of, paired_across_seeds,
                                        table)
@@ -151,20 +152,14 @@ def generalisation(ctx: Context) -> Section:
 
 
 def _plot(data: dict, names, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(9, 4.2))
-    work = list(data)
-    width = 0.8 / len(names)
-    for i, n in enumerate(names):
-        ax.bar(np.arange(len(work)) + i * width, [data[w][n] for w in work], width, label=n)
-    ax.set_xticks(np.arange(len(work)) + 0.4 - width / 2)
-    ax.set_xticklabels(work, rotation=15, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("drop-inclusive mean latency (s)")
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with axes_row(path, 1, (9, 4.2)) as (fig, (ax,)):
+        work = list(data)
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            ax.bar(np.arange(len(work)) + i * width, [data[w][n] for w in work], width, label=n)
+        ax.set_xticks(np.arange(len(work)) + 0.4 - width / 2)
+        ax.set_xticklabels(work, rotation=15, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("drop-inclusive mean latency (s)")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from agents.experiments import scenarios as S
+from jaxserve.evaluation.plots import axes_row
 from agents.experiments.common import (LATENCY, Context, Section, drops_of, fmt,
                                        fmt_diff, learned_dict, made_by, metric_of,
                                        paired_across_seeds, seed_names, table,
@@ -210,30 +211,26 @@ def mixes(ctx: Context) -> Section:
 
 
 def _plot_sweeps(sweeps: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4.2), squeeze=False)
-    for ax, (m, sw) in zip(axes[0], sweeps.items()):
-        groups: dict = {}
-        for name, rows in sw.items():
-            groups.setdefault(name.split("-s")[0] if "-s" in name else name, []).append(rows)
-        for name, runs in groups.items():
-            rates = [r["rate"] for r in runs[0]]
-            p99 = np.mean([[min(r["p99_with_drops"], 1e4) for r in rows] for rows in runs], 0)
-            learned = len(runs) > 1 or name in ("ppo", "reinforce")
-            ax.plot(rates, p99, marker="o", lw=2.4 if learned else 1.0,
-                    label=name + (" (mean of seeds)" if learned else ""))
-        ax.axhline(S.CAPACITY_SLO_P99_S, color="k", ls="--", lw=0.8)
-        ax.set_yscale("log")
-        ax.set_xlabel("arrival rate (req/s)")
-        ax.set_ylabel("p99 latency, drops as infinite (s)")
-        ax.set_title(m)
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with axes_row(path, len(sweeps), (6 * len(sweeps), 4.2)) as (fig, axes):
+        for ax, (m, sw) in zip(axes, sweeps.items()):
+            groups: dict = {}
+            for name, rows in sw.items():
+                group = name.split("-s")[0] if "-s" in name else name
+                groups.setdefault(group, []).append(rows)
+            for name, runs in groups.items():
+                rates = [r["rate"] for r in runs[0]]
+                p99 = np.mean([[min(r["p99_with_drops"], 1e4) for r in rows]
+                               for rows in runs], 0)
+                learned = len(runs) > 1 or name in ("ppo", "reinforce")
+                ax.plot(rates, p99, marker="o", lw=2.4 if learned else 1.0,
+                        label=name + (" (mean of seeds)" if learned else ""))
+            ax.axhline(S.CAPACITY_SLO_P99_S, color="k", ls="--", lw=0.8)
+            ax.set_yscale("log")
+            ax.set_xlabel("arrival rate (req/s)")
+            ax.set_ylabel("p99 latency, drops as infinite (s)")
+            ax.set_title(m)
+            ax.grid(alpha=0.3)
+        axes[-1].legend(fontsize=7)
 
 
 # ----------------------------------------------------------------------------- (e)
@@ -283,24 +280,18 @@ def class_mix(ctx: Context) -> Section:
 
 
 def _plot_mix(mixes: dict, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 4), squeeze=False)
-    for ax, (m, by_policy) in zip(axes[0], mixes.items()):
-        names = list(by_policy)
-        g = by_policy[names[0]].shape[0]
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            mix = by_policy[name]
-            share = mix[:, -1] / np.maximum(mix.sum(1), 1)
-            ax.bar(np.arange(g) + i * width, share, width, label=name)
-        ax.set_xticks(np.arange(g) + 0.4 - width / 2)
-        ax.set_xticklabels([f"GPU {i}\n{t}" for i, t in enumerate(S.MIXES[m])])
-        ax.set_ylabel("share of the GPU's requests that are long")
-        ax.set_title(m)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with axes_row(path, len(mixes), (6 * len(mixes), 4)) as (fig, axes):
+        for ax, (m, by_policy) in zip(axes, mixes.items()):
+            names = list(by_policy)
+            g = by_policy[names[0]].shape[0]
+            width = 0.8 / len(names)
+            for i, name in enumerate(names):
+                mix = by_policy[name]
+                share = mix[:, -1] / np.maximum(mix.sum(1), 1)
+                ax.bar(np.arange(g) + i * width, share, width, label=name)
+            ax.set_xticks(np.arange(g) + 0.4 - width / 2)
+            ax.set_xticklabels([f"GPU {i}\n{t}" for i, t in enumerate(S.MIXES[m])])
+            ax.set_ylabel("share of the GPU's requests that are long")
+            ax.set_title(m)
+            ax.grid(alpha=0.3, axis="y")
+        axes[-1].legend(fontsize=8)

@@ -6,6 +6,7 @@ returns its path.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -20,6 +21,17 @@ def _save(fig: Figure, path) -> Path:
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
+
+
+@contextlib.contextmanager
+def axes_row(path, ncols: int = 1, figsize=(7, 4.2)):
+    """Yields `(fig, axes)`: a figure with `ncols` axes side by side (a 1-D array); on a clean
+    exit the figure is laid out and written to `path` as a PNG (parents created)."""
+    fig = Figure(figsize=figsize)
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    yield fig, axes
+    fig.tight_layout()
+    _save(fig, path)
 
 
 def latency_cdf(results: Mapping[str, dict], path, title: str = "") -> Path:
