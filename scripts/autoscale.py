@@ -36,11 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.evaluation.scaling import PAIRED_METRICS, paired_comparisons, verdicts
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
 from scripts.cli import run_cli
-from scripts.train import parse_pairs
+from scripts.cli import parse_pairs
 
 COLUMNS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas", "mean_latency",
            "mean_latency_ci95", "slo_violation_rate", "drop_rate", "in_flight")
@@ -92,39 +93,8 @@ def load_run(run_dir: Path):
     return f"{meta['algo']}:{run_dir.name}", result
 
 
-def frontier_latency(points: dict[str, dict], gpu_hours: float) -> float:
-    """Fixed-count frontier: their mean latency linearly interpolated at `gpu_hours` (NaN
-    outside the fixed counts' GPU-hour range)."""
-    xs = np.array([r["gpu_hours"] for r in points.values()])
-    ys = np.array([r["mean_latency"] for r in points.values()])
-    order = np.argsort(xs)
-    xs, ys = xs[order], ys[order]
-    if not xs[0] <= gpu_hours <= xs[-1]:
-        return float("nan")
-    return float(np.interp(gpu_hours, xs, ys))
-
-
-def verdicts(results: dict[str, dict]) -> dict[str, dict]:
-    """For each non-fixed policy: cheaper than every fixed count / than HPA; below frontier."""
-    fixed = {n: r for n, r in results.items() if n.startswith("fixed-")}
-    out = {}
-    for n, r in results.items():
-        if n.startswith("fixed-"):
-            continue
-        front = frontier_latency(fixed, r["gpu_hours"])
-        out[n] = {
-            "cheaper_than_every_fixed": bool(all(r["cost"] < f["cost"] for f in fixed.values())),
-            "cheaper_than_hpa": (bool(r["cost"] < results["hpa"]["cost"])
-                                 if "hpa" in results and n != "hpa" else None),
-            "frontier_latency_s": front,
-            "below_fixed_frontier": bool(np.isfinite(front) and r["mean_latency"] < front),
-        }
-    return out
-
-
 TRAINING_ONLY = ("control_interval_s", "max_steps_in_episode", "random_phase", "random_initial",
                  "invalid_penalty_s", "action_mode")
-PAIRED_METRICS = ("cost", "mean_latency", "slo_violation_rate", "gpu_hours")
 
 
 def tune_scheduled(env, params, eval_key, args) -> tuple[float, dict]:
@@ -144,17 +114,6 @@ def tune_scheduled(env, params, eval_key, args) -> tuple[float, dict]:
                                tuning_key(eval_key), args.num_envs, args.num_steps)
     costs = {c: res[str(c)]["cost"] for c in grid}
     return min(costs, key=costs.get), costs
-
-
-def paired_comparisons(per_env: dict, subjects: list[str]) -> dict:
-    """Paired differences (subject - other, same episodes) of `PAIRED_METRICS` against HPA,
-    Knative, Ray Serve and every fixed count: `{subject: {other: {metric: stats}}}`."""
-    from jaxserve.evaluation.stats import paired_difference
-
-    others = [n for n in per_env if n.startswith("fixed-")
-              or n in ("hpa", "knative", "ray_serve")]
-    return {s: {o: {m: paired_difference(per_env[s][m], per_env[o][m]) for m in PAIRED_METRICS}
-                for o in others} for s in subjects if s in per_env}
 
 
 def print_paired(paired: dict) -> None:

@@ -39,12 +39,10 @@ import numpy as np
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
-from scripts.cli import parse_pairs, parse_value, run_cli  # noqa: F401 (re-exported)
+from scripts.cli import parse_pairs, run_cli
 
-# The comparison itself is library code (agents.evaluate); re-exported for old imports.
-from agents.evaluate import (AUTOSCALING_BASELINES, BATCHING_BASELINES,  # noqa: F401
-                             EVAL_SEED_OFFSET, ROUTING_BASELINES, VERDICT_METRIC,
-                             baseline_policies, paired_verdicts)
+# The comparison itself is library code (agents.evaluate).
+from agents.evaluate import EVAL_SEED_OFFSET, VERDICT_METRIC, paired_verdicts
 
 # Hyperparameter flags: (flag, config field, type).
 HPARAM_FLAGS = (

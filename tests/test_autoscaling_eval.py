@@ -8,7 +8,7 @@ import pytest
 
 import jaxserve
 from jaxserve import policies as P
-from jaxserve.evaluation.scaling import evaluate_autoscalers
+from jaxserve.evaluation.scaling import evaluate_autoscalers, verdicts
 from scripts import autoscale
 
 
@@ -63,7 +63,7 @@ def test_verdicts_and_frontier():
              "fixed-2": dict(gpu_hours=2.0, mean_latency=40.0, cost=60.0)}
     res = {**fixed, "hpa": dict(gpu_hours=2.0, mean_latency=45.0, cost=70.0),
            "agent": dict(gpu_hours=1.5, mean_latency=60.0, cost=45.0)}
-    v = autoscale.verdicts(res)
+    v = verdicts(res)
     assert v["agent"]["frontier_latency_s"] == pytest.approx(70.0)
     assert v["agent"]["below_fixed_frontier"] and v["agent"]["cheaper_than_every_fixed"]
     assert v["agent"]["cheaper_than_hpa"]

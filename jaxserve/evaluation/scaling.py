@@ -13,6 +13,10 @@ completed requests), `slo_violation_rate` and `drop_rate` (per arrived request),
 (requests still in the system at the end: their latency is in `cost` but not `mean_latency`),
 `latency_cost` (request-seconds in system), `cost` (the environment's own cost: latency,
 SLO and drop penalties and `gpu_price` x GPU-seconds, in request-seconds) and `return`.
+
+Comparisons (host side): `verdicts` places each adaptive policy against the fixed-count
+frontier (`frontier_latency`) and HPA; `paired_comparisons` gives paired per-episode
+differences of `PAIRED_METRICS` against HPA, Knative, Ray Serve and every fixed count.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 from jaxserve.envs.autoscaling import Autoscaling, AutoscalingParams
 from jaxserve.evaluation.episodes import Step, from_policy, run_episode
 from jaxserve.evaluation.evaluate import switch_policy
-from jaxserve.evaluation.stats import t_halfwidth
+from jaxserve.evaluation.stats import paired_difference, t_halfwidth
 
 SUMS = ("arrived", "completed", "dropped", "latency_sum", "slo_violations", "gpu_seconds",
         "in_system_time", "cost", "reward", "intervals")
@@ -151,3 +155,47 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
     if episodes:
         return summaries, {n: per_episode(t, dt) for n, t in per.items()}
     return summaries
+
+
+# ----------------------------------------------------------------------- comparisons
+
+PAIRED_METRICS = ("cost", "mean_latency", "slo_violation_rate", "gpu_hours")
+
+
+def frontier_latency(points: dict[str, dict], gpu_hours: float) -> float:
+    """Fixed-count frontier: their mean latency linearly interpolated at `gpu_hours` (NaN
+    outside the fixed counts' GPU-hour range)."""
+    xs = np.array([r["gpu_hours"] for r in points.values()])
+    ys = np.array([r["mean_latency"] for r in points.values()])
+    order = np.argsort(xs)
+    xs, ys = xs[order], ys[order]
+    if not xs[0] <= gpu_hours <= xs[-1]:
+        return float("nan")
+    return float(np.interp(gpu_hours, xs, ys))
+
+
+def verdicts(results: dict[str, dict]) -> dict[str, dict]:
+    """For each non-fixed policy: cheaper than every fixed count / than HPA; below frontier."""
+    fixed = {n: r for n, r in results.items() if n.startswith("fixed-")}
+    out = {}
+    for n, r in results.items():
+        if n.startswith("fixed-"):
+            continue
+        front = frontier_latency(fixed, r["gpu_hours"])
+        out[n] = {
+            "cheaper_than_every_fixed": bool(all(r["cost"] < f["cost"] for f in fixed.values())),
+            "cheaper_than_hpa": (bool(r["cost"] < results["hpa"]["cost"])
+                                 if "hpa" in results and n != "hpa" else None),
+            "frontier_latency_s": front,
+            "below_fixed_frontier": bool(np.isfinite(front) and r["mean_latency"] < front),
+        }
+    return out
+
+
+def paired_comparisons(per_env: dict, subjects: list[str]) -> dict:
+    """Paired differences (subject - other, same episodes) of `PAIRED_METRICS` against HPA,
+    Knative, Ray Serve and every fixed count: `{subject: {other: {metric: stats}}}`."""
+    others = [n for n in per_env if n.startswith("fixed-")
+              or n in ("hpa", "knative", "ray_serve")]
+    return {s: {o: {m: paired_difference(per_env[s][m], per_env[o][m]) for m in PAIRED_METRICS}
+                for o in others} for s in subjects if s in per_env}
