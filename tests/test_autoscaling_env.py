@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve.core import arrivals as A
 from jaxserve.core.profiles import get_profile
 from jaxserve.core.service import batch_service_time
 from jaxserve.envs import autoscaling as AS

@@ -9,7 +9,6 @@ deterministic; the tolerance says it would pass for ~all keys, not just these.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

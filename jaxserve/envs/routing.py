@@ -11,7 +11,6 @@ from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
-from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
 from jaxserve.envs import common
