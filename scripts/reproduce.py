@@ -3,6 +3,7 @@
     python scripts/reproduce.py --quick        # 2-core CPU, under 20 minutes
     python scripts/reproduce.py                # full budgets, meant for a GPU
     python scripts/reproduce.py --quick --only b,c --out /tmp/results.md
+    python scripts/reproduce.py --quick --only b   # rewrites (b) in docs/results.md, keeps the rest
 
 The experiments live in `agents.experiments` (one registered function each); this script
 only parses arguments, runs them with stage lines on stderr, and writes the page.
@@ -31,6 +32,9 @@ def build_parser():
                     help="markdown file to write (figures go to its figures/ folder)")
     ap.add_argument("--figures", default=None,
                     help="figure folder (default: figures/ next to --out)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="with --only: write a page of just those sections (default: merge "
+                         "them into the existing page, keeping the other sections)")
     ap.add_argument("--eval-seed", type=int, default=20261202, help="evaluation key seed")
     ap.add_argument("--no-progress", action="store_true", help="no stage lines")
     return ap
@@ -51,7 +55,8 @@ def main(argv=None) -> int:
         sections = run_experiments(ctx, only)
         out = Path(args.out)
         figs = Path(args.figures) if args.figures else out.parent / "figures"
-        path = write_results(sections, ctx, out, figs, time.perf_counter() - t0)
+        path = write_results(sections, ctx, out, figs, time.perf_counter() - t0,
+                             merge=only is not None and not args.fresh)
         failed = [s.key for s in sections if "failed" in s.data]
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)"
               + (f"; FAILED: {failed}" if failed else ""))

@@ -6,6 +6,7 @@ The smoke test trains for a few hundred steps with one seed, so it checks the pl
 learning claims are in tests/test_learnable.py and docs/results.md.
 """
 
+import json
 import re
 
 import numpy as np
@@ -136,3 +137,36 @@ def test_budget_skip_leaves_out_the_llm_study_unless_named():
     assert "f" not in quick and quick == sorted(k for k in keys if k != "f")
     assert [e.key for e in select(None, BUDGETS["full"].skip)] == sorted(keys)
     assert [e.key for e in select(["f"], BUDGETS["quick"].skip)] == ["f"]
+
+
+def test_partial_run_merges_into_the_page(tmp_path):
+    """`--only b` rewrites section (b) and its JSON entry; (a) and (c) keep their text and the
+    command and commit that wrote them (an old-style page's run line is carried into them)."""
+    from agents.experiments.common import Section
+    from agents.experiments.report import split_page
+    md = tmp_path / "results.md"
+    md.write_text("# Results\n\nThis run: `python scripts/reproduce.py --quick` (budget `quick`"
+                  "), at commit `abc1234` (plus ...); wall time **1 min**.\n\n"
+                  "## (a) First\n\n*Wall time of this experiment: 5 s.*\n\nold a\n\n"
+                  "### sub of a\n\ntable a\n\n## (b) Second\n\nold b\n\n## (c) Third\n\nold c\n")
+    md.with_suffix(".json").write_text('{"a": {"x": 1}, "b": {"y": 2}, "c": {"z": 3}}')
+    sec = Section("(b) Second", "new b", data={"y": 5.0})
+    sec.key, sec.wall_s = "b", 7.0
+    ctx = Context(BUDGETS["tiny"], "python scripts/reproduce.py --only b", progress=False)
+    write_results([sec], ctx, md, tmp_path / "figures", 1.0, merge=True)
+    pre, blocks = split_page(md.read_text())
+    assert list(blocks) == ["a", "b", "c"]
+    assert "old a" in blocks["a"] and "### sub of a\n\ntable a" in blocks["a"]
+    assert "*Written by `python scripts/reproduce.py --quick` at commit `abc1234`.*" \
+        in blocks["a"] and "old c" in blocks["c"]
+    assert "new b" in blocks["b"] and "old b" not in blocks["b"]
+    assert "*Written by `python scripts/reproduce.py --only b` at commit" in blocks["b"]
+    assert "kept (a), (c)" in pre
+    assert json.loads(md.with_suffix(".json").read_text()) == {
+        "a": {"x": 1}, "b": {"y": 5.0}, "c": {"z": 3}}
+    # A second partial run keeps (a)'s provenance as it is (no second line).
+    write_results([sec], ctx, md, tmp_path / "figures", 1.0, merge=True)
+    assert split_page(md.read_text())[1]["a"].count("*Written by") == 1
+    # Without merge the page holds only what was run.
+    write_results([sec], ctx, md, tmp_path / "figures", 1.0)
+    assert list(split_page(md.read_text())[1]) == ["b"]

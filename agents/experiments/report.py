@@ -1,10 +1,14 @@
 """docs/results.md from the experiments' sections: provenance header, one part per
-experiment (its tables, figures and wall time), and a JSON of the numbers."""
+experiment (its provenance, tables, figures and wall time), and a JSON of the numbers.
+
+A run of some experiments (`reproduce.py --only b`) merges into the existing page: the other
+sections keep their text and the command and commit that wrote them."""
 
 from __future__ import annotations
 
 import json
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Sequence
@@ -63,31 +67,90 @@ def _jsonable(x):
     return x
 
 
+_SECTION = re.compile(r"^## \((\w+)\)", re.M)
+_RUN_LINE = re.compile(r"^This run: `(?P<cmd>[^`]*)` .*?at commit `(?P<commit>[^`]*)`", re.M | re.S)
+
+
+def split_page(text: str) -> tuple[str, dict[str, str]]:
+    """`(preamble, {key: block})` of a results page: each block runs from its `## (key) ...`
+    heading to the next level-2 heading (subsections stay inside)."""
+    starts = [(m.start(), m.group(1)) for m in _SECTION.finditer(text)]
+    if not starts:
+        return text, {}
+    ends = [s for s, _ in starts[1:]] + [len(text)]
+    return text[:starts[0][0]], {k: text[s:e].rstrip() + "\n" for (s, k), e in
+                                 zip(starts, ends)}
+
+
+def _provenance(command: str, commit: str, budget: str | None = None) -> str:
+    b = f", budget `{budget}`" if budget else ""
+    return f"*Written by `{command}` at commit `{commit}`{b}.*"
+
+
+def _kept_block(block: str, preamble: str) -> str:
+    """An old section kept by a partial run; one written before sections carried their own
+    provenance gets the old page's run line (its command and commit) added."""
+    if "*Written by `" in block:
+        return block
+    m = _RUN_LINE.search(preamble)
+    if m is None:
+        return block
+    head, _, rest = block.partition("\n")
+    return f"{head}\n\n{_provenance(m.group('cmd'), m.group('commit'))}\n{rest}"
+
+
+def _section_block(sec: Section, ctx: Context, commit: str, md_path: Path,
+                   fig_dir: Path) -> str:
+    lines = [f"## {sec.title}", "", _provenance(ctx.command, commit, ctx.budget.name)
+             + f" *Wall time of this experiment: {sec.wall_s:.0f} s.*", "", sec.body]
+    for name, draw in sec.figures.items():
+        draw(fig_dir / name)
+        rel = Path(*(fig_dir.resolve().relative_to(md_path.parent.resolve()).parts),
+                   name) if fig_dir.resolve().is_relative_to(md_path.parent.resolve()) \
+            else fig_dir / name
+        lines += ["", f"![{sec.title}]({rel.as_posix()})"]
+    return "\n".join(lines) + "\n"
+
+
 def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
-                  wall_s: float) -> Path:
-    """Writes `md_path` (markdown), its figures under `fig_dir` and `md_path`.json (data)."""
+                  wall_s: float, merge: bool = False) -> Path:
+    """Writes `md_path` (markdown), its figures under `fig_dir` and `md_path`.json (data).
+
+    With `merge` and an existing page, only the sections run now are replaced (matched by
+    their `(key)` heading) and their JSON entries updated; every other section keeps its text,
+    its figures and its provenance line (command and commit), so one experiment can be
+    regenerated without rerunning the others. Sections are ordered by key.
+    """
     md_path, fig_dir = Path(md_path), Path(fig_dir)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     fig_dir.mkdir(parents=True, exist_ok=True)
+    json_path = md_path.with_suffix(".json")
+    commit = _git_commit()
+    blocks, data = {}, {}
+    if merge and md_path.exists():
+        old_pre, old_blocks = split_page(md_path.read_text())
+        blocks = {k: _kept_block(v, old_pre) for k, v in old_blocks.items()}
+        if json_path.exists():
+            data = json.loads(json_path.read_text())
+    new_keys = [s.key for s in sections]
+    for sec in sections:
+        blocks[sec.key] = _section_block(sec, ctx, commit, md_path, fig_dir)
+        data[sec.key] = _jsonable(sec.data)
     b = ctx.budget
     cpu = platform.processor() or platform.machine()
+    kept = sorted(set(blocks) - set(new_keys))
+    scope = (f"it rewrote section(s) {', '.join(f'({k})' for k in new_keys)} and kept "
+             f"{', '.join(f'({k})' for k in kept)} from earlier runs (each section names the "
+             f"command and commit that wrote it)" if kept else "it wrote every section")
     lines = ["# Results", "", INTRO,
-             f"This run: `{ctx.command}` (budget `{b.name}`: seeds {list(b.seeds)}, "
+             f"Last run: `{ctx.command}` (budget `{b.name}`: seeds {list(b.seeds)}, "
              f"{b.routing_steps} routing / {b.batching_steps} batching training steps per run)"
-             f", at commit `{_git_commit()}` (plus uncommitted changes, if any), on "
+             f", at commit `{commit}` (plus uncommitted changes, if any), on "
              f"{jax.default_backend()} ({jax.device_count()} device(s), {cpu}); wall time "
-             f"**{wall_s / 60:.1f} min** in all. On a shared CPU the wall times are noisy.",
+             f"**{wall_s / 60:.1f} min**; {scope}. On a shared CPU the wall times are noisy.",
              "", STUDY_NOTE]
-    for sec in sections:
-        lines += ["", f"## {sec.title}", "", f"*Wall time of this experiment: "
-                  f"{sec.wall_s:.0f} s.*", "", sec.body]
-        for name, draw in sec.figures.items():
-            draw(fig_dir / name)
-            rel = Path(*(fig_dir.resolve().relative_to(md_path.parent.resolve()).parts),
-                       name) if fig_dir.resolve().is_relative_to(md_path.parent.resolve()) \
-                else fig_dir / name
-            lines += ["", f"![{sec.title}]({rel.as_posix()})"]
-    md_path.write_text("\n".join(lines) + "\n")
-    data = {s.key: _jsonable(s.data) for s in sections}
-    md_path.with_suffix(".json").write_text(json.dumps(data, indent=1, allow_nan=False))
+    page = "\n".join(lines) + "".join("\n" + blocks[k] for k in sorted(blocks))
+    md_path.write_text(page)
+    json_path.write_text(json.dumps({k: data[k] for k in sorted(data)}, indent=1,
+                                    allow_nan=False))
     return md_path
