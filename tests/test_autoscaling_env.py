@@ -241,6 +241,14 @@ def test_named_trace_workloads():
     assert int(info["arrived"].sum()) > 0 and np.isfinite(np.asarray(r)).all()
     env2, params2 = jaxserve.make("Autoscaling-v0", workload="azure_code_mmpp", load=0.2)
     assert env2.trace_len == 0 and params2.serving.arrivals.rates.shape == (2,)
+    # The train / test parts split the same stretched replay: disjoint, together the whole.
+    from jaxserve.core.sources import params_trace
+    parts = [params_trace(jaxserve.make("Autoscaling-v0", workload=f"azure_code_{p}",
+                                        load=0.2)[1].serving) for p in W.PARTS]
+    whole = params_trace(params.serving)
+    assert len(parts[0]) == round(8819 * W.TRAIN_FRACTION) and sum(map(len, parts)) == 8819
+    np.testing.assert_allclose(parts[1].arrival_s + whole.arrival_s[len(parts[0])],
+                               whole.arrival_s[len(parts[0]):], rtol=1e-9, atol=1e-6)
 
 
 def test_random_phase_spreads_the_time_of_day_per_key():
@@ -286,3 +294,43 @@ def test_random_initial_and_invalid_penalty():
     assert r(pen, 3) == pytest.approx(r(params, 3) - 250.0 / scale, abs=1e-6)  # 4 -> 5: clipped
     with pytest.raises(ValueError, match="random_initial"):
         env.check_params(params.replace(random_initial=jnp.int32(3)))
+
+
+def test_price_spread_draws_a_price_per_episode_charged_and_observed():
+    env, params = small()
+    spread = params.replace(price_spread=jnp.float32(4.0))
+    keys = jax.random.split(jax.random.key(7), 64)
+    reset = jax.vmap(env.reset, in_axes=(0, None))
+    _, s1 = reset(keys, params)
+    obs, s4 = reset(keys, spread)
+    np.testing.assert_array_equal(s1.gpu_price, 4.0)  # spread 1: exactly gpu_price
+    u = np.log(np.asarray(s4.gpu_price) / 4.0) / np.log(4.0)  # log-uniform in [1, 16]
+    assert (np.abs(u) <= 1 + 1e-6).all() and (u < -0.5).any() and (u > 0.5).any()
+    i = env.FEATURES.index("price")
+    np.testing.assert_allclose(obs[:, i], s4.gpu_price / (1 + s4.gpu_price), rtol=1e-6)
+    # Same requests (common random numbers); only the price term of the reward moves.
+    step = jax.vmap(env.step_env, in_axes=(0, 0, None, None))
+    _, _, r1, _, i1 = step(keys, s1, jnp.int32(2), params)
+    _, _, r4, _, i4 = step(keys, s4, jnp.int32(2), spread)
+    np.testing.assert_array_equal(i1["arrived"], i4["arrived"])
+    scale = float(params.serving.latency_scale)
+    np.testing.assert_allclose(r4 - r1, -(s4.gpu_price - 4.0) * i1["gpu_seconds"] / scale,
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="price_spread"):
+        env.check_params(params.replace(price_spread=jnp.float32(0.5)))
+
+
+def test_random_offset_starts_a_trace_at_a_drawn_row():
+    trace = trace_of(np.arange(40.0) * 3.0, 100, 50)
+    env, params = jaxserve.make("Autoscaling-v0", max_replicas=2, trace=trace)
+    keys = jax.random.split(jax.random.key(8), 32)
+    _, s0 = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
+    _, s1 = jax.vmap(env.reset, in_axes=(0, None))(keys, params.replace(random_offset=1))
+    assert (np.asarray(s0.trace_pos) == 0).all()
+    pos = np.asarray(s1.trace_pos)
+    assert pos.min() >= 0 and pos.max() < 40 and len(set(pos)) > 10
+    np.testing.assert_array_equal(s1.upcoming.arrival, 0.0)  # the drawn row arrives at once
+    # From row k, an interval of 15 s sees rows k.. at 3 s spacing: 5 arrivals (fewer at the end).
+    _, st, _, _, info = jax.vmap(env.step_env, in_axes=(0, 0, None, None))(
+        keys, s1, jnp.int32(1), params.replace(random_offset=1))
+    np.testing.assert_array_equal(info["arrived"], np.minimum(5, 40 - pos))

@@ -96,3 +96,45 @@ def test_per_episode_metrics_pair_with_the_summary():
     d = paired_difference(per["fixed-3"]["gpu_hours"], per["fixed-1"]["gpu_hours"])
     assert d["mean"] == pytest.approx(2 * 12 * float(params.control_interval_s) / 3600, rel=1e-5)
     assert d["ci"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_p99_is_exact_per_request_and_counts_drops():
+    """One replica, greedy batcher, queue of one: a long request, a short one queued behind
+    it, a third refused (queue full), then 17 short ones alone. Latencies by hand from
+    `single_request_time`; p99 over the 19 served, and with the drop counted as inf."""
+    from jaxserve.core.service import single_request_time
+    from jaxserve.core.types import GPUProfile
+    from jaxserve.evaluation.scaling import AUTOSCALERS, episode_totals
+
+    gpu = GPUProfile(max_batch=1, queue_cap=1)
+    times = np.r_[0.0, 1.0, 2.0, 30.0 + 30.0 * np.arange(17)]
+    out_tok = np.r_[1000, 100, 100, np.full(17, 100)]
+    trace = jaxserve.Trace(arrival_s=times, prompt_tokens=np.full(20, 100),
+                           output_tokens=out_tok)
+    env, params = jaxserve.make("Autoscaling-v0", gpus=[gpu], trace=trace, initial_replicas=1)
+    long_s, short_s = (float(single_request_time(gpu, 100.0, o)) for o in (1000.0, 100.0))
+    served = [long_s, long_s - 1.0 + short_s] + [short_s] * 17
+    pols = {"fixed-1": P.get("fixed", env=env, params=params, replicas=1)}
+    res, per = evaluate_autoscalers(env, params, pols, jax.random.key(0), num_envs=2,
+                                    episodes=True)
+    r = res["fixed-1"]
+    assert r["dropped"] == 2 and r["in_flight"] == 0  # one drop in each of the 2 episodes
+    np.testing.assert_allclose(per["fixed-1"]["p99_latency"], np.percentile(served, 99.0),
+                               rtol=1e-5)
+    assert r["p99_latency"] == pytest.approx(long_s + 0.82 * (short_s - 1.0), rel=1e-5)
+    assert np.isposinf(per["fixed-1"]["p99_latency_drops"]).all()  # 1 of 20 dropped > 1%
+    assert r["mean_latency"] == pytest.approx(np.mean(served), rel=1e-5)
+    # The log itself: 19 exact latencies, one inf (the drop), NaN past the trace.
+    lat = np.asarray(episode_totals(with_log(env, 32), pols["fixed-1"], params,
+                                    jax.random.key(0), 120)["latency"])
+    np.testing.assert_allclose(np.sort(lat[np.isfinite(lat)]), np.sort(served), rtol=1e-5)
+    assert np.isposinf(lat[2]) and np.isnan(lat[20:]).all()
+    # The training env keeps no log; p99 appears only in the evaluation's variant.
+    assert env.log_capacity == 0 and "p99_latency" not in evaluate_autoscalers(
+        env, params, pols, jax.random.key(0), num_envs=1, log_capacity=0)["fixed-1"]
+    assert set(AUTOSCALERS) == {"hpa", "knative", "ray_serve"}
+
+
+def with_log(env, n):
+    from jaxserve.envs.base import with_static
+    return with_static(env, log_capacity=n)

@@ -9,6 +9,10 @@
     2-phase MMPP fitted to the stretched trace (rate, inter-arrival CV, index of dispersion at
     1 s and 60 s; `traces.fit_mmpp`) and its empirical token lengths. Train on these, evaluate
     on the replay: the agent never sees the evaluation requests.
+  - "azure_conv_train" / "azure_conv_test" (and "azure_code_..."): the stretched replay cut
+    by `core.sources.split_trace` into its first `TRAIN_FRACTION` of requests and the
+    disjoint rest (rebased to start at 0): train on the first (e.g. from random offsets,
+    `random_offset=1`), evaluate on the second.
 Trace files are read from `jaxserve.traces.default_traces_dir()` (override with the
 `JAXSERVE_TRACES` environment variable); a missing file raises a ValueError naming it.
 """
@@ -21,8 +25,11 @@ TRACE_FILES = {
     "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
     "azure_code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
 }
-WORKLOADS = ("diurnal", *TRACE_FILES, *(f"{k}_mmpp" for k in TRACE_FILES))
+PARTS = ("train", "test")
+WORKLOADS = ("diurnal", *TRACE_FILES, *(f"{k}_{s}" for k in TRACE_FILES
+                                       for s in ("mmpp", *PARTS)))
 DEFAULT_LOAD = 0.2
+TRAIN_FRACTION = 0.5  # of the requests; the conversation trace's slow rise is in the first half
 
 
 @functools.lru_cache(maxsize=4)
@@ -56,10 +63,14 @@ def workload_overrides(workload: str, gpus, load: float | None) -> dict:
         raise ValueError(f"load must be in (0, 1.5] (offered load of the whole cluster), got "
                          f"{load}")
     from jaxserve import traces as T
+    from jaxserve.core.sources import split_trace
 
-    base = workload.removesuffix("_mmpp")
+    base = next(k for k in TRACE_FILES if workload == k or workload.startswith(k + "_"))
+    part = workload[len(base) + 1:] or None  # None (the whole replay), "mmpp" or a part
     trace, _ = T.rescale_to_load(_load(base), list(gpus), load)
-    if workload == base:
+    if part in PARTS:
+        trace = split_trace(trace, TRAIN_FRACTION)[PARTS.index(part)]
+    if part != "mmpp":
         return {"trace": trace, "diurnal_amplitude": 0.0}
     fit = T.fit_mmpp(trace)
     return {"arrivals": fit.arrivals, "tokens": T.fit_tokens(trace, "empirical"),

@@ -14,9 +14,23 @@ completed requests), `slo_violation_rate` and `drop_rate` (per arrived request),
 `latency_cost` (request-seconds in system), `cost` (the environment's own cost: latency,
 SLO and drop penalties and `gpu_price` x GPU-seconds, in request-seconds) and `return`.
 
+Tail latency, exact: the evaluation runs a variant of the environment that keeps a
+per-request log (`with_static(env, log_capacity=n)`; training environments keep none and pay
+nothing), so each request's latency (start - arrival + its batch's service time, known at
+dispatch) is exact. Per episode, `p99_latency` is the 99th percentile (linear interpolation,
+`stats.percentiles`) over the requests dispatched by the episode's end, and
+`p99_latency_drops` the same with every dropped request counted as infinitely late
+(`stats.percentile_with_drops`): a policy cannot lower its tail by shedding load (it is
+`inf` once more than ~1% are dropped). Requests still waiting at the end (`in_flight`
+counts them with the running ones) are in neither.
+
 Comparisons (host side): `verdicts` places each adaptive policy against the fixed-count
-frontier (`frontier_latency`) and HPA; `paired_comparisons` gives paired per-episode
-differences of `PAIRED_METRICS` against HPA, Knative, Ray Serve and every fixed count.
+frontier (`frontier_latency`), HPA, Knative and Ray Serve (cost, and p99 when measured);
+`paired_comparisons` gives paired per-episode differences of `PAIRED_METRICS` against them
+and every fixed count. Tuning on keys disjoint from the reported ones
+(`core.sources.tuning_key`): `tune_scheduled` (the `scheduled` reference's one setting) and
+`tune_told_price` (the price a price-conditioned learned policy is told: the cheapest whose
+p99 is no worse than every reactive autoscaler's).
 """
 
 from __future__ import annotations
@@ -28,10 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.envs.autoscaling import Autoscaling, AutoscalingParams
+from jaxserve.envs.autoscaling import LOG_DROPPED, Autoscaling, AutoscalingParams
+from jaxserve.envs.base import with_static
 from jaxserve.evaluation.episodes import Step, from_policy, run_episode
 from jaxserve.evaluation.evaluate import switch_policy
-from jaxserve.evaluation.stats import paired_difference, t_halfwidth
+from jaxserve.evaluation.stats import (paired_difference, percentile_with_drops, percentiles,
+                                       t_halfwidth)
+
+# The reactive autoscalers a learned one must beat (`verdicts`, `paired_comparisons`).
+AUTOSCALERS = ("hpa", "knative", "ray_serve")
 
 SUMS = ("arrived", "completed", "dropped", "latency_sum", "slo_violations", "gpu_seconds",
         "in_system_time", "cost", "reward", "intervals")
@@ -43,7 +62,9 @@ def episode_totals(env: Autoscaling, policy: Callable, params: AutoscalingParams
 
     The episode is not truncated inside the run (`max_steps_in_episode` is raised to cover it)
     and intervals after a natural termination are masked. Returns float32 totals (`SUMS`)
-    plus `in_flight`, the requests left in the system at the end.
+    plus `in_flight`, the requests left in the system at the end, and, when `env` keeps a
+    request log, `latency`: `(log_capacity,)` per-request latency (s) by arrival order, `inf`
+    for a dropped request, NaN for one not dispatched by the end (or never arrived).
     """
     sp = params.serving
     params = params.replace(serving=sp.replace(
@@ -62,6 +83,10 @@ def episode_totals(env: Autoscaling, policy: Callable, params: AutoscalingParams
     totals = {k: v.sum() for k, v in rows.items()}
     cl = state.cluster
     totals["in_flight"] = (cl.queues.count + cl.servers.run_count).sum().astype(jnp.float32)
+    if env.log_capacity > 0:
+        lg = state.log
+        totals["latency"] = jnp.where(lg.batch >= 0, lg.wait + lg.service,
+                                      jnp.where(lg.batch == LOG_DROPPED, jnp.inf, jnp.nan))
     return totals
 
 
@@ -81,7 +106,11 @@ def per_episode(totals: dict, control_interval_s: float) -> dict[str, np.ndarray
     completed = np.maximum(t["completed"], 1.0)
     arrived = np.maximum(t["arrived"], 1.0)
     duration = np.maximum(t["intervals"] * control_interval_s, 1e-9)
-    return {
+    tail = {}
+    if "latency" in t:
+        tail = {"p99_latency": np.array([percentiles(row, [99.0])[0] for row in t["latency"]]),
+                "p99_latency_drops": np.array([p99_with_drops(row) for row in t["latency"]])}
+    return {**tail,
         "gpu_hours": t["gpu_seconds"] / 3600.0,
         "mean_replicas": t["gpu_seconds"] / duration,
         "mean_latency": np.where(t["completed"] > 0, t["latency_sum"] / completed, np.nan),
@@ -94,6 +123,14 @@ def per_episode(totals: dict, control_interval_s: float) -> dict[str, np.ndarray
     }
 
 
+def p99_with_drops(latency) -> float:
+    """99th percentile of one episode's logged latencies (`episode_totals`), dropped requests
+    (`inf`) counted as infinitely late, requests not dispatched by the end (NaN) left out."""
+    lat = np.asarray(latency, np.float64)
+    lat = lat[~np.isnan(lat)]
+    return percentile_with_drops(np.where(np.isinf(lat), np.nan, lat), 99.0)
+
+
 def summarise(totals: dict, control_interval_s: float) -> dict:
     """Host-side per-policy metrics from `(E,)` episode totals (see the module docstring)."""
     t = {k: np.asarray(v, np.float64) for k, v in totals.items()}
@@ -102,6 +139,9 @@ def summarise(totals: dict, control_interval_s: float) -> dict:
                  "intervals": float(t["intervals"].mean()),
                  "arrived": float(t["arrived"].mean()), "dropped": int(t["dropped"].sum())}
     for k, v in per_env.items():
+        if np.isposinf(v).any():  # p99 with drops past the 1% tail: the mean is inf
+            out[k], out[k + "_ci95"] = float("inf"), float("nan")
+            continue
         out[k] = float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
         out[k + "_ci95"] = t_halfwidth(v)
     return out
@@ -109,8 +149,8 @@ def summarise(totals: dict, control_interval_s: float) -> dict:
 
 def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
                          policies: Mapping[str, Callable], key, num_envs: int = 8,
-                         num_steps: int | None = None,
-                         episodes: bool = False) -> dict[str, dict]:
+                         num_steps: int | None = None, episodes: bool = False,
+                         log_capacity: int | None = None) -> dict[str, dict]:
     """Evaluates autoscaling policies on common random numbers (one compiled program).
 
     Args:
@@ -121,13 +161,16 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
       num_steps: control intervals per episode (default `max_steps_in_episode`; with a trace,
         default: enough to replay it and drain, its duration plus 10%, plus 40 intervals).
       episodes: also return the per-episode metrics, for paired comparisons.
+      log_capacity: requests logged per episode for the exact p99 (None: a bound on the
+        arrivals, `arrival_bound`; 0: no log and no p99).
 
     Returns:
       `{name: metrics}` (see the module docstring); with `episodes=True`, the pair
       `({name: metrics}, {name: per_episode metrics})`.
 
     Raises:
-      ValueError: not an Autoscaling-v0 environment, no policies, or bad sizes.
+      ValueError: not an Autoscaling-v0 environment, no policies, bad sizes, or an episode
+        with more arrivals than `log_capacity` (its p99 would not be exact).
     """
     if not isinstance(env, Autoscaling):
         raise ValueError(f"evaluate_autoscalers needs an Autoscaling-v0 environment, got "
@@ -147,9 +190,17 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
             num_steps = int(params.serving.max_steps_in_episode)
     if int(num_steps) < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    cap = arrival_bound(params, int(num_steps)) if log_capacity is None else int(log_capacity)
+    if env.ENGINE is not Autoscaling.ENGINE:
+        cap = 0  # continuous-batching replicas keep no request log
     names = list(policies)
     keys = jax.random.split(key, int(num_envs))
-    totals = _run(env, tuple(policies[n] for n in names), params, keys, int(num_steps))
+    totals = _run(with_static(env, log_capacity=cap), tuple(policies[n] for n in names), params,
+                  keys, int(num_steps))
+    most = int(np.max(np.asarray(totals["arrived"])))
+    if cap > 0 and most > cap:
+        raise ValueError(f"an episode had {most} arrivals, more than log_capacity={cap}: pass a "
+                         f"larger log_capacity for an exact p99")
     per = {n: {k: v[i] for k, v in totals.items()} for i, n in enumerate(names)}
     summaries = {n: summarise(t, dt) for n, t in per.items()}
     if episodes:
@@ -157,9 +208,21 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
     return summaries
 
 
+def arrival_bound(params: AutoscalingParams, num_steps: int) -> int:
+    """Requests an episode of `num_steps` intervals will not exceed, in practice: a trace's
+    rows, or the peak rate x duration plus 8 Poisson standard deviations and 64."""
+    tr = params.serving.trace
+    if tr.gap.shape[0] > 0:
+        return int(tr.length) + 1
+    peak = float(np.max(np.asarray(params.serving.arrivals.rates))) * (
+        1.0 + float(params.diurnal_amplitude))
+    mean = peak * num_steps * float(params.control_interval_s)
+    return int(np.ceil(mean + 8.0 * np.sqrt(mean) + 64))
+
+
 # ----------------------------------------------------------------------- comparisons
 
-PAIRED_METRICS = ("cost", "mean_latency", "slo_violation_rate", "gpu_hours")
+PAIRED_METRICS = ("cost", "mean_latency", "p99_latency", "slo_violation_rate", "gpu_hours")
 
 
 def frontier_latency(points: dict[str, dict], gpu_hours: float) -> float:
@@ -175,27 +238,108 @@ def frontier_latency(points: dict[str, dict], gpu_hours: float) -> float:
 
 
 def verdicts(results: dict[str, dict]) -> dict[str, dict]:
-    """For each non-fixed policy: cheaper than every fixed count / than HPA; below frontier."""
+    """For each non-fixed policy: cheaper than every fixed count; below the fixed-count
+    frontier; against each reactive autoscaler (`AUTOSCALERS`) present, `cheaper_than_X`
+    and, with a measured p99, `p99_le_X` (p99 no worse); `beats_autoscalers`: cheaper than
+    all of them at equal or better p99 (None without p99 or without them)."""
     fixed = {n: r for n, r in results.items() if n.startswith("fixed-")}
     out = {}
     for n, r in results.items():
         if n.startswith("fixed-"):
             continue
         front = frontier_latency(fixed, r["gpu_hours"])
-        out[n] = {
-            "cheaper_than_every_fixed": bool(all(r["cost"] < f["cost"] for f in fixed.values())),
-            "cheaper_than_hpa": (bool(r["cost"] < results["hpa"]["cost"])
-                                 if "hpa" in results and n != "hpa" else None),
-            "frontier_latency_s": front,
-            "below_fixed_frontier": bool(np.isfinite(front) and r["mean_latency"] < front),
-        }
+        v = {"cheaper_than_every_fixed": bool(all(r["cost"] < f["cost"] for f in fixed.values())),
+             "frontier_latency_s": front,
+             "below_fixed_frontier": bool(np.isfinite(front) and r["mean_latency"] < front)}
+        others = [o for o in AUTOSCALERS if o in results and o != n]
+        for o in AUTOSCALERS:
+            v[f"cheaper_than_{o}"] = bool(r["cost"] < results[o]["cost"]) if o in others else None
+            v[f"p99_le_{o}"] = (bool(r["p99_latency"] <= results[o]["p99_latency"])
+                                if o in others and "p99_latency" in r else None)
+        checks = [v[f"{c}_{o}"] for o in others for c in ("cheaper_than", "p99_le")]
+        v["beats_autoscalers"] = (bool(all(checks)) if others and "p99_latency" in r
+                                  else None)
+        out[n] = v
     return out
 
 
 def paired_comparisons(per_env: dict, subjects: list[str]) -> dict:
     """Paired differences (subject - other, same episodes) of `PAIRED_METRICS` against HPA,
     Knative, Ray Serve and every fixed count: `{subject: {other: {metric: stats}}}`."""
-    others = [n for n in per_env if n.startswith("fixed-")
-              or n in ("hpa", "knative", "ray_serve")]
-    return {s: {o: {m: paired_difference(per_env[s][m], per_env[o][m]) for m in PAIRED_METRICS}
+    others = [n for n in per_env if n.startswith("fixed-") or n in AUTOSCALERS]
+    return {s: {o: {m: paired_difference(per_env[s][m], per_env[o][m])
+                    for m in PAIRED_METRICS if m in per_env[s]}
                 for o in others} for s in subjects if s in per_env}
+
+
+# --------------------------------------------------------------------------- tuning
+
+def tune_scheduled(env: Autoscaling, params: AutoscalingParams, eval_key, grid,
+                   num_envs: int = 8, num_steps: int | None = None) -> tuple[float, dict]:
+    """`scheduled`'s `replicas_at_mean`: the cheapest of `grid` on episodes drawn from
+    `tuning_key(eval_key)` (disjoint from the reported ones). Returns `(choice, {c: cost})`;
+    one value is returned untuned."""
+    from jaxserve import policies as P
+    from jaxserve.core.sources import tuning_key
+
+    grid = [float(c) for c in grid]
+    if not grid:
+        raise ValueError("the scheduled grid needs at least one value")
+    if len(grid) == 1:
+        return grid[0], {}
+    pols = {str(c): P.get("scheduled", env=env, params=params, replicas_at_mean=c)
+            for c in grid}
+    res = evaluate_autoscalers(env, params, pols, tuning_key(eval_key), num_envs, num_steps,
+                               log_capacity=0)
+    costs = {c: res[str(c)]["cost"] for c in grid}
+    return min(costs, key=costs.get), costs
+
+
+def choose_told_price(results: dict[str, dict], candidates: Mapping[str, float]) -> tuple:
+    """The told price whose policy is cheapest among those with p99 no worse than every
+    reactive autoscaler's in `results`; with none, the one of lowest p99.
+
+    `candidates`: `{result name: told price}`. Returns `(price, name, feasible)`."""
+    bound = min(results[o]["p99_latency"] for o in AUTOSCALERS if o in results)
+    ok = [n for n in candidates if results[n]["p99_latency"] <= bound]
+    if ok:
+        best = min(ok, key=lambda n: results[n]["cost"])
+    else:
+        best = min(candidates, key=lambda n: results[n]["p99_latency"])
+    return candidates[best], best, bool(ok)
+
+
+def tune_told_price(env: Autoscaling, params: AutoscalingParams, eval_key,
+                    policies: Mapping[str, Callable], prices, num_envs: int = 8,
+                    num_steps: int | None = None) -> dict:
+    """For each price-conditioned learned policy, the price to tell it (`choose_told_price`),
+    on episodes from `tuning_key(eval_key)`, disjoint from the reported ones.
+
+    Args:
+      policies: `{label: told -> policy}`, a factory of the policy told price `told`
+        (`policies.autoscaling.told_price`).
+      prices: the candidate told prices.
+
+    Returns:
+      `{label: {"price", "feasible", "tuning": {price: {cost, p99_latency}}}}` plus the
+      autoscalers' tuning results under key "autoscalers".
+    """
+    from jaxserve import policies as P
+    from jaxserve.core.sources import tuning_key
+
+    prices = [float(p) for p in prices]
+    pols = {o: P.get(o, env=env, params=params) for o in AUTOSCALERS}
+    names = {}
+    for label, make in policies.items():
+        for p in prices:
+            names[f"{label}@{p:g}"] = (label, p)
+            pols[f"{label}@{p:g}"] = make(p)
+    res = evaluate_autoscalers(env, params, pols, tuning_key(eval_key), num_envs, num_steps)
+    keep = ("cost", "p99_latency", "mean_latency", "gpu_hours")
+    out: dict = {"autoscalers": {o: {k: res[o][k] for k in keep} for o in AUTOSCALERS}}
+    for label in policies:
+        cands = {n: p for n, (lab, p) in names.items() if lab == label}
+        price, _, feasible = choose_told_price(res, cands)
+        out[label] = {"price": price, "feasible": feasible,
+                      "tuning": {p: {k: res[n][k] for k in keep} for n, p in cands.items()}}
+    return out

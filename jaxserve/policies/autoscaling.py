@@ -239,6 +239,22 @@ def in_action_mode(policy, mode: int):
     return translated
 
 
+def told_price(policy, price: float):
+    """`policy` seeing `price` in its observation's price feature (`p / (1 + p)`) instead of
+    the environment's: a price-conditioned policy (trained with `price_spread > 1`) is so
+    run at the operating point it learned for `price`, while the episode is still charged
+    at the environment's own price, as every other policy's is."""
+    price = float(price)
+    if not np.isfinite(price) or price < 0:
+        raise ValueError(f"price must be finite and >= 0, got {price}")
+    i = AS.Autoscaling.FEATURES.index("price")
+
+    def told(key, obs, state, params):
+        return policy(key, obs.at[..., i].set(price / (1.0 + price)), state, params)
+
+    return told
+
+
 # ----------------------------------------------------------------------------- scheduled
 
 def make_scheduled(replicas_at_mean: float, lead_s: float | None = None, min_replicas: int = 1,
