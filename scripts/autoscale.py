@@ -2,27 +2,23 @@
 
 Example::
 
-    jaxserve-autoscale --set workload=azure_conv --run runs/as-ppo --out results/autoscale
+    jaxserve-autoscale --run runs/as-s0 --run runs/as-s1 --out results/autoscale
+    jaxserve-autoscale --set workload=azure_conv_test --windows 1600 --run runs/az-s0
 
 Evaluates every fixed replica count, the HPA-, Knative- and Ray-Serve-style autoscalers
 (`jaxserve.policies`, kind "autoscaling"; Ray Serve twice: its default target of 2 ongoing
-requests and a target of one batch), the `scheduled` reference that is told the daily cycle
-(its `replicas_at_mean` chosen from `--scheduled-grid` on tuning episodes,
-`core.sources.tuning_key`, disjoint from the reported ones), and, with `--run DIR`
-(repeatable), policies trained by `jaxserve-train` (reloaded from their checkpoints), all on
-the same episodes (`jaxserve.evaluation.scaling.evaluate_autoscalers`). A run trained with a
-longer decision interval (k x the evaluation's) decides every k-th interval and holds the
-count in between (`policies.autoscaling.hold_every`); one trained with step actions is
-re-expressed by target (`in_action_mode`), so the baselines keep the registry's scenario.
-Training-only settings of a run (`TRAINING_ONLY`) are not carried into the evaluation.
-Prints a table sorted by cost, says for each autoscaler whether it costs less than every fixed
-count and than HPA and whether its point lies below the fixed-count frontier (its mean latency
-under the piecewise-linear interpolation of the fixed counts' latency at the same
-replica-hours), prints paired differences (same episodes, Student-t 95% half-widths) of the
-learned runs and `scheduled` against every fixed count, HPA, Knative and Ray Serve, and writes
-`autoscale.csv`, `autoscale.json` and `cost_latency.png` (replica-hours against mean
-latency). Replica-hours are the `gpu_hours` fields: provisioned replica-seconds / 3600, not
-multiplied by the GPUs of a replica.
+requests and a target of one batch), the `scheduled` reference told the daily cycle (diurnal
+load only; `--scheduled-grid` tuned by `evaluation.scaling.tune_scheduled` on disjoint
+episodes) and, with `--run DIR` (repeatable), policies trained by `jaxserve-train`
+(`agents.autoscaling`: reloaded, training-only settings dropped, adapted to the evaluation
+scenario; a price-conditioned run is told the price chosen by
+`evaluation.scaling.tune_told_price` from `--told-prices` on tuning episodes, or on windows of
+`--tune-workload`), all on the same episodes (`evaluation.scaling.evaluate_autoscalers`;
+`--windows S` replays disjoint S-second windows of a trace, one episode each). Prints paired
+differences and a table sorted by cost with exact p99 latencies and the verdicts
+(`evaluation.scaling.verdicts`), and writes `autoscale.csv`, `autoscale.json` and
+`cost_latency.png` (replica-hours against mean latency). Replica-hours are the `gpu_hours`
+fields: provisioned replica-seconds / 3600, not multiplied by the GPUs of a replica.
 Errors print one line on stderr and exit with status 2.
 """
 
@@ -44,7 +40,8 @@ from scripts.cli import run_cli
 from scripts.cli import parse_pairs
 
 COLUMNS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas", "mean_latency",
-           "mean_latency_ci95", "slo_violation_rate", "drop_rate", "in_flight")
+           "mean_latency_ci95", "p99_latency", "p99_latency_ci95", "p99_latency_drops",
+           "slo_violation_rate", "drop_rate", "in_flight")
 
 
 def build_parser() -> _Parser:
@@ -55,65 +52,33 @@ def build_parser() -> _Parser:
     ap.add_argument("--run", dest="runs", action="append", default=[], metavar="DIR",
                     help="a jaxserve-train run directory on Autoscaling-v0, repeatable")
     ap.add_argument("--num-envs", type=int, default=8,
-                    help="episodes per policy (a replayed trace is deterministic: 2 suffice)")
+                    help="episodes per policy (a replayed trace is deterministic: use "
+                         "--windows for replicates)")
     ap.add_argument("--num-steps", type=int, default=None,
                     help="control intervals per episode (default: one episode / the trace)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scheduled-grid", default="4,4.5,5,5.5,6,6.5,7,7.5,8",
                     help="replicas_at_mean values for `scheduled`, chosen on tuning episodes "
                          "disjoint from the reported ones (one value: no tuning)")
+    ap.add_argument("--told-prices", default="0.5,1,1.5,2,3,4",
+                    help="prices a price-conditioned run (price_spread > 1) may be told; the "
+                         "cheapest with p99 no worse than HPA's, Knative's and Ray Serve's on "
+                         "tuning episodes (or windows) is reported")
+    ap.add_argument("--windows", type=float, default=None, metavar="SECONDS",
+                    help="replayed trace: one episode per disjoint window of this length")
+    ap.add_argument("--tune-workload", default=None,
+                    help="with --windows: the workload whose windows tune the told price "
+                         "(default: X_train for workload X_test)")
     ap.add_argument("--out", default=None, help="directory for CSV, JSON and the plot")
     ap.add_argument("--no-plot", action="store_true")
     return ap
 
 
-def load_run(run_dir: Path):
-    """Reloads a finished `jaxserve-train` run: `(label, TrainResult)`."""
-    import agents
-
-    meta_path = run_dir / "results.json"
-    if not meta_path.exists():
-        raise _CLIError(f"{run_dir} has no results.json: not a jaxserve-train run directory")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("env") != "Autoscaling-v0":
-        raise _CLIError(f"{run_dir} trained {meta.get('env')!r}, not Autoscaling-v0")
-    overrides = meta["env_overrides"]
-    if any(isinstance(v, dict) and "repr" in v for v in overrides.values()):
-        raise _CLIError(f"{run_dir} used overrides that cannot be rebuilt from JSON")
-    cfg = {k: v for k, v in meta["config"].items()
-           if k not in ("type", "total_timesteps", "seed", "num_envs")}
-    if "hidden_sizes" in cfg:
-        cfg["hidden_sizes"] = tuple(cfg["hidden_sizes"])
-    if cfg.get("set_dims") is not None:
-        cfg["set_dims"] = tuple(cfg["set_dims"])
-    result = agents.train("Autoscaling-v0", overrides, meta["algo"],
-                          meta["config"]["total_timesteps"], meta["seed"],
-                          num_envs=meta["config"]["num_envs"], progress=False, out_dir=run_dir,
-                          resume=True, **cfg)
-    return f"{meta['algo']}:{run_dir.name}", result
-
-
-TRAINING_ONLY = ("control_interval_s", "max_steps_in_episode", "random_phase", "random_initial",
-                 "invalid_penalty_s", "action_mode")
-
-
-def tune_scheduled(env, params, eval_key, args) -> tuple[float, dict]:
-    """`scheduled`'s `replicas_at_mean`, the cheapest of `--scheduled-grid` on episodes drawn
-    from `tuning_key(eval_key)` (disjoint from the reported ones); `(choice, {c: cost})`."""
-    from jaxserve import policies as P
-    from jaxserve.core.sources import tuning_key
-    from jaxserve.evaluation.scaling import evaluate_autoscalers
-
-    grid = [float(c) for c in args.scheduled_grid.split(",") if c.strip()]
-    if not grid:
-        raise _CLIError("--scheduled-grid needs at least one value")
-    if len(grid) == 1:
-        return grid[0], {}
-    pols = {c: P.get("scheduled", env=env, params=params, replicas_at_mean=c) for c in grid}
-    res = evaluate_autoscalers(env, params, {str(c): p for c, p in pols.items()},
-                               tuning_key(eval_key), args.num_envs, args.num_steps)
-    costs = {c: res[str(c)]["cost"] for c in grid}
-    return min(costs, key=costs.get), costs
+def _floats(text: str, flag: str) -> list[float]:
+    values = [float(c) for c in text.split(",") if c.strip()]
+    if not values:
+        raise _CLIError(f"{flag} needs at least one value")
+    return values
 
 
 def print_paired(paired: dict) -> None:
@@ -121,7 +86,8 @@ def print_paired(paired: dict) -> None:
         print(f"paired differences, {s} minus other (mean +- 95% half-width over episodes):")
         for o, d in rows.items():
             print(f"  vs {o:>12}: " + "; ".join(
-                f"{m} {d[m]['mean']:+,.4g} +- {d[m]['ci']:,.3g}" for m in PAIRED_METRICS))
+                f"{m} {d[m]['mean']:+,.4g} +- {d[m]['ci']:,.3g}" for m in PAIRED_METRICS
+                if m in d))
 
 
 def plot(results: dict[str, dict], path: Path, title: str) -> None:
@@ -160,53 +126,78 @@ def run(args) -> int:
     import jax
 
     import jaxserve
+    from agents.autoscaling import as_evaluated, evaluation_overrides, load_run, price_conditioned
     from jaxserve import policies as P
-    from jaxserve.evaluation.scaling import evaluate_autoscalers
+    from jaxserve import traces as T
+    from jaxserve.core.sources import params_trace
+    from jaxserve.evaluation.scaling import (AUTOSCALERS, evaluate_autoscalers, tune_scheduled,
+                                             tune_told_price)
 
     if args.num_envs < 1:
         raise _CLIError("--num-envs must be >= 1")
     overrides = parse_pairs(args.overrides, "--set")
-    learned = [load_run(Path(d)) for d in args.runs]
-    # The learned runs act in their training action mode; every baseline acts by target
-    # (`action_for_target`), so all share one environment built like the first run's.
+    learned = [load_run(d) for d in args.runs]
+    # Every policy shares one environment: the registry's scenario with the first run's
+    # non-training settings; the learned runs are adapted to it (`as_evaluated`).
     if learned:
-        # Training-only settings (decision cadence, episode length, random phase of the day)
-        # are not the evaluation scenario: the baselines run at the registry's cadence and a
-        # policy trained at k times it decides every k-th interval (`hold_every`).
-        base = {k: v for k, v in learned[0][1].env_overrides.items() if k not in TRAINING_ONLY}
-        for k in ("workload", "load", "trace", "arrivals", "arrival_rate", "tokens"):
-            if k in overrides:
-                base.pop(k, None)
-        overrides = {**base, **overrides}
+        overrides = evaluation_overrides(learned[0][1], overrides)
     env, params = jaxserve.make("Autoscaling-v0", **overrides)
-    dt = float(params.control_interval_s)
     for label, res in learned:
         if res.env.num_actions != env.num_actions:
             raise _CLIError(f"run {label} was trained with another action space")
     key = jax.random.key(args.seed)
+    trace = params_trace(params.serving)
+    windows = tune_env = None
+    if args.windows is not None:
+        if trace is None:
+            raise _CLIError("--windows needs a replayed trace (--set workload=...)")
+        windows = T.windows(trace, args.windows, by="time")
+        tune = args.tune_workload or str(overrides.get("workload", "")).replace("_test", "_train")
+        if tune and tune != overrides.get("workload"):
+            tune_env, tune_params = jaxserve.make("Autoscaling-v0", **{**overrides,
+                                                                      "workload": tune})
+            tune_windows = T.windows(params_trace(tune_params.serving), args.windows, by="time")
     pols = {f"fixed-{n}": P.get("fixed", env=env, params=params, replicas=n)
             for n in range(1, env.max_replicas + 1)}
-    for n in ("hpa", "knative", "ray_serve"):
+    for n in AUTOSCALERS:
         pols[n] = P.get(n, env=env, params=params)
-    sched_c, sched_tuning = tune_scheduled(env, params, key, args)
-    pols["scheduled"] = P.get("scheduled", env=env, params=params, replicas_at_mean=sched_c)
     pols["ray_serve(target=B)"] = P.get("ray_serve", env=env, params=params,
                                         target_ongoing_requests=None)
+    sched_c, sched_tuning = None, {}
+    if trace is None:  # `scheduled` is told the diurnal cycle; a replay has none
+        sched_c, sched_tuning = tune_scheduled(env, params, key, _floats(
+            args.scheduled_grid, "--scheduled-grid"), args.num_envs, args.num_steps)
+        pols["scheduled"] = P.get("scheduled", env=env, params=params,
+                                  replicas_at_mean=sched_c)
+    conditioned = {label: (lambda p, r=res: as_evaluated(r, params, p))
+                   for label, res in learned if price_conditioned(res)}
+    told = {}
+    if conditioned:
+        if windows is not None and tune_env is None:
+            raise _CLIError("tuning a told price on a replay needs a disjoint part: "
+                            "--tune-workload (e.g. azure_conv_train)")
+        if tune_env is None:
+            told = tune_told_price(env, params, key, conditioned,
+                                   _floats(args.told_prices, "--told-prices"), args.num_envs,
+                                   args.num_steps)
+        else:
+            told = tune_told_price(tune_env, tune_params, key, conditioned,
+                                   _floats(args.told_prices, "--told-prices"),
+                                   windows=tune_windows)
+        print_tuning(told)
     for label, res in learned:
-        k = float(res.env_params.control_interval_s) / dt
-        if abs(k - round(k)) > 1e-6 or round(k) < 1:
-            raise _CLIError(f"run {label} decided every {k * dt:g} s, not a multiple of {dt:g} s")
-        pol = P.autoscaling.in_action_mode(res.policy, int(res.env_params.action_mode))
-        pols[label] = P.autoscaling.hold_every(pol, round(k))
+        pols[label] = as_evaluated(res, params, told[label]["price"] if label in told else None)
     t0 = time.perf_counter()
     results, per_env = evaluate_autoscalers(env, params, pols, key, args.num_envs,
-                                            args.num_steps, episodes=True)
+                                            args.num_steps, episodes=True, windows=windows)
     wall = time.perf_counter() - t0
     ver = verdicts(results)
-    paired = paired_comparisons(per_env, [label for label, _ in learned] + ["scheduled"])
+    subjects = [label for label, _ in learned] + ([] if sched_c is None else ["scheduled"])
+    paired = paired_comparisons(per_env, subjects)
     print_paired(paired)
-    print_table(results, ver, f"Autoscaling-v0 {overrides or ''}: {args.num_envs} episodes of "
-                f"{next(iter(results.values()))['intervals']:.0f} intervals ({wall:.0f} s)")
+    first = next(iter(results.values()))
+    print_table(results, ver, f"Autoscaling-v0 {overrides or ''}: {first['num_envs']} episodes "
+                f"of {first['intervals']:.0f} intervals ({wall:.0f} s)")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -214,11 +205,12 @@ def run(args) -> int:
             w = csv.writer(f)
             w.writerow(["policy", *COLUMNS])
             for n, r in results.items():
-                w.writerow([n, *[r[k] for k in COLUMNS]])
+                w.writerow([n, *[r.get(k, float("nan")) for k in COLUMNS]])
         doc = {"command": "jaxserve-autoscale " + " ".join(sys.argv[1:]),
-               "overrides": overrides, "num_envs": args.num_envs, "wall_s": wall,
+               "overrides": overrides, "num_envs": first["num_envs"], "wall_s": wall,
                "results": results, "verdicts": ver, "paired": paired,
-               "scheduled_tuning": sched_tuning}
+               "scheduled_tuning": sched_tuning, "told_price_tuning": told,
+               "per_episode": per_env}
         (out / "autoscale.json").write_text(json.dumps(to_jsonable(doc), indent=1))
         if not args.no_plot:
             plot(results, out / "cost_latency.png", f"Autoscaling-v0 {overrides or ''}")
@@ -227,21 +219,37 @@ def run(args) -> int:
     return 0
 
 
+def print_tuning(told: dict) -> None:
+    a = told["autoscalers"]
+    print("told-price tuning (tuning episodes): autoscalers' p99 "
+          + ", ".join(f"{o} {a[o]['p99_latency']:.1f} s" for o in a))
+    for label, t in told.items():
+        if label == "autoscalers":
+            continue
+        rows = "; ".join(f"{p:g}: cost {r['cost']:,.0f} p99 {r['p99_latency']:.1f}"
+                         for p, r in t["tuning"].items())
+        print(f"  {label}: told {t['price']:g} ({'feasible' if t['feasible'] else 'none met the p99'}"
+              f"); {rows}")
+
+
 def print_table(results: dict, ver: dict, title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=title)
     for col in ("policy", "cost (req-s)", "replica-hours", "replicas", "mean latency (s)",
-                "SLO violated", "drops", "< every fixed", "< HPA", "below frontier"):
+                "p99 (s)", "p99 with drops", "SLO violated", "drops", "< every fixed",
+                "< HPA, KN, Ray at <= p99", "below frontier"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     yes = {True: "yes", False: "no", None: "-"}
     for n, r in sorted(results.items(), key=lambda kv: kv[1]["cost"]):
         v = ver.get(n, {})
         t.add_row(n, f"{r['cost']:,.0f}", f"{r['gpu_hours']:.2f}", f"{r['mean_replicas']:.2f}",
-                  f"{r['mean_latency']:.1f}", f"{100 * r['slo_violation_rate']:.1f}%",
+                  f"{r['mean_latency']:.1f}", f"{r.get('p99_latency', float('nan')):.1f}",
+                  f"{r.get('p99_latency_drops', float('nan')):.1f}",
+                  f"{100 * r['slo_violation_rate']:.1f}%",
                   f"{100 * r['drop_rate']:.2f}%", yes[v.get("cheaper_than_every_fixed")],
-                  yes[v.get("cheaper_than_hpa")], yes[v.get("below_fixed_frontier")])
+                  yes[v.get("beats_autoscalers")], yes[v.get("below_fixed_frontier")])
     Console(width=max(Console().width, 140)).print(t)
 
 

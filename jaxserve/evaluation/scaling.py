@@ -91,10 +91,14 @@ def episode_totals(env: Autoscaling, policy: Callable, params: AutoscalingParams
 
 
 @partial(jax.jit, static_argnames=("env", "policies", "num_steps"))
-def _run(env, policies, params, keys, num_steps):
+def _run(env, policies, params, keys, num_steps, windows=None):
+    def episode(pol, k, w):
+        p = params if w is None else params.replace(serving=params.serving.replace(trace=w))
+        return episode_totals(env, pol, p, k, num_steps)
+
     def per_policy(i):
         pol = switch_policy(policies, i)
-        return jax.vmap(lambda k: episode_totals(env, pol, params, k, num_steps))(keys)
+        return jax.vmap(lambda k, w: episode(pol, k, w))(keys, windows)
     return jax.vmap(per_policy)(jnp.arange(len(policies)))
 
 
@@ -150,7 +154,8 @@ def summarise(totals: dict, control_interval_s: float) -> dict:
 def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
                          policies: Mapping[str, Callable], key, num_envs: int = 8,
                          num_steps: int | None = None, episodes: bool = False,
-                         log_capacity: int | None = None) -> dict[str, dict]:
+                         log_capacity: int | None = None,
+                         windows=None) -> dict[str, dict]:
     """Evaluates autoscaling policies on common random numbers (one compiled program).
 
     Args:
@@ -163,6 +168,9 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
       episodes: also return the per-episode metrics, for paired comparisons.
       log_capacity: requests logged per episode for the exact p99 (None: a bound on the
         arrivals, `arrival_bound`; 0: no log and no p99).
+      windows: disjoint windows of a replayed trace (`traces.windows`, `TraceArrays` with
+        leaves `(W, L)`): episode `w` replays window `w` (replacing `params`' trace), so a
+        deterministic replay still gives `W` replicates for the CIs; `num_envs` is then W.
 
     Returns:
       `{name: metrics}` (see the module docstring); with `episodes=True`, the pair
@@ -179,6 +187,13 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
         raise ValueError("policies must name at least one policy")
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+    if windows is not None:
+        # One environment of the windows' shape; each episode's trace is a traced leaf.
+        env = with_static(env, trace_len=int(windows.gap.shape[1]))
+        num_envs = int(windows.gap.shape[0])
+        params = params.replace(serving=params.serving.replace(
+            trace=jax.tree.map(lambda x: x[int(np.argmax(np.asarray(windows.length)))],
+                               windows)))
     env.check_params(params)
     dt = float(params.control_interval_s)
     if num_steps is None:
@@ -196,7 +211,7 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
     names = list(policies)
     keys = jax.random.split(key, int(num_envs))
     totals = _run(with_static(env, log_capacity=cap), tuple(policies[n] for n in names), params,
-                  keys, int(num_steps))
+                  keys, int(num_steps), windows)
     most = int(np.max(np.asarray(totals["arrived"])))
     if cap > 0 and most > cap:
         raise ValueError(f"an episode had {most} arrivals, more than log_capacity={cap}: pass a "
@@ -311,9 +326,11 @@ def choose_told_price(results: dict[str, dict], candidates: Mapping[str, float])
 
 def tune_told_price(env: Autoscaling, params: AutoscalingParams, eval_key,
                     policies: Mapping[str, Callable], prices, num_envs: int = 8,
-                    num_steps: int | None = None) -> dict:
+                    num_steps: int | None = None, windows=None) -> dict:
     """For each price-conditioned learned policy, the price to tell it (`choose_told_price`),
-    on episodes from `tuning_key(eval_key)`, disjoint from the reported ones.
+    on episodes from `tuning_key(eval_key)`, disjoint from the reported ones, or, for a
+    replayed trace, on `windows` of a part of it disjoint from the evaluated one (e.g. the
+    training part, `workload="azure_conv_train"`, when evaluating on "azure_conv_test").
 
     Args:
       policies: `{label: told -> policy}`, a factory of the policy told price `told`
@@ -334,7 +351,8 @@ def tune_told_price(env: Autoscaling, params: AutoscalingParams, eval_key,
         for p in prices:
             names[f"{label}@{p:g}"] = (label, p)
             pols[f"{label}@{p:g}"] = make(p)
-    res = evaluate_autoscalers(env, params, pols, tuning_key(eval_key), num_envs, num_steps)
+    res = evaluate_autoscalers(env, params, pols, tuning_key(eval_key), num_envs, num_steps,
+                               windows=windows)
     keep = ("cost", "p99_latency", "mean_latency", "gpu_hours")
     out: dict = {"autoscalers": {o: {k: res[o][k] for k in keep} for o in AUTOSCALERS}}
     for label in policies:
