@@ -147,16 +147,11 @@ def run(args) -> int:
             raise _CLIError(f"run {label} was trained with another action space")
     key = jax.random.key(args.seed)
     trace = params_trace(params.serving)
-    windows = tune_env = None
+    windows = None
     if args.windows is not None:
         if trace is None:
             raise _CLIError("--windows needs a replayed trace (--set workload=...)")
         windows = T.windows(trace, args.windows, by="time")
-        tune = args.tune_workload or str(overrides.get("workload", "")).replace("_test", "_train")
-        if tune and tune != overrides.get("workload"):
-            tune_env, tune_params = jaxserve.make("Autoscaling-v0", **{**overrides,
-                                                                      "workload": tune})
-            tune_windows = T.windows(params_trace(tune_params.serving), args.windows, by="time")
     pols = {f"fixed-{n}": P.get("fixed", env=env, params=params, replicas=n)
             for n in range(1, env.max_replicas + 1)}
     for n in AUTOSCALERS:
@@ -172,18 +167,22 @@ def run(args) -> int:
     conditioned = {label: (lambda p, r=res: as_evaluated(r, params, p))
                    for label, res in learned if price_conditioned(res)}
     told = {}
-    if conditioned:
-        if windows is not None and tune_env is None:
-            raise _CLIError("tuning a told price on a replay needs a disjoint part: "
-                            "--tune-workload (e.g. azure_conv_train)")
-        if tune_env is None:
-            told = tune_told_price(env, params, key, conditioned,
-                                   _floats(args.told_prices, "--told-prices"), args.num_envs,
-                                   args.num_steps)
-        else:
-            told = tune_told_price(tune_env, tune_params, key, conditioned,
-                                   _floats(args.told_prices, "--told-prices"),
-                                   windows=tune_windows)
+    prices = _floats(args.told_prices, "--told-prices")
+    if conditioned and trace is None:  # tuning episodes: tuning_key(key), disjoint streams
+        told = tune_told_price(env, params, key, conditioned, prices, args.num_envs,
+                               args.num_steps)
+    elif conditioned:  # a replay is tuned on a disjoint part of the trace, never on itself
+        workload = str(overrides.get("workload", ""))
+        tune = args.tune_workload or workload.replace("_test", "_train")
+        if not tune or tune == workload:
+            raise _CLIError("tuning a told price on a replay needs a disjoint part of the "
+                            "trace: --tune-workload (e.g. azure_conv_train for azure_conv_test)")
+        tune_env, tune_params = jaxserve.make("Autoscaling-v0", **{**overrides, "workload": tune})
+        tune_trace = params_trace(tune_params.serving)
+        span = float(tune_trace.arrival_s[-1]) + 1.0
+        told = tune_told_price(tune_env, tune_params, key, conditioned, prices,
+                               windows=T.windows(tune_trace, args.windows or span, by="time"))
+    if told:
         print_tuning(told)
     for label, res in learned:
         pols[label] = as_evaluated(res, params, told[label]["price"] if label in told else None)

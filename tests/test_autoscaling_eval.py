@@ -3,6 +3,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -68,6 +69,49 @@ def test_verdicts_and_frontier():
     assert v["agent"]["below_fixed_frontier"] and v["agent"]["cheaper_than_every_fixed"]
     assert v["agent"]["cheaper_than_hpa"]
     assert not v["hpa"]["below_fixed_frontier"] and v["hpa"]["cheaper_than_hpa"] is None
+    assert v["agent"]["beats_autoscalers"] is None  # no p99 measured
+    # With p99: cheaper than every autoscaler present, at equal or better p99.
+    p99 = {"hpa": 50.0, "knative": 80.0, "ray_serve": 55.0, "agent": 50.0}
+    res = {**fixed, **{n: dict(gpu_hours=2.0, mean_latency=45.0, cost=70.0, p99_latency=p)
+                       for n, p in p99.items() if n != "agent"},
+           "agent": dict(gpu_hours=1.5, mean_latency=60.0, cost=45.0, p99_latency=50.0)}
+    v = verdicts(res)["agent"]
+    assert v["p99_le_hpa"] and v["cheaper_than_knative"] and v["beats_autoscalers"]
+    res["agent"]["p99_latency"] = 50.5
+    assert verdicts(res)["agent"]["beats_autoscalers"] is False
+
+
+def test_told_price_choice_and_adapter():
+    from types import SimpleNamespace
+
+    from agents.autoscaling import as_evaluated, evaluation_overrides
+    from jaxserve.evaluation.scaling import choose_told_price
+    from jaxserve.policies.autoscaling import told_price
+
+    res = {"hpa": dict(p99_latency=40.0), "ray_serve": dict(p99_latency=42.0),
+           "a@1": dict(cost=90.0, p99_latency=30.0), "a@2": dict(cost=80.0, p99_latency=39.0),
+           "a@4": dict(cost=70.0, p99_latency=45.0)}
+    cands = {"a@1": 1.0, "a@2": 2.0, "a@4": 4.0}
+    assert choose_told_price(res, cands) == (2.0, "a@2", True)  # cheapest with p99 <= 40
+    res["a@1"]["p99_latency"] = res["a@2"]["p99_latency"] = 41.0
+    assert choose_told_price(res, cands) == (1.0, "a@1", False)  # none: the lowest p99
+    # The adapter: told price in the observation, target actions, a decision every k-th step.
+    env, params = small()
+    seen = []
+    pol = told_price(lambda k, o, s, p: (seen.append(o), jnp.int32(2))[1], 3.0)
+    i = env.FEATURES.index("price")
+    obs, state = env.reset(jax.random.key(0), params)
+    pol(None, obs, state, params)
+    assert float(seen[0][i]) == pytest.approx(0.75) and float(obs[i]) == pytest.approx(0.8)
+    run = SimpleNamespace(policy=lambda k, o, s, p: jnp.int32(2),  # step +1 in delta mode
+                          env_params=params.replace(control_interval_s=jnp.float32(30.0),
+                                                    action_mode=jnp.int32(1)),
+                          env_overrides={"action_mode": 1, "gpu_price": 8.0, "workload": "x"})
+    act = as_evaluated(run, params)
+    assert int(act(None, obs, state, params)) == 2  # time 0: decides, +1 -> target 3 = action 2
+    assert int(act(None, obs, state.replace(time=jnp.int32(1)), params)) == 1  # holds 2
+    assert evaluation_overrides(run, {"workload": "diurnal"}) == {"gpu_price": 8.0,
+                                                                  "workload": "diurnal"}
 
 
 def test_cli_writes_results_and_plot(tmp_path, capsys):
