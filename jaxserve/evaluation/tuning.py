@@ -80,8 +80,9 @@ def tune_static(env, params, key=None, max_batches=None, timeouts=None, num_envs
     taus = np.asarray(d_t if timeouts is None else timeouts, np.float32)
     if bs.ndim != 1 or taus.ndim != 1 or bs.size == 0 or taus.size == 0:
         raise ValueError("max_batches and timeouts must be non-empty 1-D sequences")
-    if np.any(bs < 1) or np.any(~np.isfinite(taus)) or np.any(taus < 0):
-        raise ValueError("grid needs max_batch >= 1 and finite timeouts >= 0")
+    if np.any(bs < 1) or np.any(np.isnan(taus)) or np.any(taus < 0):
+        # tau = inf is allowed: static(B, inf) waits for B requests (never times out).
+        raise ValueError("grid needs max_batch >= 1 and timeouts >= 0 (inf allowed)")
     key = tuning_key() if key is None else mark_tuning_key(key)
     gb, gt = (a.ravel() for a in np.meshgrid(bs, taus, indexing="ij"))
     qmax = int(np.asarray(params.gpus.queue_cap)[0]) + 1  # queue lengths 0..queue_cap

@@ -46,13 +46,16 @@ def make_static(max_batch=None, timeout=None):
 
 def default_grid(params):
     """Default (B, tau) grid: B in powers of two up to `max_batch` (and `max_batch`);
-    tau in {0, 0.25, 0.5, 1, 2, 4} x the mean single-request service time."""
+    tau in {0, 0.25, 0.5, 1, 2, 4} x the mean single-request service time, and inf.
+
+    tau = inf ("dispatch exactly B once B wait", never time out) belongs to the static family
+    and is the best static rule where the SMDP optimum is a control limit at B."""
     from jaxserve.policies.routing import workload_means
     b_max = int(np.asarray(params.gpus.max_batch)[0])
     bs = sorted({1 << i for i in range(b_max.bit_length()) if (1 << i) <= b_max} | {b_max})
     p, o = workload_means(params)
     t1 = float(np.asarray(single_request_time(params.gpus, p, o))[0])
-    taus = [round(f * t1, 6) for f in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)]
+    taus = [round(f * t1, 6) for f in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)] + [float("inf")]
     return bs, taus
 
 

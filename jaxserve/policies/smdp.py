@@ -294,3 +294,24 @@ def _smdp_factory(env=None, params=None, key=None, num_samples: int = 2048,
     return Policy(name="smdp_optimal", kind="batching", fn=make_table_policy(sol.table),
                   info={"table": sol.table, "gain": sol.gain, "mean_latency": sol.mean_latency,
                         "rate": model.rate, "note": note, "solution": sol, "model": model})
+
+
+def static_table_gains(model: SMDPModel) -> dict[str, float]:
+    """Exact long-run cost rates of the static (B, tau) rules that are queue-length tables.
+
+    `greedy B` = static(B, 0), dispatch `min(q, B)` whenever `q >= 1`; `wait B` =
+    static(B, inf), dispatch exactly `B` once `B` wait. Finite `tau > 0` rules look at the
+    head's wait, so they are not tables (simulate them: `evaluation.tune_static`). As these
+    rules belong to the static family, `min(these) / optimum gain - 1` is an upper bound on
+    what the optimum gains over the best static rule (exact, no simulation noise).
+
+    Returns:
+      `{"greedy B": gain, "wait B": gain}` (cost per second, as `SMDPSolution.gain`) for B
+      in 1..max_batch.
+    """
+    q = np.arange(model.queue_cap + 1)
+    out = {}
+    for b in range(1, model.max_batch + 1):
+        out[f"greedy {b}"] = policy_stats(model, np.minimum(q, b))["gain"]
+        out[f"wait {b}"] = policy_stats(model, np.where(q >= b, b, 0))["gain"]
+    return out
