@@ -60,19 +60,18 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 class _Static:
     """Hashable jit-static handle on a gymnax environment.
 
-    Equal for environments of the same type and static configuration (`static_config()`), whose
-    `reset_env`/`step_env` depend only on that configuration and the params they are passed; so
-    every wrapper instance over such an environment reuses the same compiled code. Environments
-    without `static_config` are keyed by identity.
+    Equal for environments of the same type and static configuration (`env.static`, a frozen
+    dataclass), whose `reset_env`/`step_env` depend only on that configuration and the params
+    they are passed; so every wrapper instance over such an environment reuses the same compiled
+    code, whatever its default params. Environments without `static` are keyed by identity.
     """
 
     __slots__ = ("env", "_key", "_hash")
 
     def __init__(self, env):
         self.env = env
-        cfg = getattr(env, "static_config", None)
-        self._key = ((type(env), tuple(sorted(cfg().items()))) if callable(cfg)
-                     else (type(env), id(env)))
+        static = getattr(env, "static", None)
+        self._key = (type(env), static) if static is not None else (type(env), id(env))
         self._hash = hash(self._key)
 
     def __eq__(self, other):
@@ -182,9 +181,6 @@ def _step_jit(h: _Static, key_data, state, action, params):
     return kd, state, _pack((h, "step"), (obs,), reward, term, trunc, info)
 
 
-_where = select  # per-env select over pytrees whose leaves have a leading env axis
-
-
 @partial(jax.jit, static_argnums=0)
 def _vreset_jit(h: _Static, key_data, params):
     """Resets every env from its seed (`key_data[i]`)."""
@@ -192,7 +188,7 @@ def _vreset_jit(h: _Static, key_data, params):
     return jax.vmap(_reset_one, in_axes=(None, 0, None))(h.env, key_data, params)
 
 
-_where_jit = jax.jit(_where)
+_where_jit = jax.jit(select)  # per-env select over pytrees with a leading env axis
 
 
 @partial(jax.jit, static_argnums=0)
@@ -216,7 +212,7 @@ def _vstep_jit(h: _Static, same_step, key_data, state, actions, params, pre, res
 
     def with_reset(_):
         new = jax.vmap(_reset_one, in_axes=(None, 0, None))(env, reset_data, params)
-        return _where(need, new, (kd, obs, st))
+        return select(need, new, (kd, obs, st))
 
     kd_out, obs_out, st_out = jax.lax.cond(jnp.any(need), with_reset, lambda _: (kd, obs, st),
                                            None)

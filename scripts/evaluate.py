@@ -125,7 +125,9 @@ def run(args) -> int:
     from jaxserve import policies as P
     from jaxserve.core import arrivals as A
     from jaxserve.evaluation.capacity import capacity, check_slo, sweep_rates
-    from jaxserve.evaluation.evaluate import paired_table, split_trace, tuning_key
+    from jaxserve.core.sources import split_trace, tuning_key
+    from jaxserve.envs.base import policy_kind
+    from jaxserve.evaluation.evaluate import paired_table
 
     if args.num_envs < 1 or args.num_steps < 1:
         raise _CLIError("--num-envs and --num-steps must be >= 1")
@@ -134,7 +136,7 @@ def run(args) -> int:
                         f"{', '.join(jaxserve.registered_envs())}")
     overrides = {} if args.rate is None else {"arrival_rate": args.rate}
     env, params = jaxserve.make(args.env, **overrides)
-    kind = P.env_kind(env)
+    kind = policy_kind(env)
     names = (list(P.names(kind)) if args.policies is None
              else [n.strip() for n in args.policies.split(",") if n.strip()])
     if not names:

@@ -196,7 +196,8 @@ def busy_fractions(tr, targets=(0.3, 0.6, 0.9), window=1024):
 
     import jaxserve
     from jaxserve.envs.registry import routing_gpus
-    from jaxserve.traces import replay_windows, windows
+    from jaxserve.evaluation.replay import replay_windows
+    from jaxserve.traces import windows
 
     def jsq(key, obs, state, params):
         c = state.cluster

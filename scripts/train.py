@@ -234,9 +234,9 @@ def run(args, argv) -> int:
            "train_wall_s": result.wall_time_s, "compile_s": result.compile_time_s,
            "final_return": result.final_return(), "checkpoints": str(out / "checkpoints")}
     results = {}
-    from jaxserve.policies import env_kind
+    from jaxserve.envs.base import policy_kind
     try:
-        env_kind(result.env)
+        policy_kind(result.env)
         evaluable = True
     except ValueError:
         evaluable = False

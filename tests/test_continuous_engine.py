@@ -102,13 +102,13 @@ def test_exact_runs_cover_preemption_drops_and_never_fit():
 def test_per_replica_counters_match_reference():
     """Iterations, preemptions, busy time, KV block-seconds and peak KV use of each replica,
     from the environment's state after a drained trace episode."""
-    from jaxserve.envs import common
+    from jaxserve.core.sources import trace_arrays
 
     profiles, arrival, prompt, output, replica = exact_case(1, True, 0.0)
     want = ref.simulate(arrival, prompt, output, replica, as_dicts(profiles))
     env, params = env_for(profiles)
     env = env.replace_static(trace_len=N_REQ)
-    params = params.replace(trace=common.trace_arrays(jaxserve.Trace(arrival, prompt, output)),
+    params = params.replace(trace=trace_arrays(jaxserve.Trace(arrival, prompt, output)),
                             max_steps_in_episode=jnp.int32(10 * N_REQ))
 
     @jax.jit

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve.envs import common
+from jaxserve.core.sources import trace_arrays
 from tests import reference_sim as ref
 
 
@@ -130,7 +130,7 @@ def test_batching_env_matches_reference(threshold):
     env, params = jaxserve.make("Batching-v0", gpus=[prof])
     tr = jaxserve.Trace(arrival, prompt, output)
     env = env.replace_static(trace_len=n, log_capacity=n)
-    params = params.replace(trace=common.trace_arrays(tr))
+    params = params.replace(trace=trace_arrays(tr))
 
     def policy(state):
         q = state.cluster.queues.count[0]
@@ -195,7 +195,7 @@ def test_vmapped_replays_match_reference_exactly_on_both_batched_paths(path, mon
     params = []
     for profiles, arrival, prompt, output, _ in cases:
         _, p = jaxserve.make("Routing-v0", gpus=profiles)
-        params.append(p.replace(trace=common.trace_arrays(jaxserve.Trace(arrival, prompt,
+        params.append(p.replace(trace=trace_arrays(jaxserve.Trace(arrival, prompt,
                                                                          output))))
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *params)
     actions = jnp.asarray(np.stack([c[4] for c in cases]), jnp.int32)

@@ -1,7 +1,11 @@
-"""jaxserve.envs.base: policy kinds read from the environments, cached static variants."""
+"""jaxserve.envs.base: policy kinds read from the environments, typed static configuration and
+its cached variants."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 import jaxserve
@@ -13,7 +17,7 @@ from jaxserve.envs import base
                                        ("Autoscaling-v0", "autoscaling")])
 def test_policy_kind_is_an_env_attribute(name, kind):
     env, params = jaxserve.make(name)
-    assert base.policy_kind(env) == P.env_kind(env) == kind
+    assert base.policy_kind(env) == kind
     # Every default baseline of that kind is built for this env without a class switch.
     assert P.names(kind) and all(P.kind_of(n) == kind for n in P.names(kind))
 
@@ -37,3 +41,61 @@ def test_with_static_is_cached_by_value():
     assert base.with_static(jaxserve.make("Routing-v0")[0], trace_len=8, log_capacity=8) is a
     with pytest.raises(ValueError, match="no static field"):
         base.with_static(env, bogus=1)
+
+
+# ------------------------------------------------------------------------ static configuration
+
+STATIC_TYPES = {"Routing-v0": "RoutingStatic", "Batching-v0": "BatchingStatic",
+                "Autoscaling-v0": "AutoscalingStatic", "LLMRouting-v0": "LLMRoutingStatic",
+                "LLMAutoscaling-v0": "AutoscalingStatic"}
+
+
+@pytest.mark.parametrize("name", sorted(STATIC_TYPES))
+def test_static_is_a_frozen_dataclass_read_through_attributes(name):
+    env, _ = jaxserve.make(name)
+    static = env.static
+    assert type(static).__name__ == STATIC_TYPES[name] and type(env).Static is type(static)
+    for f in dataclasses.fields(static):
+        assert getattr(env, f.name) == getattr(static, f.name)
+    first = dataclasses.fields(static)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(static, first, 3)
+    with pytest.raises(AttributeError, match="replace_static"):
+        setattr(env, first, 3)
+    with pytest.raises(AttributeError):
+        env.no_such_field  # noqa: B018
+    # Rebuilding with the same fields gives an equal env (one jit cache entry); a changed
+    # field a different one, with only that field changed.
+    same = env.replace_static()
+    assert same == env and hash(same) == hash(env) and same.static == static
+    longer = env.replace_static(trace_len=static.trace_len + 5)
+    assert longer != env and longer.trace_len == static.trace_len + 5
+    assert dataclasses.replace(longer.static, trace_len=static.trace_len) == static
+    assert longer.default_params is env.default_params
+
+
+@pytest.mark.parametrize("name,changes,match", [
+    ("Routing-v0", {"num_gpus": 0}, "num_gpus must be >= 1"),
+    ("Routing-v0", {"queue_buffer": 0}, "queue_buffer must be >= 1"),
+    ("Routing-v0", {"log_capacity": -1}, "log_capacity must be >= 0"),
+    ("Routing-v0", {"max_batch": 2.5}, "max_batch must be an integer"),
+    ("Routing-v0", {"trace_len": "8"}, "trace_len must be an integer"),
+    ("Routing-v0", {"shaping_gamma": 1.5}, "shaping_gamma"),
+    ("Batching-v0", {"max_batch": 0}, "max_batch must be >= 1"),
+    ("Autoscaling-v0", {"history_len": 0}, "history_len must be >= 1"),
+    ("LLMRouting-v0", {"max_seqs": 0}, "max_seqs must be >= 1"),
+    ("Routing-v0", {"bogus": 1}, "no static field"),
+])
+def test_bad_static_configuration_is_a_value_error(name, changes, match):
+    env, _ = jaxserve.make(name)
+    with pytest.raises(ValueError, match=match):
+        env.replace_static(**changes)
+
+
+def test_static_fields_are_normalised_so_equal_configs_hash_equal():
+    env, _ = jaxserve.make("Routing-v0")
+    a = env.replace_static(trace_len=np.int64(8), shaping_gamma=1)
+    b = env.replace_static(trace_len=8.0, shaping_gamma=1.0)
+    assert type(a.trace_len) is int and type(a.shaping_gamma) is float
+    assert a == b and hash(a) == hash(b)
+    assert env.replace_static(shaping_gamma=None).shaping_gamma is None

@@ -11,6 +11,8 @@ import jaxserve
 from jaxserve import policies as P
 from jaxserve.core.profiles import get_profile
 from jaxserve.core.types import Trace
+from jaxserve.core import sources
+from jaxserve.evaluation import stats
 import importlib
 
 E = importlib.import_module("jaxserve.evaluation.evaluate")  # the module, not the function
@@ -88,9 +90,9 @@ def test_batching_observation_invariant_to_true_output_lengths():
 def test_tuning_keys_never_evaluate():
     # The registry of tuning keys is per process: a key no other test tunes with.
     key = jax.random.PRNGKey(987_654)
-    tk = E.tuning_key(key)
+    tk = sources.tuning_key(key)
     assert not np.array_equal(np.asarray(tk), np.asarray(key))
-    assert E.is_tuning_key(tk) and not E.is_tuning_key(key)
+    assert sources.is_tuning_key(tk) and not sources.is_tuning_key(key)
     env, params = jaxserve.make("Routing-v0")
     with pytest.raises(ValueError, match="used to tune"):
         jaxserve.evaluate(env, params, P.get("jsq"), tk, num_envs=2, num_steps=10)
@@ -112,23 +114,23 @@ def test_fitted_policies_mark_their_keys():
     renv, rparams = jaxserve.make("Routing-v0")
     k2 = jax.random.PRNGKey(12)
     P.get("sita", params=rparams, key=k2, num_samples=256)
-    assert E.is_tuning_key(k2)
+    assert sources.is_tuning_key(k2)
     # The defaults tune on tuning_key(PRNGKey(0)), so evaluating with PRNGKey(0) is allowed.
     P.get("sita", params=rparams, num_samples=256)
-    assert not E.is_tuning_key(jax.random.PRNGKey(0))
+    assert not sources.is_tuning_key(jax.random.PRNGKey(0))
 
 
 def test_split_trace_windows_are_disjoint():
     arr = np.cumsum(np.full(40, 0.5))
     tr = Trace(arrival_s=arr, prompt_tokens=np.arange(40) + 1.0,
                output_tokens=np.arange(40) + 100.0)
-    fit, scored = E.split_trace(tr, 0.25)
+    fit, scored = sources.split_trace(tr, 0.25)
     assert len(fit) == 10 and len(scored) == 30
     assert set(fit.prompt_tokens).isdisjoint(set(scored.prompt_tokens))
     assert scored.arrival_s[0] == 0.0
     np.testing.assert_allclose(np.diff(scored.arrival_s), 0.5)
     with pytest.raises(ValueError):
-        E.split_trace(tr, 1.0)
+        sources.split_trace(tr, 1.0)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -136,17 +138,17 @@ def test_split_trace_windows_are_disjoint():
 def test_paired_difference_known_example():
     a = [1.0, 2.0, 3.0, 4.0]
     b = [0.0, 1.0, 1.0, 2.0]  # differences 1, 1, 2, 2
-    d = E.paired_difference(a, b)
+    d = stats.paired_difference(a, b)
     half = student_t.ppf(0.975, 3) * np.std([1, 1, 2, 2], ddof=1) / 2.0
     assert d["n"] == 4 and d["mean"] == pytest.approx(1.5)
     assert d["ci"] == pytest.approx(half) and d["ci"] == pytest.approx(0.9186, abs=1e-4)
     assert d["low"] == pytest.approx(1.5 - half) and d["significant"]
     # Pairing removes the between-replicate spread the unpaired CIs carry.
-    assert d["ci"] < E.t_halfwidth(a)
-    same = E.paired_difference([1.0, 5.0, 9.0], [1.5, 4.5, 9.0])
+    assert d["ci"] < stats.t_halfwidth(a)
+    same = stats.paired_difference([1.0, 5.0, 9.0], [1.5, 4.5, 9.0])
     assert not same["significant"]
     with pytest.raises(ValueError):
-        E.paired_difference([1.0, 2.0], [1.0])
+        stats.paired_difference([1.0, 2.0], [1.0])
 
 
 def test_drop_inclusive_latency():

@@ -27,7 +27,7 @@ import pytest
 
 import jaxserve
 from jaxserve import policies
-from jaxserve.evaluation.evaluate import paired_difference
+from jaxserve.evaluation.stats import paired_difference
 from tests.minimal_ppo import greedy_policy, make_train
 
 TRAIN_STEPS = 200_704  # 98 updates of 16 x 128; ~1-2 min on 2 CPU cores

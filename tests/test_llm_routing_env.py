@@ -8,7 +8,7 @@ import pytest
 
 import jaxserve
 from jaxserve.core import arrivals as A
-from jaxserve.envs.llm_routing import FEATURE_CLIP
+from jaxserve.envs.base import FEATURE_CLIP
 
 # Small replicas keep compilation and steps cheap: 8 running slots, 8 queue slots.
 REPLICAS = [jaxserve.replica_profile("opt13b-a100-80g", max_seqs=8, queue_cap=8),

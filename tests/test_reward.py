@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxserve
-from jaxserve.envs import common
+from jaxserve.core.sources import trace_arrays
 
 
 # Routing-v0's default reward adds potential-based shaping (discount 0.99); undiscounted
@@ -26,7 +26,7 @@ def test_return_of_a_drained_trace_episode_is_minus_total_latency_and_drops(name
     env, params = jaxserve.make(name, gpus=gpus, latency_scale=7.0, drop_penalty_s=30.0,
                                 **extra)
     env = env.replace_static(trace_len=n, log_capacity=n)
-    params = params.replace(trace=common.trace_arrays(trace))
+    params = params.replace(trace=trace_arrays(trace))
     actions = jnp.asarray(rng.integers(0, env.num_actions, 2 * n), jnp.int32)
 
     @jax.jit

@@ -14,6 +14,7 @@ import pytest
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.types import GPUProfile
+from jaxserve.evaluation import stats
 from jaxserve.workloads import rollout as W
 from tests import reference_sim as ref
 
@@ -222,6 +223,9 @@ def test_schedules_match_reference_simulator(timeout):
         got = run_requests(params, rule, prompt, output, estimate)
         order = got["route_order"]
         assert np.all(got["replica"] < 3)
+        # The summary's percentiles are the evaluation's (stats), over the served latencies.
+        np.testing.assert_allclose([got["p50_latency_s"], got["p99_latency_s"]],
+                                   stats.percentiles(got["latency_s"], [50, 99]), rtol=1e-6)
         want = ref.simulate(np.zeros(K), prompt[order].astype(np.int64),
                             output[order].astype(np.int64), got["replica"][order], [prof] * 3)
         assert not want["dropped"].any()

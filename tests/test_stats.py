@@ -33,6 +33,22 @@ def test_percentiles_exact_over_finite_values():
     assert np.isnan(stats.percentiles([np.nan], [50, 99])).all()
 
 
+def test_percentiles_jax_equal_the_host_definition_under_jit_and_vmap():
+    import jax
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    x = rng.lognormal(0.0, 1.0, (3, 50)).astype(np.float32)
+    x[0, ::7] = np.nan
+    x[1, 10:] = np.inf  # a traced number of valid entries: 10 in row 1
+    x[2, :] = np.nan    # none: NaN, as on the host
+    qs = (0.0, 50.0, 99.0, 100.0)
+    got = np.asarray(jax.jit(jax.vmap(lambda v: stats.percentiles_jax(v, qs)))(jnp.asarray(x)))
+    for row, g in zip(x, got):
+        # float32 in JAX vs float64 on the host: equal to float32 rounding.
+        np.testing.assert_allclose(g, stats.percentiles(row, qs), rtol=1e-6)
+    assert np.isnan(got[2]).all()
+
+
 def test_percentile_with_drops_counts_a_drop_as_infinitely_late():
     served = np.arange(1.0, 101.0)  # 1..100: p99 = 99.01
     assert stats.percentile_with_drops(served, 99) == pytest.approx(99.01)

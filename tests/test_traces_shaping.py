@@ -23,8 +23,9 @@ import pytest
 import jaxserve
 from jaxserve.core import arrivals as A
 from jaxserve.core.types import GPUProfile, Trace
-from jaxserve.envs.common import trace_arrays
+from jaxserve.core.sources import trace_arrays
 from jaxserve.envs.registry import routing_gpus
+from jaxserve.evaluation.replay import replay_windows
 from jaxserve.traces import (
     burstgpt_like,
     burstgpt_profile,
@@ -41,7 +42,6 @@ from jaxserve.traces import (
     mmpp_stats,
     offered_load,
     published_stats,
-    replay_windows,
     rescale_to_load,
     sample_arrivals_jax,
     sample_mmpp,

@@ -2,9 +2,9 @@
 
 from jaxserve.envs.autoscaling import Autoscaling, AutoscalingParams, AutoscalingState
 from jaxserve.envs.batching import Batching, BatchingState
-from jaxserve.envs.common import ServingParams, TraceArrays, trace_arrays
+from jaxserve.envs.common import ServingParams
 from jaxserve.envs.registry import make, register, registered_envs
 from jaxserve.envs.routing import Routing, RoutingState
 
-__all__ = ["Autoscaling", "AutoscalingParams", "AutoscalingState", "Batching", "BatchingState", "Routing", "RoutingState", "ServingParams",
-           "TraceArrays", "make", "register", "registered_envs", "trace_arrays"]
+__all__ = ["Autoscaling", "AutoscalingParams", "AutoscalingState", "Batching", "BatchingState",
+           "Routing", "RoutingState", "ServingParams", "make", "register", "registered_envs"]

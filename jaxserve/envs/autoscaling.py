@@ -21,6 +21,7 @@ GPU-second), so `vmap` over prices trains or evaluates a family of cost-latency 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -34,7 +35,7 @@ from jaxserve.core import engines
 from jaxserve.core import queues as Q
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.envs import common
-from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
+from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 
 OFF, ACTIVE, DRAINING = 0, 1, 2
 
@@ -236,8 +237,30 @@ def apply_target(state: AutoscalingState, target, params: AutoscalingParams, wor
     return new_mode, new_ready.astype(jnp.float32), up > 0, down > 0
 
 
-class Autoscaling(common.StaticConfig,
-                  environment.Environment[AutoscalingState, AutoscalingParams]):
+@dataclasses.dataclass(frozen=True)
+class AutoscalingStatic:
+    """Static configuration of Autoscaling-v0 and LLMAutoscaling-v0 (`envs.base.StaticConfig`).
+
+    Attributes:
+      max_replicas: replica slots (the action space's size), >= 1.
+      queue_buffer: queue slots per replica (>= every `queue_cap`), >= 1.
+      max_batch: running slots per replica (>= every profile's `max_batch`), >= 1.
+      trace_len: rows of a replayed trace (0: synthetic arrivals).
+      history_len: per-interval records kept in the state, >= 1.
+    """
+
+    max_replicas: int
+    queue_buffer: int = 64
+    max_batch: int = 16
+    trace_len: int = 0
+    history_len: int = 64
+
+    def __post_init__(self):
+        check_sizes(self, positive=("max_replicas", "queue_buffer", "max_batch", "history_len"),
+                    nonnegative=("trace_len",))
+
+
+class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, AutoscalingParams]):
     """Set the number of active replicas every `control_interval_s`; pay GPU-seconds.
 
     Decision epochs: every `control_interval_s` seconds of simulated time.
@@ -260,7 +283,7 @@ class Autoscaling(common.StaticConfig,
     """
 
     policy_kind = "autoscaling"  # registered policies that act here (envs.base)
-    STATIC_FIELDS = ("max_replicas", "queue_buffer", "max_batch", "trace_len", "history_len")
+    Static = AutoscalingStatic  # static configuration (`env.static`; fields read as attributes)
     # The serving engine (`core.engines`); LLMAutoscaling-v0 swaps in continuous batching.
     ENGINE = engines.STATIC
 
@@ -269,21 +292,10 @@ class Autoscaling(common.StaticConfig,
                 "slo_violation_frac", "drop_frac", "day_sin", "day_cos", "price",
                 "warmup_left")
 
-    def __init__(self, max_replicas: int, queue_buffer: int = 64, max_batch: int = 16,
-                 trace_len: int = 0, history_len: int = 64,
-                 default: AutoscalingParams | None = None):
-        super().__init__()
-        for name, v in (("max_replicas", max_replicas), ("queue_buffer", queue_buffer),
-                        ("max_batch", max_batch), ("history_len", history_len)):
-            if int(v) < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        self.max_replicas = int(max_replicas)
-        self.num_gpus = self.max_replicas
-        self.queue_buffer = int(queue_buffer)
-        self.max_batch = int(max_batch)
-        self.trace_len = int(trace_len)
-        self.history_len = int(history_len)
-        self._default = default
+    @property
+    def num_gpus(self) -> int:
+        """Alias of `max_replicas` (what the shared checks and routing helpers read)."""
+        return self.max_replicas
 
     @property
     def name(self) -> str:

@@ -1,5 +1,12 @@
 """What every jaxserve environment shares beyond the gymnax API.
 
+* Static configuration (`StaticConfig`): each environment class names a frozen dataclass of
+  its shapes and other compile-time choices (`Static`, e.g. `RoutingStatic`), validated in its
+  `__post_init__` (ValueError), as Craftax's `StaticEnvParams`. The instance holds it as
+  `env.static`, reads its fields as attributes (`env.num_gpus`), hashes by it and by the
+  default params' values, and rebuilds with some fields changed with `replace_static`.
+  Everything a user may sweep is an array leaf of the params, so `vmap` over params needs no
+  recompile. The mixin also carries the lean auto-reset `step` of the serving environments.
 * `policy_kind`: each environment class names the family of registered policies that act in
   it (`"routing"`, `"batching"`, `"autoscaling"`; None for an environment without
   registered heuristics, such as LLMRouting-v0, whose heuristics are plain functions). The
@@ -10,19 +17,21 @@
   on the static `env`, compiles each variant once.
 * Observation clipping: `clip_features` and `feature_box`, one bound (`FEATURE_CLIP`) so that
   every feature is finite and inside the observation space at any load.
-
-The static-configuration mixin (`StaticConfig`: `STATIC_FIELDS`, hashing by value,
-`replace_static`, the lean auto-reset `step`) still lives in `envs/common.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+import hashlib
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from gymnax.environments import spaces
+
+from jaxserve.envs import common
 
 POLICY_KINDS = ("routing", "batching", "autoscaling")
 FEATURE_CLIP = 1e3  # keeps time features finite and inside the observation space at any load
@@ -64,3 +73,143 @@ def clip_features(feats: jax.Array) -> jax.Array:
 def feature_box(shape: tuple[int, ...]) -> spaces.Box:
     """The observation space of features built with `clip_features`."""
     return spaces.Box(0.0, FEATURE_CLIP, shape, jnp.float32)
+
+
+# ------------------------------------------------------------------------ static configuration
+
+def check_sizes(static: Any, positive: tuple[str, ...] = (),
+                nonnegative: tuple[str, ...] = ()) -> None:
+    """Validates integer fields of a frozen static dataclass (call from its `__post_init__`).
+
+    Each named field must be an integer (an integral float or numpy integer is accepted and
+    stored as a Python int, so equal configurations hash equal): `positive` ones >= 1,
+    `nonnegative` ones >= 0.
+
+    Raises:
+      ValueError: naming the first field that is not an integer or is out of range.
+    """
+    for names, low in ((positive, 1), (nonnegative, 0)):
+        for name in names:
+            v = getattr(static, name)
+            try:
+                i = int(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"{name} must be an integer, got {v!r}") from None
+            if i != v:
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if i < low:
+                raise ValueError(f"{name} must be >= {low}, got {v}")
+            object.__setattr__(static, name, i)  # frozen: the normalised value, set once
+
+
+class StaticConfig:
+    """Mixin for the serving environments: typed static configuration and a bandwidth-lean step.
+
+    A subclass sets `Static` to a frozen dataclass of its static fields (shapes such as the
+    number of GPUs and the queue buffer, and Python-level choices such as the reward's form).
+    The constructor takes those fields (positionally in the dataclass's order, or by name)
+    and the default params:
+
+        env = Routing(num_gpus=4, queue_buffer=64, default=params)
+        env.static        # RoutingStatic(num_gpus=4, queue_buffer=64, ...), validated
+        env.num_gpus      # 4: static fields read as attributes (read-only)
+
+    `replace_static` returns a new instance with some fields changed (e.g. a longer trace
+    window or a request log). Instances of one class with equal `static` and equal default
+    params (by value) compare and hash equal, so jit, which keys its cache on the static
+    `self`, reuses compiled code across them.
+
+    `step` keeps gymnax 1.0's contract exactly (auto-reset, `(obs, state, reward, terminated,
+    truncated, info)`, `info["final_observation"]`) but does not select the queues' slot
+    arrays on reset: a reset queue has count 0, so stale slots are never read, and skipping
+    them saves a full pass over the state (most of its bytes) on every step.
+    """
+
+    Static: ClassVar[type]  # the frozen dataclass of static fields, set by each environment
+
+    def __init__(self, *args, default=None, **fields):
+        super().__init__()
+        self.static = self.Static(*args, **fields)
+        self._default = default
+
+    def __getattr__(self, name):
+        # Reached only when ordinary lookup fails: static fields read through to `static`
+        # (`__dict__` directly, so a half-built or copied instance cannot recurse).
+        static = self.__dict__.get("static")
+        if static is not None and name in static.__dataclass_fields__:
+            return getattr(static, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name, value):
+        if name in self.Static.__dataclass_fields__:
+            raise AttributeError(f"{name} is static configuration; use replace_static")
+        super().__setattr__(name, value)
+
+    @property
+    def default_params(self):
+        """The scenario's parameters, as built by `jaxserve.make`."""
+        return self._default
+
+    def _key(self):
+        # Default params are part of the identity: gymnax's `step(..., params=None)` bakes them
+        # into the compiled program. Hashed by value so equal scenarios share compiled code.
+        if "_default_digest" not in self.__dict__:
+            h = hashlib.sha1(str(jax.tree.structure(self.default_params)).encode())
+            for leaf in jax.tree.leaves(self.default_params):
+                a = np.asarray(leaf)
+                h.update(str((a.dtype, a.shape)).encode() + a.tobytes())
+            self._default_digest = h.hexdigest()
+        return (type(self), self.static, self._default_digest)
+
+    def __eq__(self, other):
+        return isinstance(other, StaticConfig) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def replace_static(self, **changes):
+        """A new environment with the static fields in `changes` replaced (and re-validated).
+
+        Raises:
+          ValueError: a name in `changes` is not a static field, or a value is invalid.
+        """
+        fields = {f.name: getattr(self.static, f.name) for f in dataclasses.fields(self.static)}
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no static field(s) {sorted(unknown)}; "
+                             f"static fields: {tuple(fields)}")
+        return type(self)(default=self._default, **{**fields, **changes})
+
+    def check_params(self, params) -> None:
+        """Raises ValueError (naming the field) if `params` do not fit this environment."""
+        common.validate_params(params, self.queue_buffer, getattr(self, "max_batch", None),
+                               getattr(self, "num_gpus", None))
+
+    def step_and_reset(self, key, state, action, params):
+        """`step_env`'s five outputs, and the `(obs, state)` an auto-reset would start from.
+
+        By default the two draw from independent keys (a split of `key`). An environment whose
+        step draws one request overrides this to draw both from one PRNG call on `key`.
+        """
+        key_step, key_reset = jax.random.split(key)
+        return (self.step_env(key_step, state, action, params),
+                self.reset_env(key_reset, params))
+
+    @functools.partial(jax.jit, static_argnames=("self",))
+    def step(self, key, state, action, params=None):
+        """gymnax 1.0 step with auto-reset; see the class docstring."""
+        if params is None:
+            params = self.default_params
+        (obs_st, state_st, reward, terminated, info), (obs_re, state_re) = self.step_and_reset(
+            key, state, action, params)
+        truncated = self.is_truncated(state_st, params)
+        done = jnp.logical_or(terminated, truncated)
+        q_st, q_re = state_st.cluster.queues, state_re.cluster.queues
+        q_re = q_re.replace(arrival=q_st.arrival, prompt=q_st.prompt, output=q_st.output,
+                            estimate=q_st.estimate, req_id=q_st.req_id)
+        state_re = state_re.replace(cluster=state_re.cluster.replace(queues=q_re))
+        state = jax.tree.map(lambda r, s: jax.lax.select(done, r, s), state_re, state_st)
+        obs = jax.lax.select(done, obs_re, obs_st)
+        info = {**info, "terminated": terminated, "truncated": truncated,
+                "final_observation": obs_st}
+        return obs, state, reward, terminated, truncated, info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ from jaxserve.core import queues as Q
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.tree import select
 from jaxserve.envs import common
-from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
+from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 
 NUM_FEATURES = 6
 
@@ -40,7 +41,28 @@ class BatchingState:
     log: C.RequestLog
 
 
-class Batching(common.StaticConfig, environment.Environment[BatchingState, common.ServingParams]):
+@dataclasses.dataclass(frozen=True)
+class BatchingStatic:
+    """Static configuration of Batching-v0 (`envs.base.StaticConfig`).
+
+    Attributes:
+      max_batch: the largest batch (the action space is `Discrete(max_batch + 1)`), >= 1.
+      queue_buffer: queue slots (>= `params.gpus.queue_cap`), >= 1.
+      trace_len: rows of a replayed trace (0: synthetic arrivals).
+      log_capacity: requests kept in the per-request log (0: no log).
+    """
+
+    max_batch: int
+    queue_buffer: int = 64
+    trace_len: int = 0
+    log_capacity: int = 0
+
+    def __post_init__(self):
+        check_sizes(self, positive=("max_batch", "queue_buffer"),
+                    nonnegative=("trace_len", "log_capacity"))
+
+
+class Batching(StaticConfig, environment.Environment[BatchingState, common.ServingParams]):
     """One GPU; the agent replaces the static batcher.
 
     Decision epochs: whenever the GPU is idle and requests wait, after every completion and
@@ -60,19 +82,8 @@ class Batching(common.StaticConfig, environment.Environment[BatchingState, commo
     """
 
     policy_kind = "batching"  # registered policies that act here (envs.base)
-    STATIC_FIELDS = ("max_batch", "queue_buffer", "trace_len", "log_capacity")
-
-    def __init__(self, max_batch: int, queue_buffer: int = 64, trace_len: int = 0,
-                 default: common.ServingParams | None = None, log_capacity: int = 0):
-        super().__init__()
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.max_batch = int(max_batch)
-        self.queue_buffer = int(queue_buffer)
-        self.trace_len = int(trace_len)
-        self.log_capacity = int(log_capacity)
-        self.num_gpus = 1
-        self._default = default
+    Static = BatchingStatic  # static configuration (`env.static`; fields read as attributes)
+    num_gpus = 1
 
     @property
     def name(self) -> str:

@@ -1,16 +1,14 @@
 """What the serving environments share: parameters, request sources, validation, features.
 
-Static configuration (shapes: number of GPUs, queue buffer, trace window length) lives on the
-environment instance; everything a user may sweep (GPU coefficients, batch limits, arrival
-rates, token distributions, SLO, reward weights, episode length) is an array leaf of
-`ServingParams`, so `vmap` over params needs no recompile.
+Static configuration (shapes: number of GPUs, queue buffer, trace window length) is a frozen
+dataclass on the environment instance (`envs.base.StaticConfig`); everything a user may sweep
+(GPU coefficients, batch limits, arrival rates, token distributions, SLO, reward weights,
+episode length) is an array leaf of `ServingParams`, so `vmap` over params needs no recompile.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +17,7 @@ from flax import struct
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.queues import Request
-from jaxserve.core.sources import TraceArrays, no_trace, trace_arrays  # noqa: F401 (re-exported)
+from jaxserve.core.sources import TraceArrays
 from jaxserve.core.types import GPUProfile, validate_profile
 
 
@@ -181,90 +179,6 @@ def reward_from(metrics, params: ServingParams) -> jax.Array:
     """
     cost = metrics.in_system_time + params.drop_penalty_s * metrics.dropped
     return (-cost / params.latency_scale).astype(jnp.float32)
-
-
-class StaticConfig:
-    """Mixin for the serving environments: static configuration and a bandwidth-lean step.
-
-    Subclasses list their constructor's shape arguments in `STATIC_FIELDS`; `replace_static`
-    returns a new instance with some of them changed (e.g. a longer trace window or a request
-    log). Instances with equal static configuration and equal default params (by value)
-    compare equal, so jit reuses compiled code across them.
-
-    `step` keeps gymnax 1.0's contract exactly (auto-reset, `(obs, state, reward, terminated,
-    truncated, info)`, `info["final_observation"]`) but does not select the queues' slot
-    arrays on reset: a reset queue has count 0, so stale slots are never read, and skipping
-    them saves a full pass over the state (most of its bytes) on every step.
-    """
-
-    STATIC_FIELDS: tuple[str, ...] = ()
-
-    @property
-    def default_params(self) -> "ServingParams":
-        """The scenario's parameters, as built by `jaxserve.make`."""
-        return self._default
-
-    def _key(self):
-        # Default params are part of the identity: gymnax's `step(..., params=None)` bakes them
-        # into the compiled program. Hashed by value so equal scenarios share compiled code.
-        if "_default_digest" not in self.__dict__:
-            h = hashlib.sha1(str(jax.tree.structure(self.default_params)).encode())
-            for leaf in jax.tree.leaves(self.default_params):
-                a = np.asarray(leaf)
-                h.update(str((a.dtype, a.shape)).encode() + a.tobytes())
-            self._default_digest = h.hexdigest()
-        return (type(self), tuple(self.static_config().items()), self._default_digest)
-
-    def __eq__(self, other):
-        return isinstance(other, StaticConfig) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
-    def step_and_reset(self, key, state, action, params):
-        """`step_env`'s five outputs, and the `(obs, state)` an auto-reset would start from.
-
-        By default the two draw from independent keys (a split of `key`). An environment whose
-        step draws one request overrides this to draw both from one PRNG call on `key`.
-        """
-        key_step, key_reset = jax.random.split(key)
-        return (self.step_env(key_step, state, action, params),
-                self.reset_env(key_reset, params))
-
-    @partial(jax.jit, static_argnames=("self",))
-    def step(self, key, state, action, params=None):
-        """gymnax 1.0 step with auto-reset; see the class docstring."""
-        if params is None:
-            params = self.default_params
-        (obs_st, state_st, reward, terminated, info), (obs_re, state_re) = self.step_and_reset(
-            key, state, action, params)
-        truncated = self.is_truncated(state_st, params)
-        done = jnp.logical_or(terminated, truncated)
-        q_st, q_re = state_st.cluster.queues, state_re.cluster.queues
-        q_re = q_re.replace(arrival=q_st.arrival, prompt=q_st.prompt, output=q_st.output,
-                            estimate=q_st.estimate, req_id=q_st.req_id)
-        state_re = state_re.replace(cluster=state_re.cluster.replace(queues=q_re))
-        state = jax.tree.map(lambda r, s: jax.lax.select(done, r, s), state_re, state_st)
-        obs = jax.lax.select(done, obs_re, obs_st)
-        info = {**info, "terminated": terminated, "truncated": truncated,
-                "final_observation": obs_st}
-        return obs, state, reward, terminated, truncated, info
-
-    def check_params(self, params: "ServingParams") -> None:
-        """Raises ValueError (naming the field) if `params` do not fit this environment."""
-        validate_params(params, self.queue_buffer, getattr(self, "max_batch", None),
-                        getattr(self, "num_gpus", None))
-
-    def static_config(self) -> dict:
-        return {f: getattr(self, f) for f in self.STATIC_FIELDS}
-
-    def replace_static(self, **changes):
-        unknown = set(changes) - set(self.STATIC_FIELDS)
-        if unknown:
-            raise ValueError(f"{type(self).__name__} has no static field(s) {sorted(unknown)}; "
-                             f"static fields: {self.STATIC_FIELDS}")
-        cfg = {**self.static_config(), **changes}
-        return type(self)(default=self.default_params, **cfg)
 
 
 def override(params: ServingParams, **kwargs) -> ServingParams:

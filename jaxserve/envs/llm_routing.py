@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
-from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
+from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 
 NUM_REQUEST_FEATURES = 3
 NUM_REPLICA_FEATURES = 7
@@ -44,8 +45,30 @@ class LLMRoutingState:
     log: CB.TokenLog
 
 
-class LLMRouting(common.StaticConfig,
-                 environment.Environment[LLMRoutingState, common.ServingParams]):
+@dataclasses.dataclass(frozen=True)
+class LLMRoutingStatic:
+    """Static configuration of LLMRouting-v0 (`envs.base.StaticConfig`).
+
+    Attributes:
+      num_replicas: replicas (the action space's size), >= 1.
+      queue_buffer: waiting-queue slots per replica (>= every `queue_cap`), >= 1.
+      max_seqs: running-sequence slots per replica (>= every profile's `max_seqs`), >= 1.
+      trace_len: rows of a replayed trace (0: synthetic arrivals).
+      log_capacity: requests kept in the per-request token log (0: no log).
+    """
+
+    num_replicas: int
+    queue_buffer: int = 64
+    max_seqs: int = 64
+    trace_len: int = 0
+    log_capacity: int = 0
+
+    def __post_init__(self):
+        check_sizes(self, positive=("num_replicas", "queue_buffer", "max_seqs"),
+                    nonnegative=("trace_len", "log_capacity"))
+
+
+class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.ServingParams]):
     """Route every arriving request to a replica; each replica batches continuously (vLLM v1).
 
     `params.gpus` holds the stacked `ReplicaProfile` of the replicas (`stack_replicas`).
@@ -71,22 +94,7 @@ class LLMRouting(common.StaticConfig,
       plus `first_tokens`, `ttft_sum` (s), `preemptions` and `never_fit` drops of the step.
     """
 
-    STATIC_FIELDS = ("num_replicas", "queue_buffer", "max_seqs", "trace_len", "log_capacity")
-
-    def __init__(self, num_replicas: int, queue_buffer: int = 64, max_seqs: int = 64,
-                 trace_len: int = 0, default: common.ServingParams | None = None,
-                 log_capacity: int = 0):
-        super().__init__()
-        for name, v in (("num_replicas", num_replicas), ("queue_buffer", queue_buffer),
-                        ("max_seqs", max_seqs)):
-            if int(v) < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        self.num_replicas = int(num_replicas)
-        self.queue_buffer = int(queue_buffer)
-        self.max_seqs = int(max_seqs)
-        self.trace_len = int(trace_len)
-        self.log_capacity = int(log_capacity)
-        self._default = default
+    Static = LLMRoutingStatic  # static configuration (`env.static`; fields read as attributes)
 
     @property
     def num_gpus(self) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.profiles import get_profile
+from jaxserve.core.sources import no_trace, trace_arrays
 from jaxserve.core.types import GPUProfile, stack_profiles
 from jaxserve.envs import common
 from jaxserve.envs import autoscaling as AS
@@ -104,7 +105,7 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
         arrivals=arrivals, tokens=tokens,
         size_edges=jnp.asarray(size_edges, jnp.float32),
         size_values=jnp.asarray(size_values, jnp.float32),
-        trace=common.no_trace() if trace is None else common.trace_arrays(trace, trace_pad),
+        trace=no_trace() if trace is None else trace_arrays(trace, trace_pad),
         **{k: jnp.asarray(0, common.SCALAR_FIELDS[k]) for k in common.SCALAR_FIELDS})
     return common.override(params, **defaults)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -14,7 +15,7 @@ from jaxserve.core import queues as Q
 from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
 from jaxserve.envs import common
-from jaxserve.envs.base import FEATURE_CLIP, clip_features, feature_box  # noqa: F401
+from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 
 NUM_REQUEST_FEATURES = 3
 NUM_GPU_FEATURES = 6
@@ -47,7 +48,37 @@ class RoutingState:
     backlog: jax.Array
 
 
-class Routing(common.StaticConfig, environment.Environment[RoutingState, common.ServingParams]):
+@dataclasses.dataclass(frozen=True)
+class RoutingStatic:
+    """Static configuration of Routing-v0 (`envs.base.StaticConfig`).
+
+    Attributes:
+      num_gpus: GPUs in the cluster (the action space's size), >= 1.
+      queue_buffer: queue slots per GPU (>= every `params.gpus.queue_cap`), >= 1.
+      max_batch: running-batch slots per GPU (>= every `params.gpus.max_batch`), >= 1.
+      trace_len: rows of a replayed trace (0: synthetic arrivals).
+      log_capacity: requests kept in the per-request log (0: no log).
+      shaping_gamma: discount of the potential-based reward shaping, in [0, 1], or None (no
+        shaping). A Python number because it selects the reward's form.
+    """
+
+    num_gpus: int
+    queue_buffer: int = 64
+    max_batch: int = 16
+    trace_len: int = 0
+    log_capacity: int = 0
+    shaping_gamma: float | None = DEFAULT_SHAPING_GAMMA
+
+    def __post_init__(self):
+        check_sizes(self, positive=("num_gpus", "queue_buffer", "max_batch"),
+                    nonnegative=("trace_len", "log_capacity"))
+        g = self.shaping_gamma
+        if g is not None and not 0.0 <= float(g) <= 1.0:
+            raise ValueError(f"shaping_gamma must be in [0, 1] or None, got {g}")
+        object.__setattr__(self, "shaping_gamma", None if g is None else float(g))
+
+
+class Routing(StaticConfig, environment.Environment[RoutingState, common.ServingParams]):
     """Route every arriving request to a GPU; each GPU runs the static batcher.
 
     Decision epochs: each request arrival (one decision per request). Between arrivals the
@@ -95,33 +126,13 @@ class Routing(common.StaticConfig, environment.Environment[RoutingState, common.
       and `reset_env(key, ...)` after a reset. A multi-phase MMPP also draws the gap and the
       reset phase from `fold_in(key, 1)` and `fold_in(key, 2)`.
 
-    Static configuration: `num_gpus`, `queue_buffer`, `max_batch`, `trace_len`,
-    `log_capacity` (shapes), and `shaping_gamma` (float in [0, 1] or None: no shaping; a
-    Python number because it selects the reward's form, set with `jaxserve.make(...,
-    shaping_gamma=...)`).
+    Static configuration: `RoutingStatic` (`env.static`; its fields read as attributes):
+    `num_gpus`, `queue_buffer`, `max_batch`, `trace_len`, `log_capacity` (shapes), and
+    `shaping_gamma` (set with `jaxserve.make(..., shaping_gamma=...)`).
     """
 
     policy_kind = "routing"  # registered policies that act here (envs.base)
-    STATIC_FIELDS = ("num_gpus", "queue_buffer", "max_batch", "trace_len", "log_capacity",
-                     "shaping_gamma")
-
-    def __init__(self, num_gpus: int, queue_buffer: int = 64, max_batch: int = 16,
-                 trace_len: int = 0, default: common.ServingParams | None = None,
-                 log_capacity: int = 0, shaping_gamma: float | None = DEFAULT_SHAPING_GAMMA):
-        super().__init__()
-        if num_gpus < 1:
-            raise ValueError(f"num_gpus must be >= 1, got {num_gpus}")
-        if queue_buffer < 1:
-            raise ValueError(f"queue_buffer must be >= 1, got {queue_buffer}")
-        if shaping_gamma is not None and not 0.0 <= float(shaping_gamma) <= 1.0:
-            raise ValueError(f"shaping_gamma must be in [0, 1] or None, got {shaping_gamma}")
-        self.shaping_gamma = None if shaping_gamma is None else float(shaping_gamma)
-        self.num_gpus = int(num_gpus)
-        self.queue_buffer = int(queue_buffer)
-        self.max_batch = int(max_batch)
-        self.trace_len = int(trace_len)
-        self.log_capacity = int(log_capacity)
-        self._default = default
+    Static = RoutingStatic
 
     @property
     def name(self) -> str:

@@ -19,9 +19,9 @@ import numpy as np
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.service import full_batch_rate, host_profile, service_time
-from jaxserve.evaluation.evaluate import (_check_args, params_trace, rollout_envs,
-                                          sample_stream, sample_tokens_n, summarise,
-                                          switch_policy, trace_env)
+from jaxserve.core.sources import params_trace, sample_stream, sample_tokens_n
+from jaxserve.evaluation.evaluate import (_check_args, rollout_envs, summarise, switch_policy,
+                                          trace_env)
 from jaxserve.evaluation.stats import percentile_with_drops, percentiles
 
 

@@ -33,13 +33,13 @@ Methodology (docs/baselines.md has the long form):
 * Confidence intervals: each environment is one independent replicate; a 95% CI is the
   Student-t interval of the replicates' values (for the mean latency, of the per-environment
   mean latencies). Policies compared on one key see the same streams, so compare them with
-  `paired_difference` (the Student-t CI of the per-environment differences), not by whether
-  their separate CIs overlap.
+  `evaluation.stats.paired_difference` (the Student-t CI of the per-environment differences),
+  not by whether their separate CIs overlap.
 * Tuning and evaluation never share streams: policies that are fitted or tuned by simulation
-  (`tuned_static`, `sita`, `scheduled`) use `tuning_key(key)` (a `fold_in` with
+  (`tuned_static`, `sita`, `scheduled`) use `core.sources.tuning_key(key)` (a `fold_in` with
   `TUNING_SALT`), every key used for tuning is recorded, and `evaluate_many` refuses a
-  recorded one (`check_not_tuning_key`). A trace is split with `split_trace` into a fitting
-  window and a disjoint scored window.
+  recorded one (`check_not_tuning_key`). A trace is split with `core.sources.split_trace`
+  into a fitting window and a disjoint scored window.
 """
 
 from __future__ import annotations
@@ -54,15 +54,14 @@ import numpy as np
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core.metrics import StepMetrics
-from jaxserve.core.sources import (TUNING_SALT, check_not_tuning_key, is_tuning_key,  # noqa: F401
-                                   mark_tuning_key, params_trace, sample_stream, sample_tokens_n,
-                                   split_trace, tuning_key)
+from jaxserve.core.sources import (TraceArrays, check_not_tuning_key, params_trace,
+                                   sample_stream, trace_arrays)
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
 from jaxserve.envs.base import with_static
 from jaxserve.evaluation import episodes
 from jaxserve.evaluation.episodes import as_action
-from jaxserve.evaluation.stats import paired_difference, percentiles, t_halfwidth  # noqa: F401
+from jaxserve.evaluation.stats import paired_difference, percentiles, t_halfwidth
 
 # ----------------------------------------------------------------------------- building blocks
 
@@ -80,9 +79,9 @@ def trace_env(env, n: int):
     return with_static(env, trace_len=int(n), log_capacity=int(n))
 
 
-def host_trace(trace: Trace) -> common.TraceArrays:
+def host_trace(trace: Trace) -> TraceArrays:
     """A validated host trace as `TraceArrays` (no padding)."""
-    return common.trace_arrays(validate_trace(trace))
+    return trace_arrays(validate_trace(trace))
 
 
 def rollout(env_t, policy: Callable, params: common.ServingParams, key, routing: bool) -> dict:
@@ -135,7 +134,7 @@ def rollout(env_t, policy: Callable, params: common.ServingParams, key, routing:
             "in_flight": C.in_system(state.cluster), "decisions": decisions}
 
 
-def rollout_envs(env_t, policy, params, streams: common.TraceArrays, keys, routing: bool):
+def rollout_envs(env_t, policy, params, streams: TraceArrays, keys, routing: bool):
     """`rollout` vmapped over environments: `streams` and `keys` have a leading `(E,)` axis."""
     def one(stream, key):
         return rollout(env_t, policy, params.replace(trace=stream), key, routing)
@@ -176,7 +175,7 @@ def make_streams(key, params, num_envs: int, num_steps: int, trace: Trace | None
 
 
 @partial(jax.jit, static_argnames=("n",))
-def _sample_streams(keys, params, n: int) -> common.TraceArrays:
+def _sample_streams(keys, params, n: int) -> TraceArrays:
     return jax.vmap(sample_stream, in_axes=(0, None, None))(keys, params, n)
 
 
@@ -212,7 +211,7 @@ def paired_table(results: Mapping[str, dict], reference: str,
             for name, r in results.items() if name != reference}
 
 
-def summarise(out: dict, streams: common.TraceArrays, params, warmup: int = 0) -> dict:
+def summarise(out: dict, streams: TraceArrays, params, warmup: int = 0) -> dict:
     """Host-side metrics of one policy's `(E, ...)` rollout outputs (see `evaluate`)."""
     wait = np.asarray(out["wait"], np.float64)
     service = np.asarray(out["service"], np.float64)

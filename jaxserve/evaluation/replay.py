@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.sources import TraceArrays
+from jaxserve.core.sources import TraceArrays, trace_arrays
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
 from jaxserve.envs.llm_routing import LLMRouting
@@ -103,7 +103,7 @@ def replay(env, params, trace: Trace, actions=None, *, policy=None,
             raise ValueError(f"policy must be callable, got {type(policy).__name__}")
         env.check_params(params)
         key = jax.random.PRNGKey(0) if key is None else key
-        trace_params = params.replace(trace=common.trace_arrays(tr))
+        trace_params = params.replace(trace=trace_arrays(tr))
         log, dropped, gpu = _run_policy(trace_env(env, n), key, trace_params, policy)
         return _schedule_of(env, tr, np.asarray(gpu), log, dropped)
     if actions is None:
@@ -120,7 +120,7 @@ def replay(env, params, trace: Trace, actions=None, *, policy=None,
         raise ValueError(f"actions[{bad}] = {acts[bad]} is not a GPU index in [0, {num_gpus})")
     env.check_params(params)
     key = jax.random.PRNGKey(0) if key is None else key
-    trace_params = params.replace(trace=common.trace_arrays(tr))
+    trace_params = params.replace(trace=trace_arrays(tr))
     log, dropped = _run_actions(trace_env(env, n), key, trace_params,
                                 jnp.asarray(acts, jnp.int32))
     return _schedule_of(env, tr, acts, log, dropped)

@@ -8,13 +8,16 @@ random numbers), so compare them with `paired_difference`, not by whether their 
 intervals overlap.
 
 Percentiles are exact (no histogram): `percentiles` interpolates linearly between order
-statistics (`numpy.percentile`'s default) over the finite values; `percentile_with_drops`
-counts NaN (a dropped request) as infinitely late, so a policy cannot lower its tail by
-dropping.
+statistics (`numpy.percentile`'s default) over the finite values, on the host;
+`percentiles_jax` is the same definition in JAX for jitted code, where the number of finite
+values is traced; `percentile_with_drops` counts NaN (a dropped request) as infinitely late,
+so a policy cannot lower its tail by dropping.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -78,6 +81,19 @@ def percentiles(values, qs) -> np.ndarray:
     v = v[np.isfinite(v)]
     qs = np.atleast_1d(np.asarray(qs, np.float64))
     return np.percentile(v, qs) if v.size else np.full(qs.shape, np.nan)
+
+
+def percentiles_jax(values: jax.Array, qs) -> jax.Array:
+    """`percentiles` in JAX (jit- and vmap-safe): the same definition, in `values`' dtype.
+
+    Non-finite entries are masked out (as NaN for `jnp.nanpercentile`), so a fixed-size array
+    with a traced number of valid entries needs no dynamic shape.
+
+    Returns `(len(qs),)`; NaN everywhere when no value is finite.
+    """
+    v = jnp.ravel(values)
+    v = jnp.where(jnp.isfinite(v), v, jnp.nan)
+    return jnp.nanpercentile(v, jnp.atleast_1d(jnp.asarray(qs, v.dtype)))
 
 
 def percentile_with_drops(values, q: float) -> float:

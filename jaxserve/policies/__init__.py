@@ -21,7 +21,7 @@ Routing (`routing.py`): random, round_robin, weighted_round_robin, jsq, least_wo
 power_of_two, join_idle_queue, sita (+ `fit_sita`); and two ORACLES given true output lengths,
 sed_oracle and least_work_left_oracle (references, not realisable baselines).
 Fitted or tuned policies (sita, tuned_static, smdp_optimal) draw their samples with a tuning
-key (`evaluation.evaluate.tuning_key`), which evaluation refuses.
+key (`core.sources.tuning_key`), which evaluation refuses.
 Batching (`batching.py`, `smdp.py`): static, greedy, tuned_static (registered by
 `jaxserve.evaluation.tuning`, whose `tune_static` simulates the grid),
 smdp_optimal (+ `solve_smdp`).
@@ -31,8 +31,7 @@ requests rule with up/down delays); stateless, their windows recomputed from the
 `history`.
 """
 
-from jaxserve.policies.registry import (KINDS, Policy, env_kind, get, kind_of, names, options,
-                                       register)
+from jaxserve.policies.registry import KINDS, Policy, get, kind_of, names, options, register
 from jaxserve.policies import routing  # noqa: E402  (registers the routing policies)
 from jaxserve.policies import batching  # noqa: E402  (registers the batching policies)
 from jaxserve.policies import smdp  # noqa: E402  (registers smdp_optimal)
@@ -42,5 +41,5 @@ from jaxserve.policies.routing import SitaFit, fit_sita
 from jaxserve.policies.smdp import SMDPModel, SMDPSolution, build_model, solve_smdp
 
 __all__ = ["KINDS", "Policy", "SMDPModel", "SMDPSolution", "SitaFit", "batching",
-           "build_model", "env_kind", "fit_sita", "get", "kind_of", "make_static", "names", "options",
+           "build_model", "fit_sita", "get", "kind_of", "make_static", "names", "options",
            "register", "routing", "smdp", "solve_smdp"]

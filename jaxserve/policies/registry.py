@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Callable
 
 KINDS = ("routing", "batching", "autoscaling")
 
@@ -77,12 +77,6 @@ def kind_of(name: str) -> str:
     """The kind (one of `KINDS`) of a registered policy; ValueError if unknown."""
     _check(name)
     return _FACTORIES[name][0]
-
-
-def env_kind(env: Any) -> str:
-    """The policy kind of a jaxserve environment (its `policy_kind`); ValueError otherwise."""
-    from jaxserve.envs.base import policy_kind
-    return policy_kind(env)
 
 
 def _check(name: str) -> None:

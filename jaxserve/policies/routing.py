@@ -216,7 +216,7 @@ def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, outp
 
     Draws `num_samples` requests from `params.tokens`, or takes given `prompt`/`output` arrays
     (e.g. a historical trace: never the window it will be scored on, see
-    `evaluation.evaluate.split_trace`); estimates follow `params.estimate_mode`. The key
+    `core.sources.split_trace`); estimates follow `params.estimate_mode`. The key
     (default `tuning_key()`) is recorded as a tuning key, which evaluation refuses.
 
     Returns:

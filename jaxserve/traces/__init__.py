@@ -59,7 +59,6 @@ from jaxserve.traces.fitting import (  # noqa: E402
 from jaxserve.traces.shaping import (  # noqa: E402
     cluster_capacity,
     offered_load,
-    replay_windows,
     rescale_to_load,
     window_trace,
     windows,
@@ -78,7 +77,7 @@ __all__ += [
     "MMPPFit", "WorkloadFit", "count_iod", "fit_mmpp", "fit_report", "fit_table", "fit_tokens",
     "fit_workload", "mmpp_gap_moments", "mmpp_iod", "mmpp_stats", "sample_arrivals_jax",
     "sample_mmpp", "sample_tokens_np", "sample_workload",
-    "cluster_capacity", "offered_load", "replay_windows", "rescale_to_load", "window_trace",
+    "cluster_capacity", "offered_load", "rescale_to_load", "window_trace",
     "windows",
     "DEFAULT_BURST", "BurstProfile", "burstgpt_like", "burstgpt_profile", "burstgpt_stats",
     "default_traces_dir", "published_stats",

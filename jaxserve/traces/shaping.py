@@ -49,11 +49,8 @@ Each window is rebased: its first gap is 0 (the episode starts at its first requ
 `return_starts=True`, `windows` also returns each window's first-row index and its first
 arrival (float64 s) in the trace, from which the trace can be rebuilt exactly.
 
-Replaying windows in parallel (`replay_windows`)
-------------------------------------------------
-`replay_windows(env, params, wins, policy)` runs every window as one episode of `env`, all
-windows at once under `jax.vmap` in one compiled program, and returns per-window totals of the
-step `info` metrics and the return.
+Windows are replayed as episodes, all at once under `jax.vmap`, by
+`jaxserve.evaluation.replay.replay_windows` (traces/ sits below evaluation/).
 """
 
 from __future__ import annotations
@@ -72,7 +69,6 @@ __all__ = [
     "offered_load",
     "rescale_to_load",
     "windows",
-    "replay_windows",
     "window_trace",
 ]
 
@@ -231,13 +227,6 @@ def windows(trace: Trace, window_len: float, stride: float | None = None, *,
     if return_starts:
         return arrays, first.astype(np.int64), tr.arrival_s[first].astype(np.float64)
     return arrays
-
-
-def replay_windows(env, params, wins: TraceArrays, policy, **kwargs):
-    """`jaxserve.evaluation.replay.replay_windows` (windows are cut here; episodes are run by the
-    evaluation's one driver). Imported lazily: traces/ sits below evaluation/."""
-    from jaxserve.evaluation.replay import replay_windows as run
-    return run(env, params, wins, policy, **kwargs)
 
 
 def window_trace(wins: TraceArrays, index: int, start: float = 0.0) -> Trace:

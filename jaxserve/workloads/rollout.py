@@ -72,7 +72,7 @@ from jaxserve.core.replica import NAMED_REPLICAS, REPLICA_BOOL_FIELDS, REPLICA_F
 from jaxserve.core.service import batch_service_time
 from jaxserve.core.types import PROFILE_FLOAT_FIELDS, PROFILE_INT_FIELDS, GPUProfile, \
     validate_profile
-from jaxserve.evaluation.stats import t_halfwidth
+from jaxserve.evaluation.stats import percentiles_jax, t_halfwidth
 
 RULES: tuple[str, ...] = ("round_robin", "jsq", "least_work_left", "lpt", "lpt_batch")
 ROUND_ROBIN, JSQ, LEAST_WORK_LEFT, LPT, LPT_BATCH = range(len(RULES))
@@ -468,13 +468,9 @@ def _result(params: RolloutParams, m, n, done, latency, batches, dropped) -> dic
     """The iteration's summary (see `simulate_iteration`) from the engine's metrics and the
     per-request latencies (finish times: every request arrives at 0)."""
     f32 = jnp.float32
-    K = latency.shape[0]
-    lat_sorted = jnp.sort(jnp.where(done, latency, jnp.inf))
     completed = jnp.maximum(m.completed, 1)
-
-    def pct(q):  # nearest-rank percentile over completed requests
-        idx = jnp.clip(jnp.ceil(q / 100.0 * completed).astype(jnp.int32) - 1, 0, K - 1)
-        return jnp.where(m.completed > 0, lat_sorted[idx], 0.0)
+    served = jnp.where(done, latency, jnp.nan)
+    p50, p99 = percentiles_jax(served, (50.0, 99.0))  # the evaluation's definition (stats)
 
     makespan = m.elapsed.astype(f32)
     iteration = (makespan + params.train_s).astype(f32)
@@ -485,9 +481,9 @@ def _result(params: RolloutParams, m, n, done, latency, batches, dropped) -> dic
         "gpu_hours": nf * params.gpus_per_replica * iteration / 3600.0,
         "trainer_gpu_hours": params.trainer_gpus * iteration / 3600.0,
         "mean_latency_s": jnp.where(m.completed > 0, m.latency_sum / completed, 0.0),
-        "p50_latency_s": pct(50.0),
-        "p99_latency_s": pct(99.0),
-        "max_latency_s": jnp.where(m.completed > 0, lat_sorted[completed - 1], 0.0),
+        "p50_latency_s": jnp.where(m.completed > 0, p50, 0.0),
+        "p99_latency_s": jnp.where(m.completed > 0, p99, 0.0),
+        "max_latency_s": jnp.where(m.completed > 0, jnp.nanmax(served), 0.0),
         "batches": batches,
         "busy_s": m.busy_time,
         "utilisation": m.busy_time / jnp.maximum(nf * iteration, 1e-30),
@@ -528,7 +524,8 @@ def simulate_iteration(key: jax.Array, params: RolloutParams, rule, *, num_reque
       dict of scalars: `makespan_s` (time of the last completion, s), `iteration_s`
       (makespan + train_s, s), `gpu_hours` (r * gpus_per_replica * iteration_s / 3600, h),
       `trainer_gpu_hours` (trainer_gpus * iteration_s / 3600, h), `mean_latency_s`,
-      `p50_latency_s`, `p99_latency_s` (nearest rank), `max_latency_s` (request latency = its
+      `p50_latency_s`, `p99_latency_s` (`evaluation.stats` percentiles: linear
+      interpolation over served requests), `max_latency_s` (request latency = its
       finish time, s), `batches` (static batches run; iterations for continuous-batching
       replicas), `busy_s` (replica-seconds serving),
       `utilisation` (busy_s / (r * iteration_s)), `completed`, `dropped` (0 when
