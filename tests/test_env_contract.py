@@ -2,16 +2,17 @@
 
 Parametrised over `jaxserve.registered_envs()`, so an environment registered later is held to
 it without editing this file. Each environment is built with its registered defaults and a
-short episode (`max_steps_in_episode=5`); every check reads one of three compiled programs
-per environment (a 16-step rollout, the same vmapped over keys, and vmapped over params):
+short episode (`max_steps_in_episode=5`); every check reads one of two compiled programs per
+environment (a 16-step rollout, and the same vmapped over lanes of (params, key), so one program
+checks vmap over environments and over parameters; compiling is most of this file's time):
 
 - gymnax 1.0 step: six outputs, float32 observation and reward, bool flags,
   `info["final_observation"]`, observations inside `observation_space`;
 - time limits are truncation, never termination, and the step auto-resets;
 - gymnax's `LegacyStepAPIWrapper` gives five outputs with `done = terminated or truncated`;
 - jit traces once (new keys and new parameter values do not retrace), same key same result;
-- vmap over environments equals a loop over single environments (counts exactly, floats to
-  float32 rounding under vmap), and vmap over parameters equals the unbatched run;
+- vmap over environments and parameters equals a loop over single runs (counts exactly, floats
+  to float32 rounding under vmap): lanes with other keys and with other parameter values;
 - everything finite; out-of-range actions are clipped and counted in `info["invalid_actions"]`.
 """
 
@@ -57,18 +58,31 @@ TRACES: dict[str, int] = {}
 
 @functools.lru_cache(maxsize=None)
 def programs(name):
-    """(single rollout, vmapped over keys, vmapped over params) for env `name`; the single
-    one counts its traces in `TRACES[name]` (the body runs only when jit traces it)."""
+    """(single rollout, vmapped over (params, key) lanes) for env `name`; the single one counts
+    its traces in `TRACES[name]` (the body runs only when jit traces it)."""
     env, _ = build(name)
 
-    def traced_once(p, k, bad=jnp.bool_(False)):
+    def traced_once(p, k, bad):
         TRACES[name] = TRACES.get(name, 0) + 1
         return rollout(env, p, k, bad)
 
-    single = jax.jit(traced_once)
-    over_keys = jax.jit(jax.vmap(lambda p, k: rollout(env, p, k), in_axes=(None, 0)))
-    over_params = jax.jit(jax.vmap(lambda p, k: rollout(env, p, k), in_axes=(0, None)))
-    return single, over_keys, over_params
+    jitted = jax.jit(traced_once)
+
+    def single(p, k, bad=False):
+        # `bad` always passed as a traced bool: jit keys its cache on the call's signature, so
+        # a default left out would compile a second program.
+        return jitted(p, k, jnp.bool_(bad))
+
+    lanes = jax.jit(jax.vmap(lambda p, k: rollout(env, p, k)))
+    return single, lanes
+
+
+def double_latency_scale(params):
+    """`params` with `latency_scale` (wherever it sits) doubled: every reward halves."""
+    def double(path, x):
+        return x * 2.0 if jax.tree_util.keystr(path).endswith("latency_scale") else x
+
+    return jax.tree_util.tree_map_with_path(double, params)
 
 
 def assert_close_trees(a, b):
@@ -108,10 +122,10 @@ def test_legacy_wrapper_returns_five_values(name):
     env, params = build(name)
     legacy = LegacyStepAPIWrapper(env)
     _, state = legacy.reset(jax.random.PRNGKey(0), params)
-    step = jax.jit(legacy.step)
     dones = []
     for i in range(EPISODE):
-        out = step(jax.random.PRNGKey(i), state, jnp.int32(0), params)
+        # Called as is: the wrapper adds only `done` to env.step, which is jitted itself.
+        out = legacy.step(jax.random.PRNGKey(i), state, jnp.int32(0), params)
         assert len(out) == 5
         _, state, _, done, info = out
         dones.append(bool(done))
@@ -120,38 +134,22 @@ def test_legacy_wrapper_returns_five_values(name):
 
 
 @pytest.mark.parametrize("name", ENVS)
-def test_one_trace_same_key_same_result_and_vmap_over_keys_equals_loop(name):
+def test_one_trace_and_vmap_over_envs_and_params_equals_loop(name):
     _, params = build(name)
-    single, over_keys, _ = programs(name)
-    keys = jax.random.split(jax.random.PRNGKey(1), 3)
-    batched = over_keys(params, keys)
-    runs = [single(params, k) for k in keys]  # new keys: no retrace (assert_max_traces)
-    chex.assert_trees_all_equal(runs[0], single(params, keys[0]))
+    single, lanes = programs(name)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    other = double_latency_scale(params)
+    lane_args = [(params, k1), (params, k2), (other, k1)]
+    batched = lanes(*jax.tree.map(lambda *xs: jnp.stack(xs), *lane_args))
+    # New keys and new parameter values reuse the compiled program (one trace, below).
+    runs = [single(p, k) for p, k in lane_args]
+    chex.assert_trees_all_equal(runs[0], single(params, k1))  # same key, same result
     assert not np.array_equal(np.asarray(runs[0][1][1]), np.asarray(runs[1][1][1]))
+    # Doubling latency_scale halves every reward.
+    np.testing.assert_allclose(np.asarray(runs[2][1][1]), np.asarray(runs[0][1][1]) / 2.0,
+                               rtol=1e-5, atol=1e-7)
     for i, run in enumerate(runs):
         assert_close_trees(jax.tree.map(lambda x: x[i], batched), run)
-    assert TRACES[name] == 1
-
-
-@pytest.mark.parametrize("name", ENVS)
-def test_vmap_over_params_equals_unbatched_and_new_values_do_not_retrace(name):
-    _, params = build(name)
-    single, _, over_params = programs(name)
-    key = jax.random.PRNGKey(2)
-    pair = jax.tree.map(lambda x: jnp.stack([x, x]), params)
-    batched = over_params(pair, key)
-    want = single(params, key)
-    for i in range(2):
-        assert_close_trees(jax.tree.map(lambda x: x[i], batched), want)
-    # Other values, same structure: doubling latency_scale halves every reward and reuses
-    # the compiled program (`single` asserts a single trace).
-    def double_scale(path, x):
-        return x * 2.0 if jax.tree_util.keystr(path).endswith("latency_scale") else x
-
-    other = jax.tree_util.tree_map_with_path(double_scale, params)
-    _, (_, rew2, *_) = single(other, key)
-    np.testing.assert_allclose(np.asarray(rew2), np.asarray(want[1][1]) / 2.0, rtol=1e-5,
-                               atol=1e-7)
     assert TRACES[name] == 1
 
 
@@ -159,7 +157,8 @@ def test_vmap_over_params_equals_unbatched_and_new_values_do_not_retrace(name):
 def test_out_of_range_actions_are_clipped_and_counted(name):
     _, params = build(name)
     single, *_ = programs(name)
-    _, (obs, rew, term, trunc, info) = single(params, jax.random.PRNGKey(3), jnp.bool_(True))
+    _, (obs, rew, term, trunc, info) = single(params, jax.random.PRNGKey(3), True)
     np.testing.assert_array_equal(np.asarray(info["invalid_actions"]) >= 1, True)
     for leaf in jax.tree.leaves((obs, rew, info)):
         assert np.all(np.isfinite(np.asarray(leaf, np.float64))), name
+    assert TRACES[name] == 1  # the same program as the random-action rollouts

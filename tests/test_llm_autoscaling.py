@@ -61,17 +61,20 @@ def test_vmap_over_params_equals_each_lane():
     lanes = params.replace(gpu_price=prices, warmup_s=warm)
 
     def run(p):
-        obs, s = env.reset(jax.random.PRNGKey(1), p)
+        obs, s = env.reset_env(jax.random.PRNGKey(1), p)
 
+        # step_env: 6 steps never reach the 8-step limit, and the auto-reset under vmap is
+        # tests/test_env_contract.py's; without it both programs are smaller to compile.
         def body(s, k):
-            o, s, r, te, tr, info = env.step(k, s, jnp.int32(1), p)
+            o, s, r, te, info = env.step_env(k, s, jnp.int32(1), p)
             return s, (o, r, info["gpu_seconds"], info["completed"])
         return jax.lax.scan(body, s, jax.random.split(jax.random.PRNGKey(2), 6))[1]
 
     axes = jax.tree.map(lambda _: None, params).replace(gpu_price=0, warmup_s=0)
     batched = jax.jit(jax.vmap(run, in_axes=(axes,)))(lanes)
+    run_one = jax.jit(run)
     for i in range(2):
-        one = jax.jit(run)(params.replace(gpu_price=prices[i], warmup_s=warm[i]))
+        one = run_one(params.replace(gpu_price=prices[i], warmup_s=warm[i]))
         for b, o in zip(batched, one):
             np.testing.assert_allclose(np.asarray(b[i]), np.asarray(o), rtol=1e-6, atol=1e-6)
     assert np.all(np.isfinite(np.asarray(batched[0])))
