@@ -76,6 +76,7 @@ BATCHING_REASON = ("'mid' = registered Batching-v0 (one A100x4 Llama-2-70B repli
                    "batch (T_k = 11.21 + 0.052 k s) at load 0.8, where the SMDP optimum "
                    "dispatches all that wait once 3 wait, a rule no static (B, tau) expresses")
 CONTROL_LIMIT_LOAD = 0.8
+CONTROL_LIMIT_NAME = f"control limit, load {CONTROL_LIMIT_LOAD:g}"
 CONTROL_LIMIT_TOKENS = (64, 256)
 CONTROL_LIMIT_BATCH = 4
 
