@@ -96,6 +96,19 @@ def _run(env, policies, params, keys, num_steps, windows=None):
         p = params if w is None else params.replace(serving=params.serving.replace(trace=w))
         return episode_totals(env, pol, p, k, num_steps)
 
+    if env.log_capacity > 0:
+        # With a request log, episodes run one after another (`lax.map`): under vmap, every
+        # iteration of the batched event loops would select, hence copy, the whole
+        # `(lanes, log_capacity)` log; unbatched, the log is updated in place.
+        num_envs = keys.shape[0]
+
+        def one(ij):
+            j = ij % num_envs
+            w = None if windows is None else jax.tree.map(lambda x: x[j], windows)
+            return episode(switch_policy(policies, ij // num_envs), keys[j], w)
+        out = jax.lax.map(one, jnp.arange(len(policies) * num_envs))
+        return jax.tree.map(lambda x: x.reshape((len(policies), num_envs) + x.shape[1:]), out)
+
     def per_policy(i):
         pol = switch_policy(policies, i)
         return jax.vmap(lambda k, w: episode(pol, k, w))(keys, windows)
