@@ -227,8 +227,8 @@ def print_tuning(told: dict) -> None:
             continue
         rows = "; ".join(f"{p:g}: cost {r['cost']:,.0f} p99 {r['p99_latency']:.1f}"
                          for p, r in t["tuning"].items())
-        print(f"  {label}: told {t['price']:g} ({'feasible' if t['feasible'] else 'none met the p99'}"
-              f"); {rows}")
+        met = "p99 met" if t["feasible"] else "none met the p99: lowest p99"
+        print(f"  {label}: told {t['price']:g} ({met}); {rows}")
 
 
 def print_table(results: dict, ver: dict, title: str) -> None:

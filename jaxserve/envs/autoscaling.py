@@ -56,6 +56,8 @@ HISTORY_FIELDS = (
     "gpu_seconds",     # provisioned GPU-seconds in the interval
 )
 H = {name: i for i, name in enumerate(HISTORY_FIELDS)}
+# `log.batch` of a request refused by a full queue (-1: not dispatched yet, >= 0: dispatched).
+LOG_DROPPED = -2
 NUM_FEATURES = 16
 
 
@@ -92,6 +94,13 @@ class AutoscalingParams:
       invalid_penalty_s: cost of each invalid action (out of range, or a step clipped at
         `[1, R]`), in request-seconds; 0 (the default) leaves clipping free, which lets a
         step policy push against the bound at no cost. float32.
+      price_spread: `s >= 1`; each episode's price is drawn at reset log-uniformly in
+        `[gpu_price / s, gpu_price * s]` (kept in `AutoscalingState.gpu_price`, seen in the
+        observation), so one training run learns a price-conditioned policy whose operating
+        point is chosen afterwards by the price it is told; 1 (the default) keeps `gpu_price`.
+      random_offset: 1 starts a replayed trace at a uniformly drawn row (its request
+        arriving at time 0), so training episodes are windows of the trace from random
+        offsets; 0 starts at the first row. Ignored without a trace. int32.
     """
 
     serving: common.ServingParams
@@ -108,6 +117,8 @@ class AutoscalingParams:
     random_phase: jax.Array
     random_initial: jax.Array
     invalid_penalty_s: jax.Array
+    price_spread: jax.Array
+    random_offset: jax.Array
 
     @property
     def max_steps_in_episode(self) -> jax.Array:
@@ -120,6 +131,7 @@ SCALING_FIELDS = {
     "diurnal_amplitude": jnp.float32, "diurnal_period_s": jnp.float32,
     "diurnal_phase_s": jnp.float32, "initial_replicas": jnp.int32, "action_mode": jnp.int32,
     "random_phase": jnp.int32, "random_initial": jnp.int32, "invalid_penalty_s": jnp.float32,
+    "price_spread": jnp.float32, "random_offset": jnp.int32,
 }
 TARGET, DELTA = 0, 1
 
@@ -141,6 +153,11 @@ class AutoscalingState:
         (capped at 1e6).
       history: `(history_len, len(HISTORY_FIELDS))` per-interval records, row 0 the latest.
       time: control intervals taken this episode. int32.
+      gpu_price: this episode's price of a replica-second (request-seconds): `params.gpu_price`,
+        or drawn at reset with `params.price_spread > 1`. float32.
+      log: per-request schedule of the episode's first `log_capacity` requests, indexed by
+        request id (arrival order); empty unless the env was built with `log_capacity > 0`
+        (`evaluation.scaling` does, for exact latency percentiles).
     """
 
     cluster: C.Cluster
@@ -154,6 +171,8 @@ class AutoscalingState:
     since_scale_down: jax.Array
     history: jax.Array
     time: jax.Array
+    gpu_price: jax.Array
+    log: C.RequestLog
 
 
 def rate_multiplier(clock, params: AutoscalingParams) -> jax.Array:
@@ -247,6 +266,8 @@ class AutoscalingStatic:
       max_batch: running slots per replica (>= every profile's `max_batch`), >= 1.
       trace_len: rows of a replayed trace (0: synthetic arrivals).
       history_len: per-interval records kept in the state, >= 1.
+      log_capacity: requests kept in the per-request log (0: no log). Evaluation only
+        (`with_static(env, log_capacity=n)`): training keeps 0 and pays nothing.
     """
 
     max_replicas: int
@@ -254,10 +275,11 @@ class AutoscalingStatic:
     max_batch: int = 16
     trace_len: int = 0
     history_len: int = 64
+    log_capacity: int = 0
 
     def __post_init__(self):
         check_sizes(self, positive=("max_replicas", "queue_buffer", "max_batch", "history_len"),
-                    nonnegative=("trace_len",))
+                    nonnegative=("trace_len", "log_capacity"))
 
 
 class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, AutoscalingParams]):
@@ -292,6 +314,12 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
                 "slo_violation_frac", "drop_frac", "day_sin", "day_cos", "price",
                 "warmup_left")
 
+    def __init__(self, *args, default: AutoscalingParams | None = None, **fields):
+        super().__init__(*args, default=default, **fields)
+        if self.log_capacity > 0 and self.ENGINE is not engines.STATIC:
+            raise ValueError(f"{self.ENGINE.name} replicas keep no request log (log_capacity "
+                             f"must be 0)")
+
     @property
     def num_gpus(self) -> int:
         """Alias of `max_replicas` (what the shared checks and routing helpers read)."""
@@ -314,29 +342,42 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         sp = params.serving
         k_phase, k_req = jax.random.split(key)
         phase = common.first_phase(k_phase, sp)
-        gap, req, phase, _ = common.next_arrival(k_req, sp, phase, jnp.int32(0), jnp.int32(0))
-        # The random phase comes from a key folded out of `key`, so the request streams of
-        # a key are the same with and without it (common random numbers across the flag).
+        # Draws beyond the request stream come from keys folded out of `key`, so a key's
+        # requests are the same whatever the training flags (common random numbers).
+        pos0 = jnp.where(params.random_offset == 1,
+                         jax.random.randint(jax.random.fold_in(key, 0x4F464653), (), 0,
+                                            jnp.maximum(sp.trace.length, 1)), 0)
+        gap, req, phase, _ = common.next_arrival(k_req, sp, phase, pos0.astype(jnp.int32),
+                                                 jnp.int32(0))
         offset = jax.random.uniform(jax.random.fold_in(key, 0x50484153), (),
                                     maxval=params.diurnal_period_s)
         clock = jnp.mod(params.diurnal_phase_s + jnp.where(params.random_phase == 1, offset, 0.0),
                         params.diurnal_period_s).astype(jnp.float32)
         # A synthetic first request arrives after one gap at the current rate; a trace's at 0.
         is_trace = sp.trace.gap.shape[0] > 0
-        first = gap if is_trace else gap / rate_multiplier(clock, params)
+        first = jnp.where(pos0 > 0, 0.0, gap) if is_trace else gap / rate_multiplier(clock,
+                                                                                   params)
         n_rand = jax.random.randint(jax.random.fold_in(key, 0x494E4954), (), 1,
                                     self.max_replicas + 1)
         n0 = jnp.clip(jnp.where(params.random_initial == 1, n_rand, params.initial_replicas),
                       1, self.max_replicas)
+        # log-uniform in [p / s, p * s]; exactly p at s = 1.
+        u = jax.random.uniform(jax.random.fold_in(key, 0x50524943), (), minval=-1.0, maxval=1.0)
+        price = jnp.where(params.price_spread > 1.0,
+                          params.gpu_price * params.price_spread ** u, params.gpu_price)
         r = self.max_replicas
+        cluster = (C.empty_cluster(r, self.queue_buffer, self.max_batch, with_ids=True)
+                   if self.log_capacity > 0 else
+                   self.ENGINE.empty(r, self.queue_buffer, self.max_batch))
         state = AutoscalingState(
-            cluster=self.ENGINE.empty(r, self.queue_buffer, self.max_batch),
+            cluster=cluster,
             upcoming=req.replace(arrival=jnp.asarray(first, jnp.float32)),
             mode=jnp.where(jnp.arange(r) < n0, ACTIVE, OFF).astype(jnp.int32),
-            ready_at=jnp.zeros((r,), jnp.float32), phase=phase, trace_pos=jnp.int32(0),
+            ready_at=jnp.zeros((r,), jnp.float32), phase=phase, trace_pos=pos0.astype(jnp.int32),
             clock=clock, since_scale_up=jnp.float32(1e6), since_scale_down=jnp.float32(1e6),
             history=jnp.zeros((self.history_len, len(HISTORY_FIELDS)), jnp.float32),
-            time=jnp.int32(0))
+            time=jnp.int32(0), gpu_price=jnp.asarray(price, jnp.float32),
+            log=C.empty_log(self.log_capacity))
         return self.get_obs(state, params), state
 
     # -------------------------------------------------------------------------------- step
@@ -358,10 +399,10 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             return nxt.arrival < dt - t
 
         def body(c):
-            cl, nxt, phase, pos, rdy, t, m, work_in, key = c
+            cl, nxt, phase, pos, rdy, t, m, work_in, key, lg = c
             key, k_next = jax.random.split(key)
             gap = nxt.arrival
-            cl, m_adv = eng.advance(cl, gpus, gap, sp.slo_s)
+            cl, m_adv, lg = self._advance(cl, gpus, gap, sp.slo_s, lg)
             cl = eng.rebase(cl, gap)
             rdy = rdy - gap
             # Least queued work among serving slots (ties: lowest index).
@@ -370,6 +411,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             gpu = jnp.argmin(work).astype(jnp.int32)
             req = nxt.replace(arrival=jnp.float32(0.0))
             cl, dropped = eng.route(cl, gpus, req, gpu)
+            lg = self._log_drop(lg, req.req_id, dropped)
             share = eng.request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt,
                                      req.estimate)
             ogap, new, phase, exhausted = common.next_arrival(k_next, sp, phase, pos + 1,
@@ -377,13 +419,13 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             rgap = jnp.where(exhausted | (sp.trace.gap.shape[0] > 0), ogap, ogap / mult)
             m = m + m_adv.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32))
             return (cl, new.replace(arrival=rgap.astype(jnp.float32)), phase, pos + 1, rdy,
-                    t + gap, m, work_in + share, key)
+                    t + gap, m, work_in + share, key, lg)
 
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, ready_at,
-                 jnp.float32(0.0), StepMetrics.zeros(), jnp.float32(0.0), key)
-        cl, nxt, phase, pos, rdy, t, m, work_in, _ = jax.lax.while_loop(cond, body, carry)
+                 jnp.float32(0.0), StepMetrics.zeros(), jnp.float32(0.0), key, state.log)
+        cl, nxt, phase, pos, rdy, t, m, work_in, _, lg = jax.lax.while_loop(cond, body, carry)
         rest = dt - t
-        cl, m_adv = eng.advance(cl, gpus, rest, sp.slo_s)
+        cl, m_adv, lg = self._advance(cl, gpus, rest, sp.slo_s, lg)
         m = m + m_adv
         cl = eng.rebase(cl, rest)
         rdy = rdy - rest
@@ -415,7 +457,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             phase=phase, trace_pos=pos, clock=clock.astype(jnp.float32),
             since_scale_up=jnp.minimum(jnp.where(up, 0.0, state.since_scale_up) + dt, 1e6),
             since_scale_down=jnp.minimum(jnp.where(down, 0.0, state.since_scale_down) + dt, 1e6),
-            time=state.time + 1)
+            time=state.time + 1, log=lg)
         c = counts(new_state)
         record = jnp.zeros((len(HISTORY_FIELDS),), jnp.float32)
         values = {
@@ -435,7 +477,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         new_state = new_state.replace(history=history)
 
         cost = (params.latency_weight * m.in_system_time + params.slo_penalty_s * slo_violations
-                + sp.drop_penalty_s * m.dropped + params.gpu_price * gpu_seconds
+                + sp.drop_penalty_s * m.dropped + state.gpu_price * gpu_seconds
                 + params.invalid_penalty_s * invalid)
         reward = (-cost / sp.latency_scale).astype(jnp.float32)
         info = {**m.as_dict(), "gpu_seconds": gpu_seconds.astype(jnp.float32),
@@ -443,6 +485,22 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
                 "serving": c["serving"], "provisioned": c["provisioned"]}
         return (self.get_obs(new_state, params), new_state, reward,
                 self.is_terminated(new_state, params), info)
+
+    def _advance(self, cl, gpus, horizon, slo_s, log):
+        """The engine's `advance`, writing each dispatched request's schedule into `log` when
+        the env keeps one (static batching only; checked in the constructor)."""
+        if self.log_capacity > 0:
+            return C.advance_static(cl, gpus, horizon, slo_s, log)
+        cl, m = self.ENGINE.advance(cl, gpus, horizon, slo_s)
+        return cl, m, log
+
+    def _log_drop(self, log, req_id, dropped):
+        """Marks a refused request `LOG_DROPPED` in the log (an arriving request is not yet
+        dispatched, so its entry is -1 otherwise); no-op without a log."""
+        if self.log_capacity == 0:
+            return log
+        return log.replace(batch=log.batch.at[req_id].set(
+            jnp.where(dropped, LOG_DROPPED, -1).astype(jnp.int32), mode="drop"))
 
     # ------------------------------------------------------------------------- observation
     def get_obs(self, state, params=None, key=None):
@@ -470,7 +528,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             h0[H["slo_violations"]] / completed,
             h0[H["dropped"]] / arrivals,
             (1.0 + jnp.sin(angle)) / 2.0, (1.0 + jnp.cos(angle)) / 2.0,
-            p.gpu_price / (1.0 + p.gpu_price),
+            state.gpu_price / (1.0 + state.gpu_price),
             warm_left / jnp.maximum(p.warmup_s, 1e-6),
         ])
         return clip_features(feats)
@@ -508,7 +566,9 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
     if np.any(np.asarray(params.diurnal_amplitude) >= 1):
         raise ValueError(f"params.diurnal_amplitude must be in [0, 1), got "
                          f"{np.asarray(params.diurnal_amplitude)}")
-    for f in ("random_phase", "random_initial"):
+    if np.any(np.asarray(params.price_spread) < 1):
+        raise ValueError(f"params.price_spread must be >= 1, got {np.asarray(params.price_spread)}")
+    for f in ("random_phase", "random_initial", "random_offset"):
         if not np.all(np.isin(np.asarray(getattr(params, f)), (0, 1))):
             raise ValueError(f"params.{f} must be 0 or 1, got {np.asarray(getattr(params, f))}")
     if not np.all(np.isin(np.asarray(params.action_mode), (TARGET, DELTA))):

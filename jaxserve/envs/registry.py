@@ -195,7 +195,7 @@ AUTOSCALING_DEFAULTS = dict(control_interval_s=15.0, warmup_s=120.0, gpu_price=4
                             latency_weight=1.0, slo_penalty_s=0.0, diurnal_amplitude=0.6,
                             diurnal_period_s=7200.0, diurnal_phase_s=0.0, initial_replicas=2,
                             action_mode=0, random_phase=0, random_initial=0,
-                            invalid_penalty_s=0.0)
+                            invalid_penalty_s=0.0, price_spread=1.0, random_offset=0)
 
 
 def scaling_params(serving: common.ServingParams, **scalars) -> AS.AutoscalingParams:
