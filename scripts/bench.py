@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import platform
+import resource
 import sys
 import time
 from pathlib import Path
@@ -65,11 +66,12 @@ def routing_env():
     return jaxserve.make("Routing-v0", gpus=gpus, arrival_rate=12.0)
 
 
-def make_runner(env, params, num_steps):
+def make_runner(env, params, num_steps, auto_reset=True):
     """jit(vmap(scan)) of random-action steps from given states.
 
     Returns `run(keys, states) -> (states, checksum, arrived)`: `arrived` counts the requests
-    that arrived (0 for gymnax environments).
+    that arrived (0 for gymnax environments). `auto_reset=False` calls `step_env` (no
+    auto-reset: the profile's measure of what the reset costs).
     """
 
     def one_env(key, state):
@@ -77,7 +79,10 @@ def make_runner(env, params, num_steps):
             state, acc, arrived = carry
             k_a, k_s = jax.random.split(k)
             a = env.action_space(params).sample(k_a)
-            obs, state, r, term, trunc, info = env.step(k_s, state, a, params)
+            if auto_reset:
+                obs, state, r, term, trunc, info = env.step(k_s, state, a, params)
+            else:
+                obs, state, r, term, info = env.step_env(k_s, state, a, params)
             return (state, acc + obs.sum() + r,
                     arrived + jnp.asarray(info.get("arrived", 0), jnp.int32)), None
 
@@ -88,25 +93,36 @@ def make_runner(env, params, num_steps):
     return jax.jit(jax.vmap(one_env))
 
 
-def _best(fn, repeats):
-    best = np.inf
+def _cpu_s() -> float:
+    """CPU seconds this process has used, all threads (user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _best(fn, repeats, cpu=False):
+    """Best wall-clock seconds of `repeats` calls; with `cpu`, also the best CPU seconds."""
+    best, best_cpu = np.inf, np.inf
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_s()
         jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
+        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, _cpu_s() - c0)
+    return (best, best_cpu) if cpu else best
 
 
-def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3):
-    """Compile time, env-steps/s from reset and after `warmup_steps`, arrivals per step."""
-    run = make_runner(env, params, num_steps)
+def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_reset=True):
+    """Compile time, env-steps/s from reset and after `warmup_steps`, arrivals per step.
+
+    Also the CPU time of the best from-reset call (`reset_cpu_s`): on a shared machine it
+    moves less with other jobs' load than wall-clock time does.
+    """
+    run = make_runner(env, params, num_steps, auto_reset)
     keys = jax.random.split(jax.random.PRNGKey(0), num_envs)
     states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
     t0 = time.perf_counter()
     compiled = run.lower(keys, states).compile()
     compile_s = time.perf_counter() - t0
     jax.block_until_ready(compiled(keys, states))  # first call: allocation, thread pools
-    reset_s = _best(lambda: compiled(keys, states), repeats)
+    reset_s, reset_cpu_s = _best(lambda: compiled(keys, states), repeats, cpu=True)
     warm = states
     for i in range(-(-warmup_steps // num_steps)):
         warm = compiled(jax.random.split(jax.random.PRNGKey(i + 1), num_envs), warm)[0]
@@ -116,7 +132,8 @@ def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3):
     arrived = int(np.asarray(compiled(timed_keys, warm)[2]).sum())
     total = num_envs * num_steps
     return {"num_envs": num_envs, "num_steps": num_steps, "warmup_steps": warmup_steps,
-            "compile_s": compile_s, "reset_run_s": reset_s, "warm_run_s": warm_s,
+            "compile_s": compile_s, "reset_run_s": reset_s, "reset_cpu_s": reset_cpu_s,
+            "warm_run_s": warm_s,
             "reset_steps_per_s": total / reset_s, "warm_steps_per_s": total / warm_s,
             "arrivals_per_step": arrived / total}
 
@@ -196,36 +213,50 @@ def profile_routing(counts, steps, repeats):
     """What a vmapped Routing-v0 step spends its time on, by timing variants of the same step
     (same run, from reset): each batched engine path, the step with the engine replaced by
     nothing (`advance_static` returning its input: the cost of everything else), the same
-    without reward shaping, and Breakout-MinAtar for scale. Microseconds per env-step."""
+    without reward shaping, then without the observation (zeros) and without the auto-reset
+    (`step_env`), and Breakout-MinAtar for scale. Microseconds per env-step, wall-clock and
+    CPU (all threads)."""
     from jaxserve.core.metrics import StepMetrics
+    from jaxserve.envs import routing as R
 
-    real = C.advance_static
+    real_advance, real_obs = C.advance_static, R.routing_observation
 
     def no_engine(cluster, gpus, horizon, slo_s, log=None):
         return cluster, StepMetrics.zeros(), log
 
+    def no_obs(cluster, pending, params):
+        return jnp.zeros(R.NUM_REQUEST_FEATURES + cluster.num_gpus * R.NUM_GPU_FEATURES)
+
     routing, params = routing_env()
-    variants = {"engine: compact": ("compact", real, routing),
-                "engine: dense (2 unrolled + loop)": ("dense", real, routing),
-                "engine: loop (before compaction)": ("loop", real, routing),
-                "no engine": (None, no_engine, routing),
-                "no engine, no shaping": (None, no_engine,
-                                          routing.replace_static(shaping_gamma=None)),
-                BREAKOUT: (None, real, None)}
+    plain = routing.replace_static(shaping_gamma=None)
+    # name: (engine path, advance_static, observation, env or None for Breakout, auto-reset)
+    variants = {"engine: compact": ("compact", real_advance, real_obs, routing, True),
+                "engine: dense (2 unrolled + loop)": ("dense", real_advance, real_obs, routing,
+                                                      True),
+                "engine: loop (before compaction)": ("loop", real_advance, real_obs, routing,
+                                                     True),
+                "compact, no shaping": ("compact", real_advance, real_obs, plain, True),
+                "compact, no auto-reset (step_env)": ("compact", real_advance, real_obs,
+                                                      routing, False),
+                "no engine": (None, no_engine, real_obs, routing, True),
+                "no engine, no shaping": (None, no_engine, real_obs, plain, True),
+                "no engine, no shaping, no observation": (None, no_engine, no_obs, plain, True),
+                BREAKOUT: (None, real_advance, real_obs, None, True)}
     out = {}
     try:
         for n in counts:
-            for name, (path, advance, env) in variants.items():
-                C.engine_path, C.advance_static = path, advance
+            for name, (path, advance, obs, env, auto_reset) in variants.items():
+                C.engine_path, C.advance_static, R.routing_observation = path, advance, obs
                 jax.clear_caches()
                 env, p = (env, params) if env is not None else gymnax.make("Breakout-MinAtar")
-                r = time_env(env, p, n, steps, 0, repeats)
+                r = time_env(env, p, n, steps, 0, repeats, auto_reset)
                 us = 1e6 / r["reset_steps_per_s"]
-                out[f"{name} @ {n}"] = {**r, "us_per_env_step": us}
-                print(f"profile {name:34s} envs={n:6d} compile {r['compile_s']:6.1f}s "
-                      f"{us:7.2f} us/env-step", flush=True)
+                us_cpu = 1e6 * r["reset_cpu_s"] / (n * steps)
+                out[f"{name} @ {n}"] = {**r, "us_per_env_step": us, "cpu_us_per_env_step": us_cpu}
+                print(f"profile {name:38s} envs={n:6d} compile {r['compile_s']:6.1f}s "
+                      f"{us:7.2f} us/env-step ({us_cpu:6.2f} CPU us)", flush=True)
     finally:
-        C.engine_path, C.advance_static = None, real
+        C.engine_path, C.advance_static, R.routing_observation = None, real_advance, real_obs
         jax.clear_caches()
     return out
 

@@ -69,9 +69,10 @@ def test_step_follows_the_documented_stream():
                 np.testing.assert_array_equal(np.asarray(getattr(new.cluster.queues, f)),
                                               np.asarray(getattr(state_re.cluster.queues, f)))
             chex.assert_trees_all_equal(
-                (new.cluster.servers, new.pending, new.phase, new.trace_pos, new.time),
-                (state_re.cluster.servers, state_re.pending, state_re.phase,
-                 state_re.trace_pos, state_re.time))
+                (new.cluster.servers, new.cluster.waiting, new.pending, new.phase,
+                 new.trace_pos, new.time),
+                (state_re.cluster.servers, state_re.cluster.waiting, state_re.pending,
+                 state_re.phase, state_re.trace_pos, state_re.time))
             # Same uniforms: the reset request is the terminal state's pending one, renumbered.
             for f in ("prompt", "output", "estimate", "size_class"):
                 assert float(getattr(new.pending, f)) == float(getattr(new_env.pending, f))

@@ -59,6 +59,51 @@ class Servers:
 
 
 @struct.dataclass
+class Waiting:
+    """Running summaries of each GPU's waiting requests (fields `(num_gpus,)`, float32).
+
+    Kept up to date by `route`, `dispatch` and the event loops, so that neither the engine's
+    due test nor Routing-v0's shaping potential reads the queue slots on every step (under
+    `vmap` that read was a gather over every queue of every environment).
+
+    `first` and `full` are stored arrivals, in the frame of `Queues.arrival` (the relative
+    arrival is the value plus `queues.offset`), and are re-anchored with the row they mirror,
+    so the due test sees bit for bit the values it would read from the slots. They follow the
+    GPUs' `max_batch`, which must stay the same through an episode (a parameter of it).
+
+    Attributes:
+      first: stored arrival of the request at the queue's head; meaningful where it is
+        non-empty.
+      full: stored arrival of the request at position `min(max_batch, capacity) - 1`, the one
+        whose arrival fills a batch; meaningful where `count >= max_batch`.
+      prompt_sum: summed prompt tokens of the waiting requests.
+      prompt_sq_sum: summed squared prompt tokens (tokens^2).
+      estimate_max: largest output estimate (tokens) to have joined the queue since it was
+        last empty: an upper bound of the waiting requests' largest estimate (a maximum cannot
+        be undone when its request leaves).
+      The last three are set to exactly 0 whenever the queue empties, so float32 round-off
+      cannot build up beyond one busy period.
+    """
+
+    first: jax.Array
+    full: jax.Array
+    prompt_sum: jax.Array
+    prompt_sq_sum: jax.Array
+    estimate_max: jax.Array
+
+
+def _after_pop(w: Waiting, go, count, sum_p, sum_p2, first, full) -> Waiting:
+    """`w` after each GPU where `go` popped requests with prompt sums `sum_p`, `sum_p2` (0
+    where not `go`), leaving `count` waiting with head and batch-filling stored arrivals
+    `first`, `full` (read from the slots; garbage where fewer wait, as documented)."""
+    empty = count == 0
+    return Waiting(first=jnp.where(go, first, w.first), full=jnp.where(go, full, w.full),
+                   prompt_sum=jnp.where(empty, 0.0, w.prompt_sum - sum_p),
+                   prompt_sq_sum=jnp.where(empty, 0.0, w.prompt_sq_sum - sum_p2),
+                   estimate_max=jnp.where(empty, 0.0, w.estimate_max))
+
+
+@struct.dataclass
 class Cluster:
     """Queues and servers of all GPUs.
 
@@ -68,6 +113,7 @@ class Cluster:
 
     queues: Q.Queues
     servers: Servers
+    waiting: Waiting
     window: int = struct.field(pytree_node=False, default=1)
 
     @property
@@ -109,6 +155,8 @@ def empty_cluster(num_gpus: int, capacity: int, max_batch: int | None = None,
                       run_slo_met=zi, run_estimate=zf, est_end=zf, batches=zi)
     window = capacity if max_batch is None else max(1, min(int(max_batch), capacity))
     return Cluster(queues=Q.empty_queues(num_gpus, capacity, with_ids), servers=servers,
+                   waiting=Waiting(first=zf, full=zf, prompt_sum=zf, prompt_sq_sum=zf,
+                                   estimate_max=zf),
                    window=window)
 
 
@@ -120,6 +168,11 @@ def batch_limit(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
     themselves never exceed `cluster.window` (validated against `max_batch` outside jit).
     """
     return jnp.maximum(gpus.max_batch, 1).astype(jnp.int32)
+
+
+def _full_position(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
+    """Queue position of the request whose arrival fills a batch, per GPU. int32."""
+    return jnp.minimum(batch_limit(cluster, gpus), cluster.queues.capacity) - 1
 
 
 def in_system(cluster: Cluster) -> jax.Array:
@@ -134,8 +187,21 @@ def route(cluster: Cluster, gpus: GPUProfile, req: Q.Request, gpu: jax.Array):
       (cluster, dropped bool scalar).
     """
     share = per_request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt, req.estimate)
-    queues, accepted = Q.push(cluster.queues, gpu, req, gpus.queue_cap, share)
-    return cluster.replace(queues=queues), ~accepted
+    q, w = cluster.queues, cluster.waiting
+    n = q.count[gpu]
+    queues, accepted = Q.push(q, gpu, req, gpus.queue_cap, share)
+    # `push` re-anchors the GPU's row by its offset, accepted or not; the marks follow it.
+    off = q.offset[gpu]
+    first = jnp.where(accepted & (n == 0), req.arrival, w.first[gpu] + off)
+    full = jnp.where(accepted & (n == _full_position(cluster, gpus)[gpu]), req.arrival,
+                     w.full[gpu] + off)
+    add = lambda a, v: a.at[gpu].add(jnp.where(accepted, v, 0.0))  # noqa: E731
+    waiting = Waiting(first=w.first.at[gpu].set(first), full=w.full.at[gpu].set(full),
+                      prompt_sum=add(w.prompt_sum, req.prompt),
+                      prompt_sq_sum=add(w.prompt_sq_sum, req.prompt * req.prompt),
+                      estimate_max=w.estimate_max.at[gpu].max(
+                          jnp.where(accepted, req.estimate, 0.0)))
+    return cluster.replace(queues=queues, waiting=waiting), ~accepted
 
 
 def _completion_terms(s: Servers, due: jax.Array):
@@ -177,7 +243,8 @@ def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win
     known now and stored with it.
 
     Returns:
-      (servers, member mask `(R, W)`, service time `(R,)`, popped work shares, popped estimates).
+      (servers, member mask `(R, W)`, service time `(R,)`, and the popped requests' summed
+      work shares, output estimates, prompts and squared prompts, each `(R,)`).
     """
     member = valid & (jnp.arange(win.arrival.shape[-1])[None, :] < k[:, None])
     prompt = jnp.where(member, win.prompt, 0.0)
@@ -203,7 +270,8 @@ def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win
         est_end=jnp.where(go, start + est_service, s.est_end),
         batches=s.batches + go.astype(jnp.int32))
     shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), win.prompt, win.estimate)
-    return servers, member, service, jnp.where(member, shares, 0.0).sum(-1), est_o.sum(-1)
+    popped = (jnp.where(member, shares, 0.0).sum(-1), est_o.sum(-1), sum_p, sum_p2)
+    return servers, member, service, popped
 
 
 def _write_log(log: RequestLog, index, member, wait, service, batch) -> RequestLog:
@@ -227,13 +295,18 @@ def dispatch(cluster: Cluster, gpus: GPUProfile, go: jax.Array, k: jax.Array, st
     q, s = cluster.queues, cluster.servers
     k = jnp.where(go, jnp.minimum(k, cluster.window), 0)
     valid, win = Q.front(q, cluster.window)
-    servers, member, service, work, est = _start_batches(s, gpus, go, k, start, slo_s, valid, win)
+    servers, member, service, (work, est, sum_p, sum_p2) = _start_batches(
+        s, gpus, go, k, start, slo_s, valid, win)
     if log is not None and log.wait.shape[0] > 0:
         if win.req_id is None:
             raise ValueError("a RequestLog needs a cluster built with with_ids=True")
         log = _write_log(log, win.req_id, member, start[:, None] - win.arrival,
                          service[:, None], s.batches[:, None])
-    return cluster.replace(queues=Q.pop_front(q, k, work, est), servers=servers), log
+    q = Q.pop_front(q, k, work, est)
+    waiting = _after_pop(cluster.waiting, go, q.count, sum_p, sum_p2,
+                         Q.stored_arrival_at(q, jnp.zeros_like(k)),
+                         Q.stored_arrival_at(q, _full_position(cluster, gpus)))
+    return cluster.replace(queues=q, servers=servers, waiting=waiting), log
 
 
 def _trigger_time(free_at, count, head_arrival, last_arrival, b, timeout):
@@ -248,11 +321,11 @@ def static_dispatch_time(cluster: Cluster, gpus: GPUProfile) -> jax.Array:
 
     `max(idle from, min(arrival of the B-th waiting request, head arrival + timeout))`, and
     never before the current instant 0. Meaningful where the GPU is idle and its queue non-empty.
+    Reads the arrivals from `cluster.waiting`, not the queue slots.
     """
-    q = cluster.queues
-    b = batch_limit(cluster, gpus)
-    return _trigger_time(cluster.servers.free_at, q.count, Q.arrival_at(q, jnp.zeros_like(b)),
-                         Q.arrival_at(q, jnp.minimum(b, q.capacity) - 1), b, gpus.timeout)
+    q, w = cluster.queues, cluster.waiting
+    return _trigger_time(cluster.servers.free_at, q.count, w.first + q.offset,
+                         w.full + q.offset, batch_limit(cluster, gpus), gpus.timeout)
 
 
 def _row_due(s: Servers, count, start, horizon):
@@ -422,6 +495,28 @@ def _chunk_width(lanes: int) -> int:
     return min(lanes, max(64, -(-lanes // 16)))
 
 
+def _active_order(active: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Flat indices of `active`'s True entries in row-major order, padded to `size` with
+    `active.size`, and how many there are: `jnp.nonzero(active.ravel(), size=size,
+    fill_value=active.size)`.
+
+    `active` is `(environments, GPUs)`. Each lane's rank comes from a prefix sum within its
+    row (G wide) plus one over the rows' totals, then one scatter places the lanes.
+    `jnp.nonzero` instead runs two prefix sums over all E*G lanes and a scatter-add; at
+    32,768 lanes on CPU it measured 2-4x slower (`docs/benchmarks.md`). The prefix sums are
+    `associative_scan`s: XLA's CPU `cumsum` (a reduce-window) measured slower still.
+    """
+    num_envs, num_gpus = active.shape
+    a = active.astype(jnp.int32)
+    within = jax.lax.associative_scan(jnp.add, a, axis=1) - a  # exclusive, per row
+    row = within[:, -1] + a[:, -1]
+    before = jax.lax.associative_scan(jnp.add, row) - row  # exclusive, over rows
+    rank = jnp.where(active, before[:, None] + within, size).ravel()
+    lanes = jnp.arange(num_envs * num_gpus, dtype=jnp.int32)
+    order = jnp.full((size,), num_envs * num_gpus, jnp.int32).at[rank].set(lanes, mode="drop")
+    return order, before[-1] + row[-1]
+
+
 def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
     """`advance_static` for a batch of environments (leading axis), lane by lane.
 
@@ -430,14 +525,15 @@ def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
     the lanes with events are listed once (`jnp.nonzero`) and processed in chunks of
     `_chunk_width` lanes: each chunk is gathered, run through the event loop in that compact
     form (completions, dispatches with flat 1-D reads of the queue windows) and scattered back;
-    metrics are added to their environment's row. Queue slots are only read: dispatch moves
-    heads.
+    metrics are added to their environment's row. The all-lane due test reads only per-GPU
+    scalars (`Cluster.waiting` holds the arrivals it needs), and queue slots are only read, by
+    the lanes that dispatch: dispatch moves heads.
     """
     q, srv = cluster.queues, cluster.servers
     num_envs, num_gpus = srv.free_at.shape
     cap, width, n = q.capacity, cluster.window, num_envs * num_gpus
     lanes = lambda x: x.reshape((n,) + x.shape[2:])  # noqa: E731
-    srv = jax.tree.map(lanes, srv)
+    srv, wait = jax.tree.map(lanes, srv), jax.tree.map(lanes, cluster.waiting)
     gp = jax.tree.map(lanes, gpus)
     offset = lanes(q.offset)
     slots = {f: getattr(q, f).reshape(n * cap) for f in ("arrival", "prompt", "output",
@@ -451,30 +547,28 @@ def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
     horizon = jnp.repeat(horizon, num_gpus)
     slo_s = jnp.repeat(slo_s, num_gpus)
     limit = jnp.maximum(gp.max_batch, 1).astype(jnp.int32)
+    full_pos = jnp.minimum(limit, cap) - 1
 
     def read(name, lane, pos):
         return slots[name][lane * cap + pos % cap]
 
-    def due(lane, s, head, count):
-        b, off = limit[lane], offset[lane]
-        start = _trigger_time(s.free_at, count, read("arrival", lane, head) + off,
-                              read("arrival", lane, head + jnp.minimum(b, cap) - 1) + off, b,
-                              gp.timeout[lane])
-        return (*_row_due(s, count, start, horizon[lane]), start)
+    def due(s, count, w, off, b, timeout, h):
+        start = _trigger_time(s.free_at, count, w.first + off, w.full + off, b, timeout)
+        return (*_row_due(s, count, start, h), start)
 
     def run_chunk(j, carry):
-        srv_all, head_all, count_all, work_all, est_all, lg, metrics = carry
+        srv_all, wait_all, head_all, count_all, work_all, est_all, lg, metrics = carry
         idx = jax.lax.dynamic_slice(order, (j * chunk,), (chunk,))
         ok = idx < n
         lane = jnp.minimum(idx, n - 1)
         lane2 = lane[:, None]
         env_of = lane // num_gpus
         g = jax.tree.map(lambda x: x[lane], gp)
-        b = limit[lane]
+        b, off, h, fpos = limit[lane], offset[lane], horizon[lane], full_pos[lane]
         arange = jnp.arange(width)[None, :]
 
         def body(c):
-            s, head, count, work_q, est_q, lg, comp, disp, start, acc = c
+            s, w, head, count, work_q, est_q, lg, comp, disp, start, acc = c
             done_n, latency, met, busy = _completion_terms(s, comp)
             in_sys = jnp.where(comp, s.run_count * jnp.maximum(s.free_at, 0.0), 0.0)
             acc = (acc[0] + done_n, acc[1] + latency, acc[2] + met, acc[3] + busy,
@@ -482,29 +576,32 @@ def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
             s = _clear_completed(s, comp)
             k = jnp.where(disp, jnp.minimum(jnp.minimum(count, b), width), 0)
             pos = head[:, None] + arange
-            win = Q.Request(arrival=read("arrival", lane2, pos) + offset[lane][:, None],
+            win = Q.Request(arrival=read("arrival", lane2, pos) + off[:, None],
                             prompt=read("prompt", lane2, pos), output=read("output", lane2, pos),
                             estimate=read("estimate", lane2, pos), size_class=None,
                             req_id=read("req_id", lane2, pos) if keep_log else None)
             batch_ids = s.batches
-            s, member, service, work, est = _start_batches(s, g, disp, k, start, slo_s[lane],
-                                                           arange < count[:, None], win)
+            s, member, service, (work, est, sum_p, sum_p2) = _start_batches(
+                s, g, disp, k, start, slo_s[lane], arange < count[:, None], win)
             if keep_log:
                 lg = _write_log(lg, env_of[:, None] * log_len + win.req_id,
                                 member & (win.req_id < log_len), start[:, None] - win.arrival,
                                 service[:, None], batch_ids[:, None])
             head, count, work_q, est_q = Q.pop_heads(head, count, work_q, est_q, k, work, est,
                                                      cap)
-            comp, disp, start = due(lane, s, head, count)
-            return s, head, count, work_q, est_q, lg, comp & ok, disp & ok, start, acc
+            w = _after_pop(w, disp, count, sum_p, sum_p2, read("arrival", lane, head),
+                           read("arrival", lane, head + fpos))
+            comp, disp, start = due(s, count, w, off, b, g.timeout, h)
+            return s, w, head, count, work_q, est_q, lg, comp & ok, disp & ok, start, acc
 
         zeros = jnp.zeros((chunk,), jnp.float32)
         izeros = jnp.zeros((chunk,), jnp.int32)
-        c = (jax.tree.map(lambda x: x[lane], srv_all), head_all[lane], count_all[lane],
-             work_all[lane], est_all[lane], lg, comp0[lane] & ok, disp0[lane] & ok,
-             start0[lane], (izeros, zeros, izeros, zeros, zeros))
-        s, head, count, work_q, est_q, lg, _, _, _, acc = jax.lax.while_loop(
-            lambda c: jnp.any(c[6] | c[7]), body, c)
+        at = lambda x: x[lane]  # noqa: E731
+        c = (jax.tree.map(at, srv_all), jax.tree.map(at, wait_all), head_all[lane],
+             count_all[lane], work_all[lane], est_all[lane], lg, comp0[lane] & ok,
+             disp0[lane] & ok, start0[lane], (izeros, zeros, izeros, zeros, zeros))
+        s, w, head, count, work_q, est_q, lg, _, _, _, acc = jax.lax.while_loop(
+            lambda c: jnp.any(c[7] | c[8]), body, c)
         put = lambda a, v: a.at[idx].set(v, mode="drop")  # noqa: E731
         env = jnp.where(ok, env_of, num_envs)
         add = lambda a, v: a.at[env].add(v, mode="drop")  # noqa: E731
@@ -513,24 +610,24 @@ def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
             latency_sum=add(metrics.latency_sum, acc[1]), slo_met=add(metrics.slo_met, acc[2]),
             busy_time=add(metrics.busy_time, acc[3]),
             in_system_time=add(metrics.in_system_time, acc[4]))
-        return (jax.tree.map(put, srv_all, s), put(head_all, head), put(count_all, count),
-                put(work_all, work_q), put(est_all, est_q), lg, metrics)
+        return (jax.tree.map(put, srv_all, s), jax.tree.map(put, wait_all, w),
+                put(head_all, head), put(count_all, count), put(work_all, work_q),
+                put(est_all, est_q), lg, metrics)
 
     head, count = lanes(q.head), lanes(q.count)
-    comp0, disp0, start0 = due(jnp.arange(n), srv, head, count)
-    active = comp0 | disp0
+    comp0, disp0, start0 = due(srv, count, wait, offset, limit, gp.timeout, horizon)
     chunk = _chunk_width(n)
     # Padded by a chunk of fill values so the last chunk's slice is never clamped backwards.
-    (order,) = jnp.nonzero(active, size=n + chunk, fill_value=n)
-    num_chunks = (active.sum() + chunk - 1) // chunk
+    order, num_active = _active_order((comp0 | disp0).reshape(num_envs, num_gpus), n + chunk)
+    num_chunks = (num_active + chunk - 1) // chunk
     flat_log = jax.tree.map(lambda x: x.reshape(-1), log) if keep_log else None
     metrics = jax.tree.map(lambda x: jnp.zeros((num_envs,), x.dtype), StepMetrics.zeros())
-    carry = (srv, head, count, lanes(q.work), lanes(q.estimate_sum), flat_log, metrics)
-    srv, head, count, work, est, flat_log, metrics = jax.lax.fori_loop(
+    carry = (srv, wait, head, count, lanes(q.work), lanes(q.estimate_sum), flat_log, metrics)
+    srv, wait, head, count, work, est, flat_log, metrics = jax.lax.fori_loop(
         0, num_chunks, run_chunk, carry)
     back = lambda x: x.reshape((num_envs, num_gpus) + x.shape[1:])  # noqa: E731
     cluster = cluster.replace(
-        servers=jax.tree.map(back, srv),
+        servers=jax.tree.map(back, srv), waiting=jax.tree.map(back, wait),
         queues=q.replace(head=back(head), count=back(count), work=back(work),
                          estimate_sum=back(est)))
     if keep_log:

@@ -91,13 +91,21 @@ def arrival_times(q: Queues) -> jax.Array:
     return q.arrival + q.offset[:, None]
 
 
+def stored_arrival_at(q: Queues, n: jax.Array) -> jax.Array:
+    """Stored arrival (before adding `offset`) at position `n[g]` of each GPU's queue.
+
+    `(num_gpus,)`; meaningful only where `n[g] < count[g]`.
+    """
+    slot = (q.head + n) % q.capacity
+    return jnp.take_along_axis(q.arrival, slot[:, None], axis=1)[:, 0]
+
+
 def arrival_at(q: Queues, n: jax.Array) -> jax.Array:
     """Arrival time of the request at position `n[g]` of each GPU's queue, `(num_gpus,)`.
 
     Meaningful only where `n[g] < count[g]`.
     """
-    slot = (q.head + n) % q.capacity
-    return jnp.take_along_axis(q.arrival, slot[:, None], axis=1)[:, 0] + q.offset
+    return stored_arrival_at(q, n) + q.offset
 
 
 def push(q: Queues, gpu: jax.Array, req: Request, limit: jax.Array, work: jax.Array):
@@ -118,9 +126,11 @@ def push(q: Queues, gpu: jax.Array, req: Request, limit: jax.Array, work: jax.Ar
     def put(arr, value):
         return arr.at[gpu, slot].set(value, mode="drop")
 
-    arrival = q.arrival.at[gpu].add(q.offset[gpu])
+    # The re-anchored row with the new arrival, written back as one row: under `vmap` that
+    # is one scatter; a row add then a slot write (two) measured ~80 ns per env-step more.
+    row = (q.arrival[gpu] + q.offset[gpu]).at[slot].set(req.arrival, mode="drop")
     q = q.replace(
-        arrival=put(arrival, req.arrival), prompt=put(q.prompt, req.prompt),
+        arrival=q.arrival.at[gpu].set(row), prompt=put(q.prompt, req.prompt),
         output=put(q.output, req.output), estimate=put(q.estimate, req.estimate),
         req_id=None if q.req_id is None else put(q.req_id, req.req_id),
         count=q.count.at[gpu].add(accepted.astype(jnp.int32)),
