@@ -300,7 +300,7 @@ def test_price_spread_draws_a_price_per_episode_charged_and_observed():
     env, params = small()
     spread = params.replace(price_spread=jnp.float32(4.0))
     keys = jax.random.split(jax.random.key(7), 64)
-    reset = jax.vmap(env.reset, in_axes=(0, None))
+    reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))  # one program for both params
     _, s1 = reset(keys, params)
     obs, s4 = reset(keys, spread)
     np.testing.assert_array_equal(s1.gpu_price, 4.0)  # spread 1: exactly gpu_price
@@ -309,7 +309,7 @@ def test_price_spread_draws_a_price_per_episode_charged_and_observed():
     i = env.FEATURES.index("price")
     np.testing.assert_allclose(obs[:, i], s4.gpu_price / (1 + s4.gpu_price), rtol=1e-6)
     # Same requests (common random numbers); only the price term of the reward moves.
-    step = jax.vmap(env.step_env, in_axes=(0, 0, None, None))
+    step = jax.jit(jax.vmap(env.step_env, in_axes=(0, 0, None, None)))
     _, _, r1, _, i1 = step(keys, s1, jnp.int32(2), params)
     _, _, r4, _, i4 = step(keys, s4, jnp.int32(2), spread)
     np.testing.assert_array_equal(i1["arrived"], i4["arrived"])
@@ -324,13 +324,14 @@ def test_random_offset_starts_a_trace_at_a_drawn_row():
     trace = trace_of(np.arange(40.0) * 3.0, 100, 50)
     env, params = jaxserve.make("Autoscaling-v0", max_replicas=2, trace=trace)
     keys = jax.random.split(jax.random.key(8), 32)
-    _, s0 = jax.vmap(env.reset, in_axes=(0, None))(keys, params)
-    _, s1 = jax.vmap(env.reset, in_axes=(0, None))(keys, params.replace(random_offset=1))
+    reset = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))
+    _, s0 = reset(keys, params)
+    _, s1 = reset(keys, params.replace(random_offset=1))
     assert (np.asarray(s0.trace_pos) == 0).all()
     pos = np.asarray(s1.trace_pos)
     assert pos.min() >= 0 and pos.max() < 40 and len(set(pos)) > 10
     np.testing.assert_array_equal(s1.upcoming.arrival, 0.0)  # the drawn row arrives at once
     # From row k, an interval of 15 s sees rows k.. at 3 s spacing: 5 arrivals (fewer at the end).
-    _, st, _, _, info = jax.vmap(env.step_env, in_axes=(0, 0, None, None))(
+    _, st, _, _, info = jax.jit(jax.vmap(env.step_env, in_axes=(0, 0, None, None)))(
         keys, s1, jnp.int32(1), params.replace(random_offset=1))
     np.testing.assert_array_equal(info["arrived"], np.minimum(5, 40 - pos))
