@@ -24,8 +24,59 @@ from agents.config import TrainConfig
 ACTIVATION_FNS: dict[str, Callable[[jax.Array], jax.Array]] = {"tanh": nn.tanh, "relu": nn.relu}
 
 
+def _householder_q(a: jax.Array) -> jax.Array:
+    """The `Q` of `a = Q R` (`a` is `(m, n)`, `m >= n`; `Q` is `(m, n)`), with `R`'s diagonal
+    made non-negative: the same matrix `jnp.linalg.qr` plus a sign fix gives, up to rounding.
+
+    Householder reflections in plain array operations (a `fori_loop` over the `n` columns).
+    Not `jnp.linalg.qr`: when network initialisation is `vmap`ped over seeds on CPU, that
+    lowers to jaxlib's batched LAPACK kernel, which in jaxlib 0.10 fans the batch out on XLA's
+    intra-op thread pool and blocks a pool thread until it is done; with as many QRs running at
+    once as the pool has threads (two layers' on a 2-core machine), every thread waits for work
+    queued behind it and the training program never finishes (`docs/troubleshooting.md`).
+    """
+    m, n = a.shape
+    rows = jnp.arange(m)
+
+    def reflect(j, carry):
+        r, q = carry
+        x = jnp.where(rows >= j, r[:, j], 0.0)
+        norm = jnp.sqrt(jnp.sum(x * x))
+        alpha = -jnp.where(x[j] < 0, -1.0, 1.0) * norm  # R[j, j], sign chosen for stability
+        v = x.at[j].add(-alpha)
+        vv = jnp.sum(v * v)
+        beta = jnp.where(vv > 0, 2.0 / jnp.where(vv > 0, vv, 1.0), 0.0)
+        r = r - beta * jnp.outer(v, v @ r)
+        q = q - beta * jnp.outer(q @ v, v)
+        return r, q
+
+    r, q = jax.lax.fori_loop(0, n, reflect, (a, jnp.eye(m, dtype=a.dtype)))
+    sign = jnp.where(jnp.diagonal(r) < 0, -1.0, 1.0).astype(a.dtype)
+    return q[:, :n] * sign[None, :]
+
+
+def orthogonal(scale: float = 1.0) -> Callable:
+    """A Flax kernel initialiser: `scale` times a uniformly random (Haar) orthogonal matrix.
+
+    The same law (and, for the same key, the same values up to float32 rounding) as
+    `flax.linen.initializers.orthogonal(scale)` for 2-D kernels, without LAPACK (see
+    `_householder_q`), so it is safe to `vmap` on any CPU.
+    """
+
+    def init(key: jax.Array, shape, dtype=jnp.float32) -> jax.Array:
+        if len(shape) != 2:
+            raise ValueError(f"orthogonal initialisation needs a 2-D kernel, got shape {shape}")
+        rows, cols = shape
+        tall = (rows, cols) if rows >= cols else (cols, rows)
+        q = _householder_q(jax.random.normal(key, tall, jnp.float32))
+        q = q if rows >= cols else q.T
+        return (scale * q).astype(dtype)
+
+    return init
+
+
 def _dense(features: int, scale: float = np.sqrt(2.0)) -> nn.Dense:
-    return nn.Dense(features, kernel_init=nn.initializers.orthogonal(scale),
+    return nn.Dense(features, kernel_init=orthogonal(scale),
                     bias_init=nn.initializers.constant(0.0))
 
 

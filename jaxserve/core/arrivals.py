@@ -74,7 +74,33 @@ def stationary(proc: ArrivalProcess) -> jax.Array:
     # pi solves pi @ gen = 0 with sum(pi) = 1: replace one equation by the normalisation.
     a = gen.T.at[-1].set(1.0)
     b = jnp.zeros(k).at[-1].set(1.0)
-    return jnp.clip(jnp.linalg.solve(a, b), 0.0, 1.0)
+    return jnp.clip(solve_small(a, b), 0.0, 1.0)
+
+
+def solve_small(a: jax.Array, b: jax.Array) -> jax.Array:
+    """`x` with `a @ x = b` for a small square `a` `(K, K)`: Gaussian elimination with
+    partial pivoting, unrolled over the static `K`.
+
+    Not `jnp.linalg.solve`: under `vmap` on CPU that lowers to jaxlib's batched LAPACK kernel,
+    which in jaxlib 0.10 fans the batch out on XLA's intra-op thread pool and blocks a pool
+    thread until it is done; when as many such calls run at once as the pool has threads (2 on a
+    2-core machine), every thread waits on work queued behind it and the program never ends.
+    Plain array operations cannot deadlock, and for the K <= 4 phases of an MMPP they are as
+    cheap. `a` must be non-singular (a generator with its last equation replaced by the
+    normalisation is, for an irreducible chain).
+    """
+    k = a.shape[-1]
+    m = jnp.concatenate([a, b[:, None]], axis=1).astype(jnp.float32)
+    rows = jnp.arange(k)
+    for j in range(k):
+        # Partial pivoting: the largest remaining entry of column j moves to row j.
+        p = j + jnp.argmax(jnp.abs(m[j:, j]))
+        rj, rp = m[j], m[p]
+        m = m.at[p].set(rj).at[j].set(rp)
+        m = m.at[j].set(m[j] / m[j, j])
+        factor = jnp.where(rows == j, 0.0, m[:, j])
+        m = m - factor[:, None] * m[j][None, :]
+    return m[:, k]
 
 
 def mean_rate(proc: ArrivalProcess) -> jax.Array:
