@@ -97,6 +97,29 @@ def test_batching_infeasible_actions_counted():
     assert int(info["invalid_actions"]) == 0
 
 
+def test_batching_wait_features_are_the_true_waits():
+    # The head's and the mean wait come from the relative arrivals (stored + offset). They
+    # once read the stored arrivals alone, which lag by the offset that builds up between a
+    # queue's pushes: the features showed the previous decision's waits.
+    from jaxserve.core import queues as Q
+
+    env, params = small("Batching-v0", max_steps_in_episode=100)
+    _, state = env.reset(jax.random.PRNGKey(0), params)
+    step = jax.jit(env.step_env)
+    lagged = 0
+    for i in range(30):
+        action = jnp.int32(0 if i % 3 else 2)  # mostly wait, so queues and offsets build up
+        obs, state, *_ = step(jax.random.PRNGKey(i + 1), state, action, params)
+        q = state.cluster.queues
+        mask = np.asarray(Q.waiting_mask(q)[0])
+        waits = -np.asarray(Q.arrival_times(q)[0], np.float64)[mask]
+        ts = float(params.time_scale)
+        np.testing.assert_allclose(float(obs[2]), waits.max() / ts, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(float(obs[3]), waits.mean() / ts, rtol=1e-5, atol=1e-6)
+        lagged += float(q.offset[0]) < -1e-3
+    assert lagged > 10  # the offsets did build up, so the check above could fail
+
+
 @pytest.mark.parametrize("bad, field", [
     (dict(arrival_rate=-1.0), "arrivals.rates"),
     (dict(arrival_rate=float("nan")), "arrivals.rates"),

@@ -177,7 +177,8 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
         p = params
         waiting = q.count[0].astype(jnp.float32)
         mask = Q.waiting_mask(q)[0]
-        wait = jnp.where(mask, -q.arrival[0], 0.0)
+        # Relative arrivals are the stored ones plus the row's offset (`queues.shift`).
+        wait = jnp.where(mask, -Q.arrival_times(q)[0], 0.0)
         mean_estimate = q.estimate_sum[0] / jnp.maximum(waiting, 1.0)
         feats = jnp.stack([
             waiting / jnp.maximum(p.gpus.max_batch[0], 1),
