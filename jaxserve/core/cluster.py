@@ -18,6 +18,7 @@ has joined its queue.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -233,6 +234,30 @@ def complete_due(cluster: Cluster, due: jax.Array, metrics: StepMetrics):
     return cluster.replace(servers=_clear_completed(cluster.servers, due)), metrics
 
 
+_UNROLL_WINDOW = 32  # windows up to this wide are reduced with unrolled elementwise ops
+
+
+def _window_sum(x: jax.Array) -> jax.Array:
+    """`x.sum(-1)` over a batch window (static width), unrolled when the window is small.
+
+    XLA's CPU backend hands a row reduction fused with its operands to a YNNPACK kernel, which
+    for rows of a few elements measured several times slower than plain elementwise adds
+    (docs/benchmarks.md); the unrolled form stays an elementwise fusion.
+    """
+    w = x.shape[-1]
+    if w > _UNROLL_WINDOW:
+        return x.sum(-1)
+    return functools.reduce(jnp.add, [x[..., j] for j in range(w)])
+
+
+def _window_max(x: jax.Array) -> jax.Array:
+    """`x.max(-1)` over a batch window, unrolled like `_window_sum`."""
+    w = x.shape[-1]
+    if w > _UNROLL_WINDOW:
+        return x.max(-1)
+    return functools.reduce(jnp.maximum, [x[..., j] for j in range(w)])
+
+
 def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win):
     """Starts, where `go`, a batch of the first `k` requests of each queue window.
 
@@ -248,12 +273,12 @@ def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win
     """
     member = valid & (jnp.arange(win.arrival.shape[-1])[None, :] < k[:, None])
     prompt = jnp.where(member, win.prompt, 0.0)
-    sum_p = prompt.sum(-1)
-    sum_p2 = (prompt * prompt).sum(-1)
-    max_o = jnp.where(member, win.output, 0.0).max(-1)
+    sum_p = _window_sum(prompt)
+    sum_p2 = _window_sum(prompt * prompt)
+    max_o = _window_max(jnp.where(member, win.output, 0.0))
     est_o = jnp.where(member, win.estimate, 0.0)
     service = batch_service_time(gpus, k, sum_p, sum_p2, max_o)
-    est_service = batch_service_time(gpus, k, sum_p, sum_p2, est_o.max(-1))
+    est_service = batch_service_time(gpus, k, sum_p, sum_p2, _window_max(est_o))
     finish = start + service
     latency = finish[:, None] - win.arrival
     slo = jnp.asarray(slo_s)
@@ -262,15 +287,15 @@ def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win
         free_at=jnp.where(go, finish, s.free_at),
         run_start=jnp.where(go, start, s.run_start),
         run_count=jnp.where(go, k, s.run_count),
-        run_latency_sum=jnp.where(go, jnp.where(member, latency, 0.0).sum(-1),
+        run_latency_sum=jnp.where(go, _window_sum(jnp.where(member, latency, 0.0)),
                                   s.run_latency_sum),
-        run_slo_met=jnp.where(go, (member & (latency <= slo)).sum(-1).astype(jnp.int32),
+        run_slo_met=jnp.where(go, _window_sum((member & (latency <= slo)).astype(jnp.int32)),
                               s.run_slo_met),
-        run_estimate=jnp.where(go, est_o.sum(-1), s.run_estimate),
+        run_estimate=jnp.where(go, _window_sum(est_o), s.run_estimate),
         est_end=jnp.where(go, start + est_service, s.est_end),
         batches=s.batches + go.astype(jnp.int32))
     shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), win.prompt, win.estimate)
-    popped = (jnp.where(member, shares, 0.0).sum(-1), est_o.sum(-1), sum_p, sum_p2)
+    popped = (_window_sum(jnp.where(member, shares, 0.0)), _window_sum(est_o), sum_p, sum_p2)
     return servers, member, service, popped
 
 
@@ -574,23 +599,34 @@ def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
             acc = (acc[0] + done_n, acc[1] + latency, acc[2] + met, acc[3] + busy,
                    acc[4] + in_sys)
             s = _clear_completed(s, comp)
-            k = jnp.where(disp, jnp.minimum(jnp.minimum(count, b), width), 0)
-            pos = head[:, None] + arange
-            win = Q.Request(arrival=read("arrival", lane2, pos) + off[:, None],
-                            prompt=read("prompt", lane2, pos), output=read("output", lane2, pos),
-                            estimate=read("estimate", lane2, pos), size_class=None,
-                            req_id=read("req_id", lane2, pos) if keep_log else None)
-            batch_ids = s.batches
-            s, member, service, (work, est, sum_p, sum_p2) = _start_batches(
-                s, g, disp, k, start, slo_s[lane], arange < count[:, None], win)
-            if keep_log:
-                lg = _write_log(lg, env_of[:, None] * log_len + win.req_id,
-                                member & (win.req_id < log_len), start[:, None] - win.arrival,
-                                service[:, None], batch_ids[:, None])
-            head, count, work_q, est_q = Q.pop_heads(head, count, work_q, est_q, k, work, est,
-                                                     cap)
-            w = _after_pop(w, disp, count, sum_p, sum_p2, read("arrival", lane, head),
-                           read("arrival", lane, head + fpos))
+
+            def dispatch_due(d):
+                s, w, head, count, work_q, est_q, lg = d
+                k = jnp.where(disp, jnp.minimum(jnp.minimum(count, b), width), 0)
+                pos = head[:, None] + arange
+                win = Q.Request(arrival=read("arrival", lane2, pos) + off[:, None],
+                                prompt=read("prompt", lane2, pos),
+                                output=read("output", lane2, pos),
+                                estimate=read("estimate", lane2, pos), size_class=None,
+                                req_id=read("req_id", lane2, pos) if keep_log else None)
+                batch_ids = s.batches
+                s, member, service, (work, est, sum_p, sum_p2) = _start_batches(
+                    s, g, disp, k, start, slo_s[lane], arange < count[:, None], win)
+                if keep_log:
+                    lg = _write_log(lg, env_of[:, None] * log_len + win.req_id,
+                                    member & (win.req_id < log_len),
+                                    start[:, None] - win.arrival, service[:, None],
+                                    batch_ids[:, None])
+                head, count, work_q, est_q = Q.pop_heads(head, count, work_q, est_q, k, work,
+                                                         est, cap)
+                w = _after_pop(w, disp, count, sum_p, sum_p2, read("arrival", lane, head),
+                               read("arrival", lane, head + fpos))
+                return s, w, head, count, work_q, est_q, lg
+
+            # An iteration in which no lane of the chunk dispatches (only completions) skips
+            # the queue-window reads, the chunk's costliest part (docs/benchmarks.md).
+            s, w, head, count, work_q, est_q, lg = jax.lax.cond(
+                jnp.any(disp), dispatch_due, lambda d: d, (s, w, head, count, work_q, est_q, lg))
             comp, disp, start = due(s, count, w, off, b, g.timeout, h)
             return s, w, head, count, work_q, est_q, lg, comp & ok, disp & ok, start, acc
 
