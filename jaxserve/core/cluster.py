@@ -234,38 +234,41 @@ def complete_due(cluster: Cluster, due: jax.Array, metrics: StepMetrics):
     return cluster.replace(servers=_clear_completed(cluster.servers, due)), metrics
 
 
-_UNROLL_WINDOW = 32  # windows up to this wide are reduced with unrolled elementwise ops
+_UNROLL_WINDOW = 32  # the compacted loop reduces windows up to this wide with unrolled adds
 
 
-def _window_sum(x: jax.Array) -> jax.Array:
-    """`x.sum(-1)` over a batch window (static width), unrolled when the window is small.
+def _window_sum(x: jax.Array, unroll: bool) -> jax.Array:
+    """`x.sum(-1)` over a batch window (static width), with `unroll`: as unrolled adds.
 
-    XLA's CPU backend hands a row reduction fused with its operands to a YNNPACK kernel, which
-    for rows of a few elements measured several times slower than plain elementwise adds
-    (docs/benchmarks.md); the unrolled form stays an elementwise fusion.
+    On the compacted path XLA's CPU backend hands the fused row reductions of `(chunk, W)`
+    windows to YNNPACK kernels; unrolled adds (plain elementwise fusions) measured ~8% faster
+    per env-step at 4,096 envs, but ~2x slower on the dense `(E, G, W)` path and no better at
+    256 envs (docs/benchmarks.md), so only the compacted loop asks for them.
     """
     w = x.shape[-1]
-    if w > _UNROLL_WINDOW:
+    if not unroll or w > _UNROLL_WINDOW:
         return x.sum(-1)
     return functools.reduce(jnp.add, [x[..., j] for j in range(w)])
 
 
-def _window_max(x: jax.Array) -> jax.Array:
+def _window_max(x: jax.Array, unroll: bool) -> jax.Array:
     """`x.max(-1)` over a batch window, unrolled like `_window_sum`."""
     w = x.shape[-1]
-    if w > _UNROLL_WINDOW:
+    if not unroll or w > _UNROLL_WINDOW:
         return x.max(-1)
     return functools.reduce(jnp.maximum, [x[..., j] for j in range(w)])
 
 
-def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win):
+def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win,
+                   unroll: bool = False):
     """Starts, where `go`, a batch of the first `k` requests of each queue window.
 
     Row-wise over GPUs (or lanes): `s`, `gpus`, `go`, `k`, `start` have shape `(R,)`; `valid` and
     `win`'s `arrival` (relative, s), `prompt`, `output`, `estimate` are `(R, W)` windows at the
     queues' heads; `slo_s` is a scalar or `(R,)`. Requires `k <= W` and an idle GPU where `go`.
     The batch's service time follows `service.batch_service_time`; its requests' latencies are
-    known now and stored with it.
+    known now and stored with it. `unroll` reduces the windows with unrolled elementwise ops
+    (`_window_sum`).
 
     Returns:
       (servers, member mask `(R, W)`, service time `(R,)`, and the popped requests' summed
@@ -273,12 +276,12 @@ def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win
     """
     member = valid & (jnp.arange(win.arrival.shape[-1])[None, :] < k[:, None])
     prompt = jnp.where(member, win.prompt, 0.0)
-    sum_p = _window_sum(prompt)
-    sum_p2 = _window_sum(prompt * prompt)
-    max_o = _window_max(jnp.where(member, win.output, 0.0))
+    sum_p = _window_sum(prompt, unroll)
+    sum_p2 = _window_sum(prompt * prompt, unroll)
+    max_o = _window_max(jnp.where(member, win.output, 0.0), unroll)
     est_o = jnp.where(member, win.estimate, 0.0)
     service = batch_service_time(gpus, k, sum_p, sum_p2, max_o)
-    est_service = batch_service_time(gpus, k, sum_p, sum_p2, _window_max(est_o))
+    est_service = batch_service_time(gpus, k, sum_p, sum_p2, _window_max(est_o, unroll))
     finish = start + service
     latency = finish[:, None] - win.arrival
     slo = jnp.asarray(slo_s)
@@ -287,15 +290,17 @@ def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win
         free_at=jnp.where(go, finish, s.free_at),
         run_start=jnp.where(go, start, s.run_start),
         run_count=jnp.where(go, k, s.run_count),
-        run_latency_sum=jnp.where(go, _window_sum(jnp.where(member, latency, 0.0)),
+        run_latency_sum=jnp.where(go, _window_sum(jnp.where(member, latency, 0.0), unroll),
                                   s.run_latency_sum),
-        run_slo_met=jnp.where(go, _window_sum((member & (latency <= slo)).astype(jnp.int32)),
-                              s.run_slo_met),
-        run_estimate=jnp.where(go, _window_sum(est_o), s.run_estimate),
+        run_slo_met=jnp.where(
+            go, _window_sum((member & (latency <= slo)).astype(jnp.int32), unroll),
+            s.run_slo_met),
+        run_estimate=jnp.where(go, _window_sum(est_o, unroll), s.run_estimate),
         est_end=jnp.where(go, start + est_service, s.est_end),
         batches=s.batches + go.astype(jnp.int32))
     shares = per_request_work(jax.tree.map(lambda x: x[:, None], gpus), win.prompt, win.estimate)
-    popped = (_window_sum(jnp.where(member, shares, 0.0)), _window_sum(est_o), sum_p, sum_p2)
+    popped = (_window_sum(jnp.where(member, shares, 0.0), unroll), _window_sum(est_o, unroll),
+              sum_p, sum_p2)
     return servers, member, service, popped
 
 
@@ -611,7 +616,8 @@ def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
                                 req_id=read("req_id", lane2, pos) if keep_log else None)
                 batch_ids = s.batches
                 s, member, service, (work, est, sum_p, sum_p2) = _start_batches(
-                    s, g, disp, k, start, slo_s[lane], arange < count[:, None], win)
+                    s, g, disp, k, start, slo_s[lane], arange < count[:, None], win,
+                    unroll=True)
                 if keep_log:
                     lg = _write_log(lg, env_of[:, None] * log_len + win.req_id,
                                     member & (win.req_id < log_len),
