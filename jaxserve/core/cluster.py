@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.core import queues as Q
+from jaxserve.core.lanes import active_order, chunk_width
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.service import batch_service_time, per_request_work
 from jaxserve.core.types import GPUProfile
@@ -516,44 +517,13 @@ def _advance_vmap(axis_size, in_batched, cluster, gpus, horizon, slo_s, log):
     return out, jax.tree.map(lambda _: True, out)
 
 
-def _chunk_width(lanes: int) -> int:
-    """Lanes the compacted event loop processes at once: a sixteenth of them, at least 64.
-
-    One width means one compiled loop; the number of chunks follows the lanes with events,
-    so a step costs at most one partly filled chunk more than its events need.
-    """
-    return min(lanes, max(64, -(-lanes // 16)))
-
-
-def _active_order(active: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-    """Flat indices of `active`'s True entries in row-major order, padded to `size` with
-    `active.size`, and how many there are: `jnp.nonzero(active.ravel(), size=size,
-    fill_value=active.size)`.
-
-    `active` is `(environments, GPUs)`. Each lane's rank comes from a prefix sum within its
-    row (G wide) plus one over the rows' totals, then one scatter places the lanes.
-    `jnp.nonzero` instead runs two prefix sums over all E*G lanes and a scatter-add; at
-    32,768 lanes on CPU it measured 2-4x slower (`docs/benchmarks.md`). The prefix sums are
-    `associative_scan`s: XLA's CPU `cumsum` (a reduce-window) measured slower still.
-    """
-    num_envs, num_gpus = active.shape
-    a = active.astype(jnp.int32)
-    within = jax.lax.associative_scan(jnp.add, a, axis=1) - a  # exclusive, per row
-    row = within[:, -1] + a[:, -1]
-    before = jax.lax.associative_scan(jnp.add, row) - row  # exclusive, over rows
-    rank = jnp.where(active, before[:, None] + within, size).ravel()
-    lanes = jnp.arange(num_envs * num_gpus, dtype=jnp.int32)
-    order = jnp.full((size,), num_envs * num_gpus, jnp.int32).at[rank].set(lanes, mode="drop")
-    return order, before[-1] + row[-1]
-
-
 def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
     """`advance_static` for a batch of environments (leading axis), lane by lane.
 
     A lane is one GPU of one environment. Lanes evolve independently within the window, and a
     lane with no event due at its start has none later (there are no arrivals inside it), so
-    the lanes with events are listed once (`jnp.nonzero`) and processed in chunks of
-    `_chunk_width` lanes: each chunk is gathered, run through the event loop in that compact
+    the lanes with events are listed once (`lanes.active_order`) and processed in chunks of
+    `lanes.chunk_width` lanes: each chunk is gathered, run through the event loop in that compact
     form (completions, dispatches with flat 1-D reads of the queue windows) and scattered back;
     metrics are added to their environment's row. The all-lane due test reads only per-GPU
     scalars (`Cluster.waiting` holds the arrivals it needs), and queue slots are only read, by
@@ -658,9 +628,9 @@ def _advance_lanes(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
 
     head, count = lanes(q.head), lanes(q.count)
     comp0, disp0, start0 = due(srv, count, wait, offset, limit, gp.timeout, horizon)
-    chunk = _chunk_width(n)
+    chunk = chunk_width(n)
     # Padded by a chunk of fill values so the last chunk's slice is never clamped backwards.
-    order, num_active = _active_order((comp0 | disp0).reshape(num_envs, num_gpus), n + chunk)
+    order, num_active = active_order((comp0 | disp0).reshape(num_envs, num_gpus), n + chunk)
     num_chunks = (num_active + chunk - 1) // chunk
     flat_log = jax.tree.map(lambda x: x.reshape(-1), log) if keep_log else None
     metrics = jax.tree.map(lambda x: jnp.zeros((num_envs,), x.dtype), StepMetrics.zeros())

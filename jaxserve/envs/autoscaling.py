@@ -33,6 +33,7 @@ from gymnax.environments import environment, spaces
 from jaxserve.core import cluster as C
 from jaxserve.core import engines
 from jaxserve.core import queues as Q
+from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
@@ -394,11 +395,14 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         serve_from = jnp.clip(ready_at, 0.0, dt)
         mult = rate_multiplier(state.clock, params)
 
-        def cond(c):
+        def cond(c, consts):
             nxt, t = c[1], c[5]
-            return nxt.arrival < dt - t
+            return nxt.arrival < consts[3] - t
 
-        def body(c):
+        def body(c, consts):
+            params, mode, mult, _ = consts
+            sp = params.serving
+            gpus = sp.gpus
             cl, nxt, phase, pos, rdy, t, m, work_in, key, lg = c
             key, k_next = jax.random.split(key)
             gap = nxt.arrival
@@ -423,7 +427,11 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
 
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, ready_at,
                  jnp.float32(0.0), StepMetrics.zeros(), jnp.float32(0.0), key, state.log)
-        cl, nxt, phase, pos, rdy, t, m, work_in, _, lg = jax.lax.while_loop(cond, body, carry)
+        # Under vmap the lanes' arrival counts per interval differ (diurnal rates, bursts), so
+        # the loop compacts its lanes (`lanes.compacted_while`); the body reads every traced
+        # value through `consts`.
+        cl, nxt, phase, pos, rdy, t, m, work_in, _, lg = compacted_while(
+            cond, body, carry, (params, mode, mult, dt))
         rest = dt - t
         cl, m_adv, lg = self._advance(cl, gpus, rest, sp.slo_s, lg)
         m = m + m_adv

@@ -12,6 +12,7 @@ from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
+from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.tree import select
 from jaxserve.envs import common
@@ -133,8 +134,6 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
         the agent did not just choose to wait (`must_wait`, cleared by the next arrival); or
         when nothing can happen any more (trace ended, system empty).
         """
-        gpus = params.gpus
-
         def ready(c):
             cl, nxt, _, _, t, must, _, _ = c
             idle = cl.servers.run_count[0] == 0
@@ -143,7 +142,7 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
             finished = idle & (q == 0) & ~jnp.isfinite(nxt.arrival)
             return decide | finished
 
-        def body(c):
+        def body(c, params):
             cl, nxt, phase, pos, t, must, m, key = c
             key, k_next = jax.random.split(key)
             s = cl.servers
@@ -151,7 +150,7 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
             t_new = jnp.where(completion, s.free_at[0], nxt.arrival)
             m = m.replace(in_system_time=m.in_system_time + C.in_system(cl) * (t_new - t))
             cl_done, m_done = C.complete_due(cl, completion[None], m)
-            cl_arr, dropped = C.route(cl, gpus, nxt, jnp.int32(0))
+            cl_arr, dropped = C.route(cl, params.gpus, nxt, jnp.int32(0))
             m_arr = m.replace(arrived=m.arrived + 1, dropped=m.dropped + dropped)
             gap, req, phase_arr, _ = common.next_arrival(k_next, params, phase, pos + 1,
                                                          nxt.req_id + 1)
@@ -162,8 +161,10 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
 
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, jnp.float32(0.0),
                  must_wait, StepMetrics.zeros(), key)
-        cl, nxt, phase, pos, t, _, m, _ = jax.lax.while_loop(
-            lambda c: ~ready(c), body, carry)
+        # Under vmap the lanes' iteration counts are skewed (the arrivals during one batch's
+        # service: ~7 on average, 30+ for a few lanes), so the loop compacts its lanes.
+        cl, nxt, phase, pos, t, _, m, _ = compacted_while(lambda c, _: ~ready(c), body, carry,
+                                                          params)
         # Busy time of this window: the batch started at 0 (if any) up to min(end, t).
         s = cl.servers
         busy_open = jnp.where(s.run_count > 0, t - jnp.maximum(s.run_start, 0.0), 0.0).sum()

@@ -1,0 +1,128 @@
+"""Lane compaction: data-dependent loops under `vmap` that stop paying for finished lanes.
+
+Under `vmap` a `lax.while_loop` runs every lane (environment) for the batch's largest
+iteration count, masking the lanes that are done. When the counts are skewed (most lanes
+finish in a few iterations, a few need many) most of that work is wasted. The helpers here
+list the lanes that still have work (`active_order`) and run them in compact chunks
+(`chunk_width`); `compacted_while` packages that as a drop-in `while_loop`.
+`cluster.advance_static` uses the first two for its (environment, GPU) lanes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def chunk_width(lanes: int) -> int:
+    """Lanes a compacted loop processes at once: a sixteenth of them, at least 64.
+
+    One width means one compiled loop; the number of chunks follows the lanes with work, so
+    a step costs at most one partly filled chunk more than its work needs.
+    """
+    return min(lanes, max(64, -(-lanes // 16)))
+
+
+def active_order(active: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Flat indices of `active`'s True entries in row-major order, padded to `size` with
+    `active.size`, and how many there are: `jnp.nonzero(active.ravel(), size=size,
+    fill_value=active.size)`.
+
+    `active` is `(rows, columns)` (e.g. environments x GPUs; use `(lanes, 1)` for one flag per
+    lane). Each lane's rank comes from a prefix sum within its row plus one over the rows'
+    totals, then one scatter places the lanes. `jnp.nonzero` instead runs two prefix sums
+    over all lanes and a scatter-add; at 32,768 lanes on CPU it measured 2-4x slower
+    (`docs/benchmarks.md`). The prefix sums are `associative_scan`s: XLA's CPU `cumsum` (a
+    reduce-window) measured slower still.
+    """
+    rows, cols = active.shape
+    a = active.astype(jnp.int32)
+    within = jax.lax.associative_scan(jnp.add, a, axis=1) - a  # exclusive, per row
+    row = within[:, -1] + a[:, -1]
+    before = jax.lax.associative_scan(jnp.add, row) - row  # exclusive, over rows
+    rank = jnp.where(active, before[:, None] + within, size).ravel()
+    lanes = jnp.arange(rows * cols, dtype=jnp.int32)
+    order = jnp.full((size,), rows * cols, jnp.int32).at[rank].set(lanes, mode="drop")
+    return order, before[-1] + row[-1]
+
+
+DENSE_FRACTION = 4  # the dense phase runs while more than 1/DENSE_FRACTION of lanes are active
+
+
+def compacted_while(cond_fn: Callable[[Any, Any], jax.Array],
+                    body_fn: Callable[[Any, Any], Any], carry: Any, consts: Any) -> Any:
+    """`lax.while_loop(lambda c: cond_fn(c, consts), lambda c: body_fn(c, consts), carry)`.
+
+    The same values for one lane, and, lane by lane, under `vmap` (each lane runs the same
+    iterations; float results equal up to XLA's vectorised rounding). Under `vmap` it runs
+    in two phases: a dense phase (the plain masked loop over the whole batch) while more
+    than `1/DENSE_FRACTION` of the lanes still iterate, then the remaining lanes in compact
+    chunks of `chunk_width` lanes, each gathered, looped to completion and scattered back.
+    So a batch whose lanes need e.g. 4-8 iterations and a few of them 30 pays ~8 full
+    iterations plus 30 of a small chunk, not 30 full ones.
+
+    `cond_fn` and `body_fn` take `(carry, consts)` and must not close over traced values:
+    everything traced they read goes through `consts` (which may be batched or not).
+    `body_fn` is applied only where `cond_fn` holds.
+    """
+    loop = _compacted(cond_fn, body_fn)
+    return loop(carry, consts)
+
+
+def _compacted(cond_fn, body_fn):
+    def plain(carry, consts):
+        return jax.lax.while_loop(lambda c: cond_fn(c, consts), lambda c: body_fn(c, consts),
+                                  carry)
+
+    loop = jax.custom_batching.custom_vmap(plain)
+
+    @loop.def_vmap
+    def _rule(axis_size, in_batched, carry, consts):
+        carry_b, consts_b = in_batched
+        carry = jax.tree.map(
+            lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
+            carry, carry_b)
+        out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return loop
+
+
+def _select(pred, new, old):
+    """`new` where the per-lane `pred`, else `old` (leaves with a leading lane axis)."""
+    return jax.tree.map(
+        lambda n, o: jnp.where(pred.reshape(pred.shape + (1,) * (n.ndim - 1)), n, o), new, old)
+
+
+def _batched_loop(cond_fn, body_fn, carry, consts, consts_batched, lanes: int):
+    consts_axes = jax.tree.map(lambda b: 0 if b else None, consts_batched)
+    cond = jax.vmap(cond_fn, in_axes=(0, consts_axes))
+    body = jax.vmap(body_fn, in_axes=(0, consts_axes))
+    dense_above = lanes // DENSE_FRACTION
+
+    def dense_body(c):
+        return _select(cond(c, consts), body(c, consts), c)
+
+    carry = jax.lax.while_loop(
+        lambda c: jnp.sum(cond(c, consts).astype(jnp.int32)) > dense_above, dense_body, carry)
+
+    chunk = chunk_width(lanes)
+    order, num_active = active_order(cond(carry, consts)[:, None], lanes + chunk)
+
+    def run_chunk(j, carry):
+        idx = jax.lax.dynamic_slice(order, (j * chunk,), (chunk,))
+        ok = idx < lanes
+        lane = jnp.minimum(idx, lanes - 1)
+        sub = jax.tree.map(lambda x: x[lane], carry)
+        sub_consts = jax.tree.map(lambda x, b: x[lane] if b else x, consts, consts_batched)
+
+        def chunk_body(s):
+            return _select(cond(s, sub_consts) & ok, body(s, sub_consts), s)
+
+        sub = jax.lax.while_loop(lambda s: jnp.any(cond(s, sub_consts) & ok), chunk_body, sub)
+        return jax.tree.map(lambda x, v: x.at[idx].set(v, mode="drop"), carry, sub)
+
+    num_chunks = (num_active + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, num_chunks, run_chunk, carry)
