@@ -40,6 +40,7 @@ import numpy as np
 import jaxserve
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
+from jaxserve.core import lanes
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
 
@@ -264,7 +265,7 @@ def profile_routing(counts, steps, repeats):
     try:
         for n in counts:
             for name, (path, advance, obs, env, auto_reset) in variants.items():
-                C.engine_path, C.advance_static, R.routing_observation = path, advance, obs
+                lanes.engine_path, C.advance_static, R.routing_observation = path, advance, obs
                 jax.clear_caches()
                 env, p = (env, params) if env is not None else gymnax.make("Breakout-MinAtar")
                 r = time_env(env, p, n, steps, 0, repeats, auto_reset)
@@ -274,7 +275,7 @@ def profile_routing(counts, steps, repeats):
                 print(f"profile {name:38s} envs={n:6d} compile {r['compile_s']:6.1f}s "
                       f"{us:7.2f} us/env-step ({us_cpu:6.2f} CPU us)", flush=True)
     finally:
-        C.engine_path, C.advance_static, R.routing_observation = None, real_advance, real_obs
+        lanes.engine_path, C.advance_static, R.routing_observation = None, real_advance, real_obs
         jax.clear_caches()
     return out
 
@@ -316,7 +317,7 @@ def main(argv=None):
     for name, env, params, kind, div, warms in environments():
         if args.only and not any(name.startswith(p) for p in args.only.split(",")):
             continue
-        C.engine_path = "dense" if name == ROUTING_DENSE else None
+        lanes.engine_path = "dense" if name == ROUTING_DENSE else None
         jax.clear_caches()  # the batched path is read when a program is traced
         entry = {"state_bytes": state_bytes(env, params), "rows": []}
         n_steps, n_warm = max(steps // div, 2), (warmup // div if warms else 0)
@@ -332,7 +333,7 @@ def main(argv=None):
         res["results"][name] = entry
         if args.out:  # after every environment, so a long run keeps what it measured
             Path(args.out).write_text(json.dumps(res, indent=2))
-    C.engine_path = None
+    lanes.engine_path = None
     jax.clear_caches()
 
     res["summary"] = summarize(res["results"])

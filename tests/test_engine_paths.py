@@ -12,6 +12,7 @@ import pytest
 
 import jaxserve
 from jaxserve.core import cluster as C
+from jaxserve.core import lanes
 
 SPIED = {"compact": "_advance_lanes", "dense": "_advance_unrolled", "loop": "_advance_dense"}
 
@@ -22,7 +23,7 @@ def traced_paths(name, path, monkeypatch):
         fn = getattr(C, fn_name)
         monkeypatch.setattr(C, fn_name,
                             lambda *a, _fn=fn, _n=fn_name: taken.append(_n) or _fn(*a))
-    monkeypatch.setattr(C, "engine_path", path)
+    monkeypatch.setattr(lanes, "engine_path", path)
     jax.clear_caches()
     env, params = jaxserve.make(name, max_steps_in_episode=4)
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -39,13 +40,30 @@ def test_vmapped_steps_take_the_chosen_batched_path(name, path, monkeypatch):
 
 
 def test_batched_path_choice_and_override(monkeypatch):
-    monkeypatch.delenv(C.ENGINE_PATH_ENV, raising=False)
-    monkeypatch.setattr(C, "engine_path", None)
+    monkeypatch.delenv(lanes.ENGINE_PATH_ENV, raising=False)
+    monkeypatch.setattr(lanes, "engine_path", None)
     assert C.batched_path() == ("compact" if jax.default_backend() == "cpu" else "dense")
-    monkeypatch.setenv(C.ENGINE_PATH_ENV, "dense")
+    monkeypatch.setenv(lanes.ENGINE_PATH_ENV, "dense")
     assert C.batched_path() == "dense"
-    monkeypatch.setattr(C, "engine_path", "compact")  # the module switch wins
+    monkeypatch.setattr(lanes, "engine_path", "compact")  # the module switch wins
     assert C.batched_path() == "compact"
-    monkeypatch.setattr(C, "engine_path", "sparse")
+    monkeypatch.setattr(lanes, "engine_path", "sparse")
     with pytest.raises(ValueError, match="engine path"):
         C.batched_path()
+
+
+@pytest.mark.parametrize("path, compacts", [("compact", True), ("dense", False)])
+def test_compacted_while_follows_the_batched_path(path, compacts, monkeypatch):
+    # Batching-v0's arrival loop (`lanes.compacted_while`) compacts its lanes only on the
+    # "compact" path; elsewhere (the GPU default) it is the plain masked loop.
+    calls = []
+    real = lanes._batched_loop
+    monkeypatch.setattr(lanes, "_batched_loop", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(lanes, "engine_path", path)
+    jax.clear_caches()
+    env, params = jaxserve.make("Batching-v0", max_steps_in_episode=4)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    _, states = jax.vmap(lambda k: env.reset(k, params))(keys)
+    jax.make_jaxpr(jax.vmap(lambda k, s: env.step(k, s, jnp.int32(1), params)))(keys, states)
+    jax.clear_caches()
+    assert bool(calls) == compacts

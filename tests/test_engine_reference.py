@@ -167,12 +167,13 @@ def test_vmapped_replays_match_reference_exactly_on_both_batched_paths(path, mon
     import importlib
 
     from jaxserve.core import cluster as C
+    from jaxserve.core import lanes
     taken = []
     spied = {"compact": "_advance_lanes", "dense": "_advance_unrolled", "loop": "_advance_dense"}
     for name in spied.values():
         fn = getattr(C, name)
         monkeypatch.setattr(C, name, lambda *a, _fn=fn, _n=name: taken.append(_n) or _fn(*a))
-    monkeypatch.setattr(C, "engine_path", path)
+    monkeypatch.setattr(lanes, "engine_path", path)
     jax.clear_caches()  # the path is read at trace time: retrace under this one
 
     from jaxserve.evaluation.evaluate import trace_env

@@ -19,14 +19,13 @@ has joined its queue.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.core import queues as Q
-from jaxserve.core.lanes import active_order, chunk_width
+from jaxserve.core.lanes import active_order, batched_path, chunk_width
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.service import batch_service_time, per_request_work
 from jaxserve.core.types import GPUProfile
@@ -471,31 +470,6 @@ def _advance_unrolled(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
 
 # ----------------------------------------------------------------- the batched path, per backend
 
-ENGINE_PATH_ENV = "JAXSERVE_ENGINE_PATH"
-ENGINE_PATHS = ("compact", "dense", "loop")
-# Module-level override of the batched path ("compact", "dense", or None: the environment
-# variable JAXSERVE_ENGINE_PATH, then the backend's default). Read when a program is traced:
-# after changing it, call `jax.clear_caches()` so cached programs are traced again.
-engine_path: str | None = None
-
-
-def batched_path() -> str:
-    """The event loop `advance_static` runs under `vmap`, chosen when the program is traced.
-
-    "compact" (lane compaction, `_advance_lanes`) on CPU, where a masked iteration over every
-    lane costs real work and a loop test is cheap; "dense" (`_advance_unrolled` vmapped) on
-    GPU/TPU, where masked work over every lane is nearly free and each data-dependent loop
-    test is a device-to-host synchronisation. Overridden by `engine_path`, then by the
-    `JAXSERVE_ENGINE_PATH` environment variable, so both are testable on any backend.
-    "loop" (the plain `while_loop` vmapped, as before lane compaction: every lane runs the
-    batch's largest event count) is kept for profiling and comparison.
-    """
-    choice = engine_path or os.environ.get(ENGINE_PATH_ENV) or (
-        "compact" if jax.default_backend() == "cpu" else "dense")
-    if choice not in ENGINE_PATHS:
-        raise ValueError(f"engine path must be one of {ENGINE_PATHS}, got {choice!r} "
-                         f"(cluster.engine_path or ${ENGINE_PATH_ENV})")
-    return choice
 
 
 _advance = jax.custom_batching.custom_vmap(_advance_dense)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxserve.core import queues as Q
+from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.replica import ReplicaProfile
 
@@ -464,7 +465,8 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     """
     pre0 = rep.preemptions.sum()
 
-    def body(carry):
+    def body(carry, consts):
+        prof, horizon, slo_s = consts
         rp, m, ex, lg, end, _ = carry
         rp, m, ex, lg = _end_iteration(rp, end, slo_s, m, ex, lg)
         has_work = (rp.queues.count + rp.run.count) > 0
@@ -474,7 +476,11 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
         return (rp, m, ex, lg, *_due(rp, horizon))
 
     carry = (rep, StepMetrics.zeros(), zero_extras(), log, *_due(rep, horizon))
-    rep, m, ex, log, *_ = jax.lax.while_loop(lambda c: c[-1], body, carry)
+    # Under vmap the environments' iteration counts between two arrivals differ (how many
+    # decode iterations fit in the gap), so the loop compacts its lanes.
+    rep, m, ex, log, *_ = compacted_while(lambda c, _: c[-1], body, carry,
+                                          (prof, jnp.asarray(horizon, jnp.float32),
+                                           jnp.asarray(slo_s, jnp.float32)))
     finite = jnp.isfinite(horizon)
     h = jnp.where(finite, horizon, 0.0)
     part = jnp.where(rep.in_iter & finite, h - jnp.maximum(rep.t_start, 0.0), 0.0)

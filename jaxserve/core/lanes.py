@@ -10,10 +10,43 @@ list the lanes that still have work (`active_order`) and run them in compact chu
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+
+# ------------------------------------------------------------ the batched path, per backend
+
+ENGINE_PATH_ENV = "JAXSERVE_ENGINE_PATH"
+ENGINE_PATHS = ("compact", "dense", "loop")
+# Module-level override of the batched path ("compact", "dense", or None: the environment
+# variable JAXSERVE_ENGINE_PATH, then the backend's default). Read when a program is traced:
+# after changing it, call `jax.clear_caches()` so cached programs are traced again.
+engine_path: str | None = None
+
+
+def batched_path() -> str:
+    """How data-dependent loops run under `vmap`, chosen when the program is traced.
+
+    For `cluster.advance_static` and for every `compacted_while` (Batching-v0's and
+    Autoscaling-v0's arrival loops, the continuous-batching engine's iteration loop):
+    "compact" (lane compaction: `cluster._advance_lanes`, `compacted_while`'s chunks) on CPU, where a masked iteration over every
+    lane costs real work and a loop test is cheap; "dense" (`_advance_unrolled` vmapped) on
+    GPU/TPU, where masked work over every lane is nearly free and each data-dependent loop
+    test is a device-to-host synchronisation (`compacted_while` then runs the plain masked
+    loop; `advance_static` its unrolled form). Overridden by `engine_path`, then by the
+    `JAXSERVE_ENGINE_PATH` environment variable, so both are testable on any backend.
+    "loop" (the plain `while_loop` vmapped, as before lane compaction: every lane runs the
+    batch's largest event count) is kept for profiling and comparison.
+    """
+    choice = engine_path or os.environ.get(ENGINE_PATH_ENV) or (
+        "compact" if jax.default_backend() == "cpu" else "dense")
+    if choice not in ENGINE_PATHS:
+        raise ValueError(f"engine path must be one of {ENGINE_PATHS}, got {choice!r} "
+                         f"(lanes.engine_path or ${ENGINE_PATH_ENV})")
+    return choice
 
 
 def chunk_width(lanes: int) -> int:
@@ -61,7 +94,8 @@ def compacted_while(cond_fn: Callable[[Any, Any], jax.Array],
     than `1/DENSE_FRACTION` of the lanes still iterate, then the remaining lanes in compact
     chunks of `chunk_width` lanes, each gathered, looped to completion and scattered back.
     So a batch whose lanes need e.g. 4-8 iterations and a few of them 30 pays ~8 full
-    iterations plus 30 of a small chunk, not 30 full ones.
+    iterations plus 30 of a small chunk, not 30 full ones. Only on the "compact" batched path
+    (`batched_path`: the CPU default); otherwise the plain masked loop.
 
     `cond_fn` and `body_fn` take `(carry, consts)` and must not close over traced values:
     everything traced they read goes through `consts` (which may be batched or not).
@@ -84,7 +118,11 @@ def _compacted(cond_fn, body_fn):
         carry = jax.tree.map(
             lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
             carry, carry_b)
-        out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size)
+        if batched_path() == "compact":
+            out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size)
+        else:  # the plain masked loop (GPU/TPU default): no data-dependent chunk count
+            axes = jax.tree.map(lambda b: 0 if b else None, consts_b)
+            out = jax.vmap(plain, in_axes=(0, axes))(carry, consts)
         return out, jax.tree.map(lambda _: True, out)
 
     return loop
