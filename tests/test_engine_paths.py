@@ -62,8 +62,11 @@ def test_compacted_while_follows_the_batched_path(path, compacts, monkeypatch):
     monkeypatch.setattr(lanes, "engine_path", path)
     jax.clear_caches()
     env, params = jaxserve.make("Batching-v0", max_steps_in_episode=4)
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    _, states = jax.vmap(lambda k: env.reset(k, params))(keys)
-    jax.make_jaxpr(jax.vmap(lambda k, s: env.step(k, s, jnp.int32(1), params)))(keys, states)
+    for lanes_, big in ((lanes.MIN_COMPACT_LANES + 1, True), (lanes.MIN_COMPACT_LANES, False)):
+        calls.clear()
+        keys = jax.random.split(jax.random.PRNGKey(0), lanes_)
+        _, states = jax.eval_shape(jax.vmap(lambda k: env.reset(k, params)), keys)
+        jax.make_jaxpr(jax.vmap(lambda k, s: env.step(k, s, jnp.int32(1), params)))(keys, states)
+        # Small batches (evaluation) never compact: their one chunk would be the batch.
+        assert bool(calls) == (compacts and big)
     jax.clear_caches()
-    assert bool(calls) == compacts

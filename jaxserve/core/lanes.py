@@ -82,6 +82,10 @@ def active_order(active: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
 
 
 DENSE_FRACTION = 4  # the dense phase runs while more than 1/DENSE_FRACTION of lanes are active
+# Batches of at most this many lanes run the plain masked loop: their one chunk would be the
+# whole batch, so compaction would only add a second compiled loop (evaluation programs of a
+# few environments pay compile time, not loop time).
+MIN_COMPACT_LANES = 128
 
 
 def compacted_while(cond_fn: Callable[[Any, Any], jax.Array],
@@ -95,7 +99,8 @@ def compacted_while(cond_fn: Callable[[Any, Any], jax.Array],
     chunks of `chunk_width` lanes, each gathered, looped to completion and scattered back.
     So a batch whose lanes need e.g. 4-8 iterations and a few of them 30 pays ~8 full
     iterations plus 30 of a small chunk, not 30 full ones. Only on the "compact" batched path
-    (`batched_path`: the CPU default); otherwise the plain masked loop.
+    (`batched_path`: the CPU default) and for more than `MIN_COMPACT_LANES` lanes; otherwise
+    the plain masked loop.
 
     `cond_fn` and `body_fn` take `(carry, consts)` and must not close over traced values:
     everything traced they read goes through `consts` (which may be batched or not).
@@ -118,7 +123,7 @@ def _compacted(cond_fn, body_fn):
         carry = jax.tree.map(
             lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
             carry, carry_b)
-        if batched_path() == "compact":
+        if batched_path() == "compact" and axis_size > MIN_COMPACT_LANES:
             out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size)
         else:  # the plain masked loop (GPU/TPU default): no data-dependent chunk count
             axes = jax.tree.map(lambda b: 0 if b else None, consts_b)
