@@ -468,9 +468,7 @@ def _advance_unrolled(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
     return cluster, _close_window(cluster, metrics, horizon), log
 
 
-# ----------------------------------------------------------------- the batched path, per backend
-
-
+# ------------------------------------------- the batched path, per backend (`lanes.batched_path`)
 
 _advance = jax.custom_batching.custom_vmap(_advance_dense)
 

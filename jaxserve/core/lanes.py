@@ -32,11 +32,12 @@ def batched_path() -> str:
 
     For `cluster.advance_static` and for every `compacted_while` (Batching-v0's and
     Autoscaling-v0's arrival loops, the continuous-batching engine's iteration loop):
-    "compact" (lane compaction: `cluster._advance_lanes`, `compacted_while`'s chunks) on CPU, where a masked iteration over every
-    lane costs real work and a loop test is cheap; "dense" (`_advance_unrolled` vmapped) on
-    GPU/TPU, where masked work over every lane is nearly free and each data-dependent loop
-    test is a device-to-host synchronisation (`compacted_while` then runs the plain masked
-    loop; `advance_static` its unrolled form). Overridden by `engine_path`, then by the
+    "compact" (lane compaction: `cluster._advance_lanes`, `compacted_while`'s chunks) on CPU,
+    where a masked iteration over every lane costs real work and a loop test is cheap;
+    "dense" (`cluster._advance_unrolled` vmapped) on GPU/TPU, where masked work over every
+    lane is nearly free and each data-dependent loop test is a device-to-host
+    synchronisation (`compacted_while` then runs the plain masked loop; `advance_static` its
+    unrolled form). Overridden by `engine_path`, then by the
     `JAXSERVE_ENGINE_PATH` environment variable, so both are testable on any backend.
     "loop" (the plain `while_loop` vmapped, as before lane compaction: every lane runs the
     batch's largest event count) is kept for profiling and comparison.
