@@ -89,3 +89,38 @@ def test_active_order_equals_nonzero():
         assert int(count) == want.size
         np.testing.assert_array_equal(np.asarray(order)[:want.size], want)
         assert np.all(np.asarray(order)[want.size:] == rows * cols)
+
+
+def test_batching_env_compacted_loop_equals_single_environments():
+    # More lanes than MIN_COMPACT_LANES, so Batching-v0's arrival loop takes the compacted
+    # path under vmap (the env contract tests use small batches, which run the plain loop).
+    import jaxserve
+
+    n = lanes.MIN_COMPACT_LANES + 32
+    env, params = jaxserve.make("Batching-v0")
+    keys = jax.random.split(jax.random.PRNGKey(3), n)
+
+    def rollout(key):
+        _, state = env.reset(key, params)
+
+        def step(state, k):
+            action = env.action_space(params).sample(jax.random.fold_in(k, 1))
+            _, state, reward, _, _, info = env.step(k, state, action, params)
+            return state, (reward, info["arrived"], info["completed"])
+
+        return jax.lax.scan(step, state, jax.random.split(key, 12))[1]
+
+    batched = jax.jit(jax.vmap(rollout))(keys)
+    single = jax.jit(rollout)
+    per_step = np.sort(np.asarray(batched[1]), axis=0)[::-1]  # (lanes, steps), descending
+    # In some step the busiest lanes needed more iterations than the lane at the dense phase's
+    # cut (a quarter of the lanes), so the compact chunks did run.
+    assert np.any(per_step[0] > per_step[n // lanes.DENSE_FRACTION])
+    arrived = np.asarray(batched[1]).sum(1)
+    # Lanes with the most and fewest arrivals, so the compacted chunks' lanes are among them.
+    for i in {int(arrived.argmax()), int(arrived.argmin()), 0, n - 1}:
+        one = single(keys[i])
+        np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(batched[1][i]))
+        np.testing.assert_array_equal(np.asarray(one[2]), np.asarray(batched[2][i]))
+        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(batched[0][i]), rtol=1e-4,
+                                   atol=1e-4)
