@@ -1,5 +1,6 @@
-"""`lanes.compacted_while` equals `lax.while_loop`, alone and under `vmap` (both phases), and
-`lanes.active_order` equals `jnp.nonzero`."""
+"""`lanes.compacted_while` equals `lax.while_loop`, alone and under `vmap` (both phases);
+`lanes.active_order` equals `jnp.nonzero`; the environments that use `compacted_while`, vmapped
+over enough lanes to compact, equal single-environment runs."""
 
 from __future__ import annotations
 
@@ -91,13 +92,16 @@ def test_active_order_equals_nonzero():
         assert np.all(np.asarray(order)[want.size:] == rows * cols)
 
 
-def test_batching_env_compacted_loop_equals_single_environments():
-    # More lanes than MIN_COMPACT_LANES, so Batching-v0's arrival loop takes the compacted
-    # path under vmap (the env contract tests use small batches, which run the plain loop).
+@pytest.mark.parametrize("name, steps", [("Batching-v0", 12), ("Autoscaling-v0", 3),
+                                         ("LLMRouting-v0", 3)])
+def test_env_compacted_loop_equals_single_environments(name, steps):
+    # More lanes than MIN_COMPACT_LANES, so the env's loop (Batching-v0's and Autoscaling-v0's
+    # arrival loops, the continuous engine's iterations) takes the compacted path under vmap;
+    # the env contract tests use small batches, which run the plain loop.
     import jaxserve
 
     n = lanes.MIN_COMPACT_LANES + 32
-    env, params = jaxserve.make("Batching-v0")
+    env, params = jaxserve.make(name)
     keys = jax.random.split(jax.random.PRNGKey(3), n)
 
     def rollout(key):
@@ -108,14 +112,15 @@ def test_batching_env_compacted_loop_equals_single_environments():
             _, state, reward, _, _, info = env.step(k, state, action, params)
             return state, (reward, info["arrived"], info["completed"])
 
-        return jax.lax.scan(step, state, jax.random.split(key, 12))[1]
+        return jax.lax.scan(step, state, jax.random.split(key, steps))[1]
 
     batched = jax.jit(jax.vmap(rollout))(keys)
     single = jax.jit(rollout)
-    per_step = np.sort(np.asarray(batched[1]), axis=0)[::-1]  # (lanes, steps), descending
-    # In some step the busiest lanes needed more iterations than the lane at the dense phase's
-    # cut (a quarter of the lanes), so the compact chunks did run.
-    assert np.any(per_step[0] > per_step[n // lanes.DENSE_FRACTION])
+    if name == "Batching-v0":
+        per_step = np.sort(np.asarray(batched[1]), axis=0)[::-1]  # (lanes, steps), descending
+        # In some step the busiest lanes needed more iterations than the lane at the dense
+        # phase's cut (a quarter of the lanes), so the compact chunks did run.
+        assert np.any(per_step[0] > per_step[n // lanes.DENSE_FRACTION])
     arrived = np.asarray(batched[1]).sum(1)
     # Lanes with the most and fewest arrivals, so the compacted chunks' lanes are among them.
     for i in {int(arrived.argmax()), int(arrived.argmin()), 0, n - 1}:
