@@ -245,18 +245,19 @@ def _window_sum(x: jax.Array, unroll: bool) -> jax.Array:
     per env-step at 4,096 envs, but ~2x slower on the dense `(E, G, W)` path and no better at
     256 envs (docs/benchmarks.md), so only the compacted loop asks for them.
     """
-    w = x.shape[-1]
-    if not unroll or w > _UNROLL_WINDOW:
-        return x.sum(-1)
-    return functools.reduce(jnp.add, [x[..., j] for j in range(w)])
+    return _window_reduce(x, jnp.add, jnp.sum, unroll)
 
 
 def _window_max(x: jax.Array, unroll: bool) -> jax.Array:
     """`x.max(-1)` over a batch window, unrolled like `_window_sum`."""
+    return _window_reduce(x, jnp.maximum, jnp.max, unroll)
+
+
+def _window_reduce(x, pairwise, whole, unroll: bool) -> jax.Array:
     w = x.shape[-1]
     if not unroll or w > _UNROLL_WINDOW:
-        return x.max(-1)
-    return functools.reduce(jnp.maximum, [x[..., j] for j in range(w)])
+        return whole(x, axis=-1)
+    return functools.reduce(pairwise, [x[..., j] for j in range(w)])
 
 
 def _start_batches(s: Servers, gpus: GPUProfile, go, k, start, slo_s, valid, win,

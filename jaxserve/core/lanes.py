@@ -16,6 +16,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxserve.core.tree import select
+
 
 # ------------------------------------------------------------ the batched path, per backend
 
@@ -127,33 +129,35 @@ def _compacted(cond_fn, body_fn):
         if batched_path() == "compact" and axis_size > MIN_COMPACT_LANES:
             out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size)
         else:  # the plain masked loop (GPU/TPU default): no data-dependent chunk count
-            axes = jax.tree.map(lambda b: 0 if b else None, consts_b)
-            out = jax.vmap(plain, in_axes=(0, axes))(carry, consts)
+            out = jax.vmap(plain, in_axes=(0, _axes(consts_b)))(carry, consts)
         return out, jax.tree.map(lambda _: True, out)
 
     return loop
 
 
-def _select(pred, new, old):
-    """`new` where the per-lane `pred`, else `old` (leaves with a leading lane axis)."""
-    return jax.tree.map(
-        lambda n, o: jnp.where(pred.reshape(pred.shape + (1,) * (n.ndim - 1)), n, o), new, old)
+def _axes(batched):
+    """vmap `in_axes` for a pytree from its custom_vmap batched flags: 0 or None per leaf."""
+    return jax.tree.map(lambda b: 0 if b else None, batched)
 
 
 def _batched_loop(cond_fn, body_fn, carry, consts, consts_batched, lanes: int):
-    consts_axes = jax.tree.map(lambda b: 0 if b else None, consts_batched)
-    cond = jax.vmap(cond_fn, in_axes=(0, consts_axes))
-    body = jax.vmap(body_fn, in_axes=(0, consts_axes))
+    axes = _axes(consts_batched)
+    cond = jax.vmap(cond_fn, in_axes=(0, axes))
+    body = jax.vmap(body_fn, in_axes=(0, axes))
     dense_above = lanes // DENSE_FRACTION
 
+    # The active flags ride in the carries so each iteration evaluates the condition once.
     def dense_body(c):
-        return _select(cond(c, consts), body(c, consts), c)
+        state, active = c
+        state = select(active, body(state, consts), state)
+        return state, cond(state, consts)
 
-    carry = jax.lax.while_loop(
-        lambda c: jnp.sum(cond(c, consts).astype(jnp.int32)) > dense_above, dense_body, carry)
+    carry, active = jax.lax.while_loop(
+        lambda c: jnp.sum(c[1].astype(jnp.int32)) > dense_above, dense_body,
+        (carry, cond(carry, consts)))
 
     chunk = chunk_width(lanes)
-    order, num_active = active_order(cond(carry, consts)[:, None], lanes + chunk)
+    order, num_active = active_order(active[:, None], lanes + chunk)
 
     def run_chunk(j, carry):
         idx = jax.lax.dynamic_slice(order, (j * chunk,), (chunk,))
@@ -162,10 +166,13 @@ def _batched_loop(cond_fn, body_fn, carry, consts, consts_batched, lanes: int):
         sub = jax.tree.map(lambda x: x[lane], carry)
         sub_consts = jax.tree.map(lambda x, b: x[lane] if b else x, consts, consts_batched)
 
-        def chunk_body(s):
-            return _select(cond(s, sub_consts) & ok, body(s, sub_consts), s)
+        def chunk_body(c):
+            state, active = c
+            state = select(active, body(state, sub_consts), state)
+            return state, cond(state, sub_consts) & ok
 
-        sub = jax.lax.while_loop(lambda s: jnp.any(cond(s, sub_consts) & ok), chunk_body, sub)
+        sub, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), chunk_body,
+                                    (sub, cond(sub, sub_consts) & ok))
         return jax.tree.map(lambda x, v: x.at[idx].set(v, mode="drop"), carry, sub)
 
     num_chunks = (num_active + chunk - 1) // chunk
