@@ -18,6 +18,8 @@ Usage (from the repository root):
   python -m scripts.bench --out docs/bench_cpu.json     # the acceptance run (CPU: ~30 min)
   python -m scripts.bench --quick                       # small sizes, a smoke test
   python -m scripts.bench --num-envs 16384,65536,262144 --ppo   # on a GPU
+  python -m scripts.bench --profile --num-envs 256,4096  # Routing-v0 step variants
+  python -m scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ import json
 import os
 import platform
 import resource
+import re
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
+from gymnax.environments import environment as gymnax_env
+from gymnax.environments import spaces as gymnax_spaces
 
 import jaxserve
 from jaxserve.core import arrivals as A
@@ -235,13 +243,41 @@ def environments():
     ]
 
 
+@struct.dataclass
+class _NoOpState:
+    time: jax.Array
+
+
+class NoOpEnv(gymnax_env.Environment):
+    """An environment that does nothing but consume its action (Routing-v0's shapes: 8
+    actions, 51 observation features): what the harness alone costs per env-step (the key
+    split and action draw, gymnax's auto-reset select, the scan)."""
+
+    def step_env(self, key, state, action, params):
+        obs = jnp.zeros(51, jnp.float32) + action
+        return obs, _NoOpState(state.time + action), jnp.float32(0.0), jnp.bool_(False), {}
+
+    def reset_env(self, key, params):
+        return jnp.zeros(51, jnp.float32), _NoOpState(jnp.int32(0))
+
+    def is_terminal(self, state, params):
+        return jnp.bool_(False)
+
+    def action_space(self, params=None):
+        return gymnax_spaces.Discrete(8)
+
+    @property
+    def default_params(self):
+        return gymnax_env.EnvParams(max_steps_in_episode=2 ** 30)
+
+
 def profile_routing(counts, steps, repeats):
     """What a vmapped Routing-v0 step spends its time on, by timing variants of the same step
     (same run, from reset): each batched engine path, the step with the engine replaced by
     nothing (`advance_static` returning its input: the cost of everything else), the same
     without reward shaping, then without the observation (zeros) and without the auto-reset
-    (`step_env`), and Breakout-MinAtar for scale. Microseconds per env-step, wall-clock and
-    CPU (all threads)."""
+    (`step_env`), Breakout-MinAtar for scale, and the harness alone (`NoOpEnv`).
+    Microseconds per env-step, wall-clock and CPU (all threads)."""
     from jaxserve.core.metrics import StepMetrics
     from jaxserve.envs import routing as R
 
@@ -267,14 +303,19 @@ def profile_routing(counts, steps, repeats):
                 "no engine": (None, no_engine, real_obs, routing, True),
                 "no engine, no shaping": (None, no_engine, real_obs, plain, True),
                 "no engine, no shaping, no observation": (None, no_engine, no_obs, plain, True),
-                BREAKOUT: (None, real_advance, real_obs, None, True)}
+                BREAKOUT: (None, real_advance, real_obs, None, True),
+                "harness only (a no-op environment)": (None, real_advance, real_obs, NoOpEnv(),
+                                                       True)}
     out = {}
     try:
         for n in counts:
             for name, (path, advance, obs, env, auto_reset) in variants.items():
                 lanes.engine_path, C.advance_static, R.routing_observation = path, advance, obs
                 jax.clear_caches()
-                env, p = (env, params) if env is not None else gymnax.make("Breakout-MinAtar")
+                if env is None:
+                    env, p = gymnax.make("Breakout-MinAtar")
+                else:
+                    p = env.default_params if isinstance(env, NoOpEnv) else params
                 r = time_env(env, p, n, steps, 0, repeats, auto_reset)
                 us = 1e6 / r["reset_steps_per_s"]
                 us_cpu = 1e6 * r["reset_cpu_s"] / (n * steps)
@@ -284,6 +325,95 @@ def profile_routing(counts, steps, repeats):
     finally:
         lanes.engine_path, C.advance_static, R.routing_observation = None, real_advance, real_obs
         jax.clear_caches()
+    return out
+
+
+def hlo_op_summary(hlo_text: str) -> dict[str, str]:
+    """Each instruction of an optimized HLO module's text as `shape opcode (source line)`,
+    keyed by instruction name: what a trace's `hlo_op` names refer to."""
+    out = {}
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) ([a-z][\w\-]*)\(")
+    for line in hlo_text.splitlines():
+        m = pattern.match(line)
+        if not m:
+            continue
+        name, shape, opcode = m.groups()
+        src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
+        where = f" ({Path(src.group(1)).name}:{src.group(2)})" if src else ""
+        out[name] = f"{shape} {opcode}{where}"
+    return out
+
+
+def aggregate_trace(xplane_path: str) -> dict[str, dict[str, float]]:
+    """Executions and self time (ns) of each XLA op in a `jax.profiler.trace` file.
+
+    Reads the events that carry an `hlo_op` stat (XLA CPU thunks). A control-flow op
+    (`while`, `conditional`) is an event enclosing its body's ops on the same thread, so each
+    op is charged its self time: its duration minus that of the events nested in it. Events
+    of several threads overlap in time, so the sum is CPU time, not wall time.
+    """
+    data = jax.profiler.ProfileData.from_file(xplane_path)
+    agg = defaultdict(lambda: {"count": 0, "ns": 0.0})
+    for plane in data.planes:
+        for line in plane.lines:
+            events = sorted(((float(ev.start_ns), float(ev.duration_ns), str(stats["hlo_op"]))
+                             for ev in line.events
+                             if "hlo_op" in (stats := dict(ev.stats))),
+                            key=lambda e: (e[0], -e[1]))
+            stack = []  # [end, name] of the enclosing events
+            for start, dur, name in events:
+                while stack and stack[-1][0] <= start:
+                    stack.pop()
+                if stack:
+                    agg[stack[-1][1]]["ns"] -= dur
+                agg[name]["count"] += 1
+                agg[name]["ns"] += dur
+                stack.append([start + dur, name])
+    return dict(agg)
+
+
+def trace_routing(counts, steps, top=25):
+    """Per-XLA-op trace of the bench's compiled Routing-v0 scan (from reset, `steps` steps).
+
+    For each env count: op executions per step, traced op time (self time summed over
+    threads, so CPU time) against the untraced wall time of the same call (tracing adds
+    overhead per op), and the `top` ops by self time,
+    each with its share, executions per step, and shape/opcode/source line from the
+    optimized HLO. The run is one call after a warm-up call, so compile is not in it.
+    """
+    env, params = routing_env()
+    out = {}
+    for n in counts:
+        run = make_runner(env, params, steps)
+        keys = jax.random.split(jax.random.PRNGKey(0), n)
+        states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
+        compiled = run.lower(keys, states).compile()
+        ops = hlo_op_summary(compiled.as_text())
+        jax.block_until_ready(compiled(keys, states))
+        wall = _best(lambda: compiled(keys, states), 3)
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                jax.block_until_ready(compiled(keys, states))
+            files = sorted(Path(d).rglob("*.xplane.pb"))
+            if not files:
+                raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
+            agg = aggregate_trace(str(files[0]))
+        total_ns = sum(a["ns"] for a in agg.values())
+        env_steps = n * steps
+        rows = [{"op": k, "what": ops.get(k, "?"), "per_step": a["count"] / steps,
+                 "share": a["ns"] / total_ns, "us_per_step": a["ns"] / 1e3 / steps}
+                for k, a in sorted(agg.items(), key=lambda kv: -kv[1]["ns"])]
+        execs = sum(a["count"] for a in agg.values()) / steps
+        out[n] = {"num_envs": n, "num_steps": steps, "op_executions_per_step": execs,
+                  "traced_op_us_per_step": total_ns / 1e3 / steps,
+                  "untraced_wall_us_per_step": wall * 1e6 / steps,
+                  "untraced_us_per_env_step": wall * 1e6 / env_steps, "top": rows[:top]}
+        print(f"trace Routing-v0 envs={n}: {execs:,.0f} op executions per step, traced op "
+              f"time {total_ns / 1e3 / steps:,.0f} us/step (CPU, all threads), untraced wall "
+              f"{wall * 1e6 / steps:,.0f} us/step ({wall * 1e6 / env_steps:.2f} us/env-step)")
+        for r in rows[:top]:
+            print(f"  {100 * r['share']:5.1f}%  {r['per_step']:6.1f}/step  {r['op']:28s} "
+                  f"{r['what'][:110]}")
     return out
 
 
@@ -301,6 +431,9 @@ def main(argv=None):
                     help="PPO env steps (default 262,144; 16,384 with --quick)")
     ap.add_argument("--profile", action="store_true",
                     help="only time Routing-v0 step variants (engine paths, no engine)")
+    ap.add_argument("--trace", action="store_true",
+                    help="only trace Routing-v0's step per XLA op (jax.profiler)")
+    ap.add_argument("--top", type=int, default=25, help="ops listed per env count (--trace)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     counts = ([16, 64] if args.quick else [256, 4096]) if args.num_envs is None \
@@ -316,8 +449,11 @@ def main(argv=None):
            "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
            "command": " ".join(["python -m scripts.bench", *(sys.argv[1:] if argv is None
                                                              else argv)]), "results": {}}
-    if args.profile:
-        res["profile"] = profile_routing(counts, steps, repeats)
+    if args.profile or args.trace:
+        if args.profile:
+            res["profile"] = profile_routing(counts, steps, repeats)
+        if args.trace:
+            res["trace"] = trace_routing(counts, steps, args.top)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res

@@ -16,11 +16,20 @@ import jaxserve
 RANDOM_PRIMITIVES = {"random_bits", "random_split", "random_fold_in", "threefry2x32"}
 
 
+def is_random_call(eqn) -> bool:
+    """A PRNG primitive, or `core.rng`'s unrolled hash (a `jit` named threefry2x32)."""
+    return eqn.primitive.name in RANDOM_PRIMITIVES or (
+        eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == "threefry2x32")
+
+
 def count_random_calls(jaxpr) -> int:
-    """PRNG primitives in a jaxpr, sub-jaxprs (jit, loops, conds) included."""
+    """PRNG calls in a jaxpr, sub-jaxprs (jit, loops, conds) included; `core.rng`'s hash
+    counts once (its body holds no PRNG primitive)."""
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name in RANDOM_PRIMITIVES
+        if is_random_call(eqn):
+            n += 1
+            continue
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             n += count_random_calls(sub)
     return n

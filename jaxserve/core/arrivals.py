@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.core import rng
+
 ESTIMATE_EXACT, ESTIMATE_NOISY, ESTIMATE_CLASS = 0, 1, 2
 
 
@@ -268,10 +270,11 @@ def uniforms(key: jax.Array, n: int) -> jax.Array:
     """`n` uniforms in (0, 1) from one PRNG call (float32).
 
     The engine draws all of a request's randomness this way: one counter-based PRNG call
-    instead of a split and a call per quantity, which dominates step cost on CPUs.
+    instead of a split and a call per quantity, which dominates step cost on CPUs. Equal to
+    `jax.random.uniform(key, (n,), float32, minval=tiny, maxval=1.0)` bit for bit
+    (`core.rng`: the same hash, unrolled, so it costs one fused kernel on CPU).
     """
-    return jax.random.uniform(key, (n,), jnp.float32, minval=jnp.finfo(jnp.float32).tiny,
-                              maxval=1.0)
+    return rng.uniforms(key, n)
 
 
 def tokens_from_uniforms(u: jax.Array, dist: TokenDist):

@@ -33,6 +33,7 @@ from gymnax.environments import environment, spaces
 from jaxserve.core import cluster as C
 from jaxserve.core import engines
 from jaxserve.core import queues as Q
+from jaxserve.core import rng
 from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.envs import common
@@ -341,7 +342,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
     # ------------------------------------------------------------------------------- reset
     def reset_env(self, key, params):
         sp = params.serving
-        k_phase, k_req = jax.random.split(key)
+        k_phase, k_req = rng.split(key)
         phase = common.first_phase(k_phase, sp)
         # Draws beyond the request stream come from keys folded out of `key`, so a key's
         # requests are the same whatever the training flags (common random numbers).
@@ -404,7 +405,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             sp = params.serving
             gpus = sp.gpus
             cl, nxt, phase, pos, rdy, t, m, work_in, key, lg = c
-            key, k_next = jax.random.split(key)
+            key, k_next = rng.split(key)
             gap = nxt.arrival
             cl, m_adv, lg = self._advance(cl, gpus, gap, sp.slo_s, lg)
             cl = eng.rebase(cl, gap)

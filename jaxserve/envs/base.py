@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from gymnax.environments import spaces
 
+from jaxserve.core import rng
 from jaxserve.envs import common
 
 POLICY_KINDS = ("routing", "batching", "autoscaling")
@@ -191,7 +192,7 @@ class StaticConfig:
         By default the two draw from independent keys (a split of `key`). An environment whose
         step draws one request overrides this to draw both from one PRNG call on `key`.
         """
-        key_step, key_reset = jax.random.split(key)
+        key_step, key_reset = rng.split(key)
         return (self.step_env(key_step, state, action, params),
                 self.reset_env(key_reset, params))
 

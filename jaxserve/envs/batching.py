@@ -12,6 +12,7 @@ from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
+from jaxserve.core import rng
 from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.tree import select
@@ -95,7 +96,7 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
         return self.max_batch + 1
 
     def reset_env(self, key, params):
-        k_phase, k_req, k_run = jax.random.split(key, 3)
+        k_phase, k_req, k_run = rng.split(key, 3)
         phase = common.first_phase(k_phase, params)
         gap, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
         state = BatchingState(cluster=C.empty_cluster(1, self.queue_buffer, self.max_batch,
@@ -144,7 +145,7 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
 
         def body(c, params):
             cl, nxt, phase, pos, t, must, m, key = c
-            key, k_next = jax.random.split(key)
+            key, k_next = rng.split(key)
             s = cl.servers
             completion = (s.run_count[0] > 0) & (s.free_at[0] <= nxt.arrival)
             t_new = jnp.where(completion, s.free_at[0], nxt.arrival)

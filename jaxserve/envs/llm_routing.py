@@ -12,6 +12,7 @@ from flax import struct
 from gymnax.environments import environment, spaces
 
 from jaxserve.core import continuous as CB
+from jaxserve.core import rng
 from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, validate_replica
 from jaxserve.core.types import GPUProfile
@@ -118,7 +119,7 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         check_llm_params(params, self.num_replicas, self.queue_buffer, self.max_seqs)
 
     def reset_env(self, key, params):
-        k_phase, k_req = jax.random.split(key)
+        k_phase, k_req = rng.split(key)
         phase = common.first_phase(k_phase, params)
         _, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
         state = LLMRoutingState(
