@@ -129,3 +129,81 @@ def test_env_compacted_loop_equals_single_environments(name, steps):
         np.testing.assert_array_equal(np.asarray(one[2]), np.asarray(batched[2][i]))
         np.testing.assert_allclose(np.asarray(one[0]), np.asarray(batched[0][i]), rtol=1e-4,
                                    atol=1e-4)
+
+
+def _gated_body(c, consts, active):
+    # The gated contract: the body itself leaves inactive lanes unchanged. It writes one entry
+    # of a buffer per iteration, dropped where inactive, and selects only the scalars.
+    i, acc, limit, buf = c
+    j = jnp.where(active, i % buf.shape[0], buf.shape[0])
+    buf = buf.at[j].set(acc, mode="drop")
+    i2, acc2, _ = _body((i, acc, limit), consts)
+    return jnp.where(active, i2, i), jnp.where(active, acc2, acc), limit, buf
+
+
+def _selected_body(c, consts):
+    i, acc, limit, buf = c
+    buf = buf.at[i % buf.shape[0]].set(acc)
+    i2, acc2, _ = _body((i, acc, limit), consts)
+    return i2, acc2, limit, buf
+
+
+@pytest.mark.parametrize("num_lanes", [lanes.MIN_COMPACT_LANES // 2, 512])
+@pytest.mark.parametrize("path", ["compact", "dense"])
+def test_gated_body_equals_selected_body(num_lanes, path, monkeypatch):
+    # Both the compacted loop (512 lanes, "compact") and the plain masked loop (few lanes, or
+    # the "dense" GPU default) run a gated body to the same values as the selecting form.
+    monkeypatch.setattr(lanes, "engine_path", path)
+    rng = np.random.default_rng(1)
+    limits = jnp.asarray(np.where(rng.random(num_lanes) < 0.6, rng.integers(0, 5, num_lanes),
+                                  rng.integers(5, 41, num_lanes)), jnp.int32)
+    carry = (*_carry(limits), jnp.zeros((num_lanes, 16), jnp.float32))
+    consts = (jnp.float32(0.7), jnp.float32(0.25))
+    cond = lambda c, k: _cond(c[:3], k)  # noqa: E731
+    gated = jax.jit(jax.vmap(lambda c: lanes.compacted_while(cond, _gated_body, c, consts,
+                                                             gated=True)))(carry)
+    selected = jax.jit(jax.vmap(lambda c: lanes.compacted_while(cond, _selected_body, c,
+                                                                consts)))(carry)
+    single = [jax.jit(lambda c: lanes.compacted_while(cond, _gated_body, c, consts,
+                                                      gated=True))(
+        jax.tree.map(lambda x: x[i], carry)) for i in (0, 1, num_lanes - 1)]
+    np.testing.assert_array_equal(np.asarray(gated[0]), np.asarray(limits))
+    for g, s in zip(gated, selected):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(s))
+    for lane, one in zip((0, 1, num_lanes - 1), single):
+        for g, o in zip(gated, one):
+            np.testing.assert_allclose(np.asarray(g[lane]), np.asarray(o), rtol=1e-6)
+    jax.clear_caches()
+
+
+def test_disabled_route_changes_nothing():
+    # `route(..., enabled=False)` (a gated loop body's inactive lane) writes nothing, while
+    # `enabled=True` is the ordinary route; under vmap, lane by lane.
+    import chex
+
+    from jaxserve.core import cluster as C
+    from jaxserve.core.queues import Request
+    from jaxserve.core.types import GPUProfile, stack_profiles
+
+    gpus = stack_profiles([GPUProfile(max_batch=4, queue_cap=3)] * 2)
+    cl = C.empty_cluster(2, 4, 4, with_ids=True)
+    req = lambda t, i: Request(arrival=jnp.float32(t), prompt=jnp.float32(100 + i),  # noqa
+                               output=jnp.float32(20), estimate=jnp.float32(16),
+                               size_class=jnp.int32(0), req_id=jnp.int32(i))
+    for i in range(4):  # GPU 0 ends full (3 waiting), GPU 1 holds one
+        cl, _ = C.route(cl, gpus, req(-0.1 * i, i), jnp.int32(i % 3 == 2))
+    cl = C.rebase(cl, jnp.float32(0.05))  # non-zero offsets: a re-anchoring push would show
+    for gpu in (0, 1):
+        off, dropped = C.route(cl, gpus, req(0.0, 9), jnp.int32(gpu), jnp.bool_(False))
+        chex.assert_trees_all_equal(off, cl)
+        assert bool(dropped)
+        on, d_on = C.route(cl, gpus, req(0.0, 9), jnp.int32(gpu), jnp.bool_(True))
+        plain, d_plain = C.route(cl, gpus, req(0.0, 9), jnp.int32(gpu))
+        chex.assert_trees_all_equal((on, d_on), (plain, d_plain))
+    both = jax.tree.map(lambda x: jnp.stack([x, x]), cl)
+    out, dropped = jax.vmap(lambda c, e: C.route(c, gpus, req(0.0, 9), jnp.int32(1), e))(
+        both, jnp.array([False, True]))
+    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[0], out), cl)
+    chex.assert_trees_all_equal(jax.tree.map(lambda x: x[1], out),
+                                C.route(cl, gpus, req(0.0, 9), jnp.int32(1))[0])
+    assert np.asarray(dropped).tolist() == [True, False]

@@ -181,8 +181,12 @@ def in_system(cluster: Cluster) -> jax.Array:
     return (cluster.queues.count + cluster.servers.run_count).sum()
 
 
-def route(cluster: Cluster, gpus: GPUProfile, req: Q.Request, gpu: jax.Array):
+def route(cluster: Cluster, gpus: GPUProfile, req: Q.Request, gpu: jax.Array,
+          enabled: jax.Array | bool = True):
     """Puts an arriving request in GPU `gpu`'s queue, or drops it if the queue is full.
+
+    Where `enabled` is False the cluster is returned unchanged (every write dropped, see
+    `queues.push`) and the request counts as dropped.
 
     Returns:
       (cluster, dropped bool scalar).
@@ -190,18 +194,20 @@ def route(cluster: Cluster, gpus: GPUProfile, req: Q.Request, gpu: jax.Array):
     share = per_request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt, req.estimate)
     q, w = cluster.queues, cluster.waiting
     n = q.count[gpu]
-    queues, accepted = Q.push(q, gpu, req, gpus.queue_cap, share)
+    queues, accepted = Q.push(q, gpu, req, gpus.queue_cap, share, enabled)
     # `push` re-anchors the GPU's row by its offset, accepted or not; the marks follow it.
     off = q.offset[gpu]
     first = jnp.where(accepted & (n == 0), req.arrival, w.first[gpu] + off)
     full = jnp.where(accepted & (n == _full_position(cluster, gpus)[gpu]), req.arrival,
                      w.full[gpu] + off)
-    add = lambda a, v: a.at[gpu].add(jnp.where(accepted, v, 0.0))  # noqa: E731
-    waiting = Waiting(first=w.first.at[gpu].set(first), full=w.full.at[gpu].set(full),
+    at = jnp.where(enabled, gpu, cluster.num_gpus)  # the GPU, or none (writes dropped)
+    add = lambda a, v: a.at[at].add(jnp.where(accepted, v, 0.0), mode="drop")  # noqa: E731
+    waiting = Waiting(first=w.first.at[at].set(first, mode="drop"),
+                      full=w.full.at[at].set(full, mode="drop"),
                       prompt_sum=add(w.prompt_sum, req.prompt),
                       prompt_sq_sum=add(w.prompt_sq_sum, req.prompt * req.prompt),
-                      estimate_max=w.estimate_max.at[gpu].max(
-                          jnp.where(accepted, req.estimate, 0.0)))
+                      estimate_max=w.estimate_max.at[at].max(
+                          jnp.where(accepted, req.estimate, 0.0), mode="drop"))
     return cluster.replace(queues=queues, waiting=waiting), ~accepted
 
 

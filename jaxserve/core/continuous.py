@@ -193,11 +193,13 @@ def in_system(rep: Replicas) -> jax.Array:
     return (rep.queues.count + rep.run.count).sum()
 
 
-def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Array):
+def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Array,
+          enabled: jax.Array | bool = True):
     """Queues an arriving request at `replica`, or drops it.
 
     Dropped when the replica's queue already holds `queue_cap` fresh waiting requests, or when
-    the request could never fit (`never_fits`). An arrival wakes a stalled replica.
+    the request could never fit (`never_fits`). An arrival wakes a stalled replica. Where
+    `enabled` is False nothing changes (see `queues.push`) and the request counts as dropped.
 
     Returns:
       (replicas, dropped, never_fit): bool scalars; `never_fit` implies `dropped`.
@@ -207,7 +209,7 @@ def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Arra
     q = rep.queues
     slot = (q.head[replica] + q.count[replica]) % q.capacity
     limit = jnp.where(never, 0, prof.queue_cap + rep.q_preempted)
-    queues, accepted = Q.push(q, replica, req, limit, jnp.float32(0.0))
+    queues, accepted = Q.push(q, replica, req, limit, jnp.float32(0.0), enabled)
     put = lambda a: a.at[replica, slot].set(jnp.where(accepted, 0, a[replica, slot]))  # noqa
     rep = rep.replace(queues=queues, q_gen=put(rep.q_gen), q_pre=put(rep.q_pre),
                       stalled=rep.stalled.at[replica].set(rep.stalled[replica] & ~accepted))

@@ -20,6 +20,7 @@ import jax
 from jaxserve.core import cluster as C
 from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
+from jaxserve.core import queues as Q
 from jaxserve.core.service import per_request_work
 
 
@@ -33,7 +34,8 @@ class Engine:
         static batch bound (`max_batch`, or running slots `max_seqs`).
       advance: `(state, profiles, horizon, slo_s) -> (state, StepMetrics)`, no arrivals.
       rebase: `(state, dt) -> state`, the clock origin `dt` seconds forward.
-      route: `(state, profiles, request, replica) -> (state, dropped)`.
+      route: `(state, profiles, request, replica, enabled=True) -> (state, dropped)`; where
+        `enabled` is False the state is unchanged (every write dropped).
       work: `(state, profiles) -> (R,)` estimated seconds of work each replica holds (from
         output estimates).
       request_work: `(one replica's profile, prompt, estimate) -> s` of replica time one
@@ -42,6 +44,13 @@ class Engine:
       idle_since: `state -> (R,)` when each replica's last batch / iteration ended (relative
         s); the release instant of a replica that holds nothing.
       slots: `profiles -> (R,)` the per-replica batch limit (`max_batch` / `max_seqs`).
+      with_buffers: `(selected, written) -> state`, for masked loop bodies that gate
+        `route` (`lanes.compacted_while(gated=True)`): `selected` (the lane-wise select of
+        the body's output and input) with its per-slot queue buffers taken from `written`
+        (the body's output) where that is exact, which saves a select over, and XLA's copy
+        of, every buffer per iteration. Static engine: only `route` writes slot entries, so
+        a gated route leaves them as they were on inactive lanes. Continuous engine:
+        `advance` writes them too (preemptions put requests back), so it keeps `selected`.
     """
 
     name: str
@@ -54,6 +63,7 @@ class Engine:
     held: Callable[[Any], jax.Array]
     idle_since: Callable[[Any], jax.Array]
     slots: Callable[[Any], jax.Array]
+    with_buffers: Callable[[Any, Any], Any]
 
 
 def _static_advance(cl, gpus, horizon, slo_s):
@@ -66,8 +76,8 @@ def _continuous_advance(rep, prof, horizon, slo_s):
     return rep, m
 
 
-def _continuous_route(rep, prof, req, replica):
-    rep, dropped, _ = CB.route(rep, prof, req, replica)
+def _continuous_route(rep, prof, req, replica, enabled=True):
+    rep, dropped, _ = CB.route(rep, prof, req, replica, enabled)
     return rep, dropped
 
 
@@ -78,7 +88,8 @@ STATIC = Engine(
     request_work=per_request_work,
     held=lambda cl: cl.queues.count + cl.servers.run_count,
     idle_since=lambda cl: cl.servers.free_at,
-    slots=lambda gpus: gpus.max_batch)
+    slots=lambda gpus: gpus.max_batch,
+    with_buffers=lambda cl, src: cl.replace(queues=Q.with_slots(cl.queues, src.queues)))
 
 CONTINUOUS = Engine(
     name="continuous",
@@ -88,4 +99,5 @@ CONTINUOUS = Engine(
     held=lambda rep: rep.queues.count + rep.run.count,
     # An idle replica's `t_end` is the end of its last iteration (its last completion).
     idle_since=lambda rep: rep.t_end,
-    slots=lambda prof: prof.max_seqs)
+    slots=lambda prof: prof.max_seqs,
+    with_buffers=lambda rep, src: rep)

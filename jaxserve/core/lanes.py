@@ -91,8 +91,8 @@ DENSE_FRACTION = 4  # the dense phase runs while more than 1/DENSE_FRACTION of l
 MIN_COMPACT_LANES = 128
 
 
-def compacted_while(cond_fn: Callable[[Any, Any], jax.Array],
-                    body_fn: Callable[[Any, Any], Any], carry: Any, consts: Any) -> Any:
+def compacted_while(cond_fn: Callable[[Any, Any], jax.Array], body_fn: Callable[..., Any],
+                    carry: Any, consts: Any, gated: bool = False) -> Any:
     """`lax.while_loop(lambda c: cond_fn(c, consts), lambda c: body_fn(c, consts), carry)`.
 
     The same values for one lane, and, lane by lane, under `vmap` (each lane runs the same
@@ -107,16 +107,28 @@ def compacted_while(cond_fn: Callable[[Any, Any], jax.Array],
 
     `cond_fn` and `body_fn` take `(carry, consts)` and must not close over traced values:
     everything traced they read goes through `consts` (which may be batched or not).
-    `body_fn` is applied only where `cond_fn` holds.
+    `body_fn` is applied only where `cond_fn` holds: by default the loop selects, lane by
+    lane, between the body's output and its input. With `gated=True` the body takes a third
+    argument, `active` (a bool scalar per lane), and must itself return its carry unchanged
+    where `active` is False; the loop then selects nothing. A body that writes a few entries
+    of large buffers (a queue push) can gate those writes (`queues.push`'s `enabled`) instead
+    of paying a select over, and XLA's copy of, every buffer in every iteration.
     """
-    loop = _compacted(cond_fn, body_fn)
+    loop = _compacted(cond_fn, _select_body(body_fn) if not gated else body_fn)
     return loop(carry, consts)
+
+
+def _select_body(body_fn):
+    """A gated body (see `compacted_while`) from one that may change inactive lanes."""
+    def body(carry, consts, active):
+        return select(active, body_fn(carry, consts), carry)
+    return body
 
 
 def _compacted(cond_fn, body_fn):
     def plain(carry, consts):
-        return jax.lax.while_loop(lambda c: cond_fn(c, consts), lambda c: body_fn(c, consts),
-                                  carry)
+        return jax.lax.while_loop(lambda c: cond_fn(c, consts),
+                                  lambda c: body_fn(c, consts, jnp.bool_(True)), carry)
 
     loop = jax.custom_batching.custom_vmap(plain)
 
@@ -126,10 +138,9 @@ def _compacted(cond_fn, body_fn):
         carry = jax.tree.map(
             lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
             carry, carry_b)
-        if batched_path() == "compact" and axis_size > MIN_COMPACT_LANES:
-            out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size)
-        else:  # the plain masked loop (GPU/TPU default): no data-dependent chunk count
-            out = jax.vmap(plain, in_axes=(0, _axes(consts_b)))(carry, consts)
+        compact = batched_path() == "compact" and axis_size > MIN_COMPACT_LANES
+        # Otherwise the plain masked loop (GPU/TPU default): no data-dependent chunk count.
+        out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size, compact)
         return out, jax.tree.map(lambda _: True, out)
 
     return loop
@@ -140,21 +151,27 @@ def _axes(batched):
     return jax.tree.map(lambda b: 0 if b else None, batched)
 
 
-def _batched_loop(cond_fn, body_fn, carry, consts, consts_batched, lanes: int):
+def _batched_loop(cond_fn, body_fn, carry, consts, consts_batched, lanes: int,
+                  compact: bool = True):
+    """The loop over a batch of `lanes` lanes (leading axes) with a gated `body_fn`: the dense
+    phase (every lane, masked) while more than `1/DENSE_FRACTION` of the lanes iterate, then
+    compact chunks; with `compact=False` the dense phase runs to the end."""
     axes = _axes(consts_batched)
     cond = jax.vmap(cond_fn, in_axes=(0, axes))
-    body = jax.vmap(body_fn, in_axes=(0, axes))
-    dense_above = lanes // DENSE_FRACTION
+    body = jax.vmap(body_fn, in_axes=(0, axes, 0))  # gated: (carry, consts, active)
+    dense_above = lanes // DENSE_FRACTION if compact else 0
 
     # The active flags ride in the carries so each iteration evaluates the condition once.
     def dense_body(c):
         state, active = c
-        state = select(active, body(state, consts), state)
+        state = body(state, consts, active)
         return state, cond(state, consts)
 
     carry, active = jax.lax.while_loop(
         lambda c: jnp.sum(c[1].astype(jnp.int32)) > dense_above, dense_body,
         (carry, cond(carry, consts)))
+    if not compact:
+        return carry
 
     chunk = chunk_width(lanes)
     order, num_active = active_order(active[:, None], lanes + chunk)
@@ -168,7 +185,7 @@ def _batched_loop(cond_fn, body_fn, carry, consts, consts_batched, lanes: int):
 
         def chunk_body(c):
             state, active = c
-            state = select(active, body(state, sub_consts), state)
+            state = body(state, sub_consts, active)
             return state, cond(state, sub_consts) & ok
 
         sub, _ = jax.lax.while_loop(lambda c: jnp.any(c[1]), chunk_body,

@@ -108,20 +108,24 @@ def arrival_at(q: Queues, n: jax.Array) -> jax.Array:
     return stored_arrival_at(q, n) + q.offset
 
 
-def push(q: Queues, gpu: jax.Array, req: Request, limit: jax.Array, work: jax.Array):
+def push(q: Queues, gpu: jax.Array, req: Request, limit: jax.Array, work: jax.Array,
+         enabled: jax.Array | bool = True):
     """Appends `req` to the back of GPU `gpu`'s queue unless it already holds `limit[gpu]`.
 
     `work` is the request's work share on that GPU (s), added to the queue's running total.
     Re-anchors the GPU's stored arrivals (see the module docstring). Slots are written without
     being read first, a refused request's write being dropped, so XLA can update the buffers
-    in place.
+    in place. Where `enabled` is False nothing is written at all (every write is dropped): a
+    masked loop body can push unconditionally and keep the slot buffers it returns, instead
+    of selecting between two copies of them (`lanes.compacted_while`'s `gated` bodies).
 
     Returns:
       (queues, accepted bool scalar). A refused request leaves the queue unchanged.
     """
     cap = jnp.minimum(limit[gpu], q.capacity)
-    accepted = q.count[gpu] < cap
+    accepted = (q.count[gpu] < cap) & enabled
     slot = jnp.where(accepted, (q.head[gpu] + q.count[gpu]) % q.capacity, q.capacity)
+    row_at = jnp.where(enabled, gpu, q.head.shape[0])  # the GPU's row, or none (dropped)
 
     def put(arr, value):
         return arr.at[gpu, slot].set(value, mode="drop")
@@ -130,14 +134,22 @@ def push(q: Queues, gpu: jax.Array, req: Request, limit: jax.Array, work: jax.Ar
     # is one scatter; a row add then a slot write (two) measured ~80 ns per env-step more.
     row = (q.arrival[gpu] + q.offset[gpu]).at[slot].set(req.arrival, mode="drop")
     q = q.replace(
-        arrival=q.arrival.at[gpu].set(row), prompt=put(q.prompt, req.prompt),
+        arrival=q.arrival.at[row_at].set(row, mode="drop"), prompt=put(q.prompt, req.prompt),
         output=put(q.output, req.output), estimate=put(q.estimate, req.estimate),
         req_id=None if q.req_id is None else put(q.req_id, req.req_id),
         count=q.count.at[gpu].add(accepted.astype(jnp.int32)),
         work=q.work.at[gpu].add(jnp.where(accepted, work, 0.0)),
         estimate_sum=q.estimate_sum.at[gpu].add(jnp.where(accepted, req.estimate, 0.0)),
-        offset=q.offset.at[gpu].set(0.0))
+        offset=q.offset.at[row_at].set(0.0, mode="drop"))
     return q, accepted
+
+
+SLOT_FIELDS = ("arrival", "prompt", "output", "estimate", "req_id")
+
+
+def with_slots(q: Queues, source: Queues) -> Queues:
+    """`q` with its slot buffers (`SLOT_FIELDS`) taken from `source`, the rest kept."""
+    return q.replace(**{f: getattr(source, f) for f in SLOT_FIELDS})
 
 
 def front(q: Queues, width: int) -> tuple[jax.Array, Queues]:

@@ -36,6 +36,7 @@ from jaxserve.core import queues as Q
 from jaxserve.core import rng
 from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.tree import select
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 
@@ -400,14 +401,14 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             nxt, t = c[1], c[5]
             return nxt.arrival < consts[3] - t
 
-        def body(c, consts):
+        def body(c, consts, active):
             params, mode, mult, _ = consts
             sp = params.serving
             gpus = sp.gpus
-            cl, nxt, phase, pos, rdy, t, m, work_in, key, lg = c
+            cl0, nxt, phase, pos, rdy, t, m, work_in, key, lg = c
             key, k_next = rng.split(key)
             gap = nxt.arrival
-            cl, m_adv, lg = self._advance(cl, gpus, gap, sp.slo_s, lg)
+            cl, m_adv, lg = self._advance(cl0, gpus, gap, sp.slo_s, lg)
             cl = eng.rebase(cl, gap)
             rdy = rdy - gap
             # Least queued work among serving slots (ties: lowest index).
@@ -415,7 +416,9 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             work = jnp.where(serving, eng.work(cl, gpus), jnp.inf)
             gpu = jnp.argmin(work).astype(jnp.int32)
             req = nxt.replace(arrival=jnp.float32(0.0))
-            cl, dropped = eng.route(cl, gpus, req, gpu)
+            # Gated (`lanes.compacted_while`): an inactive lane writes no queue slot, so its
+            # slot buffers pass through without a select over (and a copy of) all of them.
+            cl, dropped = eng.route(cl, gpus, req, gpu, active)
             lg = self._log_drop(lg, req.req_id, dropped)
             share = eng.request_work(jax.tree.map(lambda x: x[gpu], gpus), req.prompt,
                                      req.estimate)
@@ -423,8 +426,10 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
                                                               nxt.req_id + 1)
             rgap = jnp.where(exhausted | (sp.trace.gap.shape[0] > 0), ogap, ogap / mult)
             m = m + m_adv.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32))
-            return (cl, new.replace(arrival=rgap.astype(jnp.float32)), phase, pos + 1, rdy,
-                    t + gap, m, work_in + share, key, lg)
+            out = (cl, new.replace(arrival=rgap.astype(jnp.float32)), phase, pos + 1, rdy,
+                   t + gap, m, work_in + share, key, lg)
+            out = select(active, out, c)
+            return (eng.with_buffers(out[0], cl), *out[1:])
 
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, ready_at,
                  jnp.float32(0.0), StepMetrics.zeros(), jnp.float32(0.0), key, state.log)
@@ -432,7 +437,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         # the loop compacts its lanes (`lanes.compacted_while`); the body reads every traced
         # value through `consts`.
         cl, nxt, phase, pos, rdy, t, m, work_in, _, lg = compacted_while(
-            cond, body, carry, (params, mode, mult, dt))
+            cond, body, carry, (params, mode, mult, dt), gated=True)
         rest = dt - t
         cl, m_adv, lg = self._advance(cl, gpus, rest, sp.slo_s, lg)
         m = m + m_adv

@@ -11,6 +11,7 @@ from flax import struct
 from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
+from jaxserve.core import engines
 from jaxserve.core import queues as Q
 from jaxserve.core import rng
 from jaxserve.core.lanes import compacted_while
@@ -143,7 +144,7 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
             finished = idle & (q == 0) & ~jnp.isfinite(nxt.arrival)
             return decide | finished
 
-        def body(c, params):
+        def body(c, params, active):
             cl, nxt, phase, pos, t, must, m, key = c
             key, k_next = rng.split(key)
             s = cl.servers
@@ -151,21 +152,24 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
             t_new = jnp.where(completion, s.free_at[0], nxt.arrival)
             m = m.replace(in_system_time=m.in_system_time + C.in_system(cl) * (t_new - t))
             cl_done, m_done = C.complete_due(cl, completion[None], m)
-            cl_arr, dropped = C.route(cl, params.gpus, nxt, jnp.int32(0))
+            # Gated (`lanes.compacted_while`): only an active lane's arrival writes a queue
+            # slot, so the slot buffers skip the selects below (a copy of each per iteration).
+            cl_arr, dropped = C.route(cl, params.gpus, nxt, jnp.int32(0), active & ~completion)
             m_arr = m.replace(arrived=m.arrived + 1, dropped=m.dropped + dropped)
             gap, req, phase_arr, _ = common.next_arrival(k_next, params, phase, pos + 1,
                                                          nxt.req_id + 1)
             nxt_arr = req.replace(arrival=t_new + gap)
-            cl, m = select(completion, (cl_done, m_done), (cl_arr, m_arr))
+            cl_new, m = select(completion, (cl_done, m_done), (cl_arr, m_arr))
             nxt, phase, pos = select(completion, (nxt, phase, pos), (nxt_arr, phase_arr, pos + 1))
-            return cl, nxt, phase, pos, t_new, must & completion, m, key
+            out = select(active, (cl_new, nxt, phase, pos, t_new, must & completion, m, key), c)
+            return (engines.STATIC.with_buffers(out[0], cl_arr), *out[1:])
 
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, jnp.float32(0.0),
                  must_wait, StepMetrics.zeros(), key)
         # Under vmap the lanes' iteration counts are skewed (the arrivals during one batch's
         # service: ~7 on average, 30+ for a few lanes), so the loop compacts its lanes.
         cl, nxt, phase, pos, t, _, m, _ = compacted_while(lambda c, _: ~ready(c), body, carry,
-                                                          params)
+                                                          params, gated=True)
         # Busy time of this window: the batch started at 0 (if any) up to min(end, t).
         s = cl.servers
         busy_open = jnp.where(s.run_count > 0, t - jnp.maximum(s.run_start, 0.0), 0.0).sum()
