@@ -329,8 +329,9 @@ def profile_routing(counts, steps, repeats):
 
 
 def hlo_op_summary(hlo_text: str) -> dict[str, str]:
-    """Each instruction of an optimized HLO module's text as `shape opcode (source line)`,
-    keyed by instruction name: what a trace's `hlo_op` names refer to."""
+    """Each instruction of an optimized HLO module's text as `shape opcode [op_name]`, keyed
+    by instruction name: what a trace's `hlo_op` names refer to. `op_name` is JAX's path to
+    the operation (`jit(...)/vmap()/while/body/...`), which places it in the program."""
     out = {}
     pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) ([a-z][\w\-]*)\(")
     for line in hlo_text.splitlines():
@@ -338,10 +339,19 @@ def hlo_op_summary(hlo_text: str) -> dict[str, str]:
         if not m:
             continue
         name, shape, opcode = m.groups()
-        src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
-        where = f" ({Path(src.group(1)).name}:{src.group(2)})" if src else ""
-        out[name] = f"{shape} {opcode}{where}"
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        out[name] = f"{shape} {opcode}" + (f" [{op_name.group(1)}]" if op_name else "")
     return out
+
+
+def _short(what: str, width: int = 150) -> str:
+    """An op's description for a terminal line: its shape and opcode, then the end of its
+    op_name path (the innermost, most telling part)."""
+    head, _, path = what.partition(" [")
+    head = head if len(head) < 60 else head[:57] + "..."
+    room = max(width - len(head) - 3, 20)
+    path = path.rstrip("]")
+    return head + (f" [{'...' + path[-room:] if len(path) > room else path}]" if path else "")
 
 
 def aggregate_trace(xplane_path: str) -> dict[str, dict[str, float]]:
@@ -413,7 +423,7 @@ def trace_routing(counts, steps, top=25):
               f"{wall * 1e6 / steps:,.0f} us/step ({wall * 1e6 / env_steps:.2f} us/env-step)")
         for r in rows[:top]:
             print(f"  {100 * r['share']:5.1f}%  {r['per_step']:6.1f}/step  {r['op']:28s} "
-                  f"{r['what'][:110]}")
+                  f"{_short(r['what'])}")
     return out
 
 
