@@ -4,12 +4,16 @@ over enough lanes to compact, equal single-environment runs."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.core import cluster as C
 from jaxserve.core import lanes
+from jaxserve.core.queues import Request
+from jaxserve.core.types import GPUProfile, stack_profiles
 
 
 def _cond(c, consts):
@@ -179,12 +183,6 @@ def test_gated_body_equals_selected_body(num_lanes, path, monkeypatch):
 def test_disabled_route_changes_nothing():
     # `route(..., enabled=False)` (a gated loop body's inactive lane) writes nothing, while
     # `enabled=True` is the ordinary route; under vmap, lane by lane.
-    import chex
-
-    from jaxserve.core import cluster as C
-    from jaxserve.core.queues import Request
-    from jaxserve.core.types import GPUProfile, stack_profiles
-
     gpus = stack_profiles([GPUProfile(max_batch=4, queue_cap=3)] * 2)
     cl = C.empty_cluster(2, 4, 4, with_ids=True)
     req = lambda t, i: Request(arrival=jnp.float32(t), prompt=jnp.float32(100 + i),  # noqa

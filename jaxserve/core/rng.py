@@ -2,7 +2,7 @@
 
 JAX lowers its Threefry-2x32 hash on CPU as a `fori_loop` over its five round groups (to
 keep compile time down). Under `vmap`, inside the environments' steps and their per-arrival
-event loops, each call then costs a small while loop of ~50 XLA thunk executions (the round
+event loops, each call then costs a small while loop of ~90 XLA thunk executions (the round
 bodies, the loop carries' copies, the loop test), and at a few hundred environments per
 batch a step is bound by how many thunks it runs (`docs/benchmarks.md`). The functions
 here compute the same hash with the rounds unrolled, which XLA fuses into one elementwise
