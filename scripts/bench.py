@@ -357,28 +357,38 @@ def _short(what: str, width: int = 150) -> str:
 def aggregate_trace(xplane_path: str) -> dict[str, dict[str, float]]:
     """Executions and self time (ns) of each XLA op in a `jax.profiler.trace` file.
 
-    Reads the events that carry an `hlo_op` stat (XLA CPU thunks). A control-flow op
-    (`while`, `conditional`) is an event enclosing its body's ops on the same thread, so each
-    op is charged its self time: its duration minus that of the events nested in it. Events
-    of several threads overlap in time, so the sum is CPU time, not wall time.
+    Reads the events that carry an `hlo_op` stat (XLA CPU thunks), thread by thread, and
+    charges each op its self time (`self_times`). Events of several threads overlap in time,
+    so the sum is CPU time, not wall time.
     """
     data = jax.profiler.ProfileData.from_file(xplane_path)
-    agg = defaultdict(lambda: {"count": 0, "ns": 0.0})
+    lines = []
     for plane in data.planes:
         for line in plane.lines:
-            events = sorted(((float(ev.start_ns), float(ev.duration_ns), str(stats["hlo_op"]))
-                             for ev in line.events
-                             if "hlo_op" in (stats := dict(ev.stats))),
-                            key=lambda e: (e[0], -e[1]))
-            stack = []  # [end, name] of the enclosing events
-            for start, dur, name in events:
-                while stack and stack[-1][0] <= start:
-                    stack.pop()
-                if stack:
-                    agg[stack[-1][1]]["ns"] -= dur
-                agg[name]["count"] += 1
-                agg[name]["ns"] += dur
-                stack.append([start + dur, name])
+            lines.append([(float(ev.start_ns), float(ev.duration_ns), str(stats["hlo_op"]))
+                          for ev in line.events if "hlo_op" in (stats := dict(ev.stats))])
+    return self_times(lines)
+
+
+def self_times(lines) -> dict[str, dict[str, float]]:
+    """`{op: {"count", "ns"}}` from events `(start_ns, duration_ns, op)`, one list per thread.
+
+    A control-flow op (`while`, `conditional`) is an event enclosing, on its thread, the
+    events of the ops it runs there; each event is charged its duration minus that of the
+    events directly nested in it. (XLA:CPU may run a loop body's ops on other threads; those
+    are not nested and are not subtracted.)
+    """
+    agg = defaultdict(lambda: {"count": 0, "ns": 0.0})
+    for events in lines:
+        stack = []  # [end, name] of the enclosing events
+        for start, dur, name in sorted(events, key=lambda e: (e[0], -e[1])):
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if stack:
+                agg[stack[-1][1]]["ns"] -= dur
+            agg[name]["count"] += 1
+            agg[name]["ns"] += dur
+            stack.append([start + dur, name])
     return dict(agg)
 
 

@@ -1,0 +1,56 @@
+"""`scripts/bench.py`'s own machinery (no timing targets: those live in the benchmark)."""
+
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from scripts import bench
+
+
+def _program(x):
+    # A loop (a control-flow op whose trace event encloses its body's ops) around real work.
+    return jax.lax.fori_loop(0, 7, lambda i, v: jnp.sin(v) * 1.01 + i, x)
+
+
+def test_self_times_subtract_nested_events_on_the_same_thread_only():
+    # Thread 1: a loop [0, 100) running two ops inside it, then an op after it; thread 2: an
+    # op overlapping the loop in time, which is not nested in it.
+    lines = [[(0.0, 100.0, "while.1"), (10.0, 20.0, "fusion.a"), (40.0, 20.0, "fusion.b"),
+              (100.0, 5.0, "copy.c")],
+             [(20.0, 30.0, "fusion.d")]]
+    agg = bench.self_times(lines)
+    assert agg["while.1"] == {"count": 1, "ns": 60.0}
+    assert agg["fusion.a"]["ns"] == 20.0 and agg["copy.c"]["ns"] == 5.0
+    assert agg["fusion.d"]["ns"] == 30.0
+    # A loop inside a loop: each level loses only its direct children.
+    nested = bench.self_times([[(0.0, 50.0, "while.o"), (5.0, 30.0, "while.i"),
+                                (10.0, 10.0, "fusion.x")]])
+    assert nested["while.o"]["ns"] == 20.0 and nested["while.i"]["ns"] == 20.0
+
+
+def test_trace_of_a_compiled_program_names_its_ops():
+    f = jax.jit(_program)
+    x = jnp.ones((64, 64), jnp.float32)
+    compiled = f.lower(x).compile()
+    ops = bench.hlo_op_summary(compiled.as_text())
+    assert any(v.split(" [")[0].endswith(" while") for v in ops.values())
+    jax.block_until_ready(compiled(x))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            jax.block_until_ready(compiled(x))
+        files = sorted(Path(d).rglob("*.xplane.pb"))
+        assert files
+        agg = bench.aggregate_trace(str(files[0]))
+    assert any(k.startswith("while") for k in agg), sorted(agg)
+    assert set(agg) <= set(ops)  # every traced op is an instruction of the compiled module
+    # The loop's body ran once per iteration (7), each op its own event.
+    assert sum(a["count"] for k, a in agg.items() if not k.startswith("while")) >= 7
+
+
+def test_noop_env_is_a_harness_floor_that_runs():
+    env = bench.NoOpEnv()
+    r = bench.time_env(env, env.default_params, num_envs=4, num_steps=3, warmup_steps=0,
+                       repeats=1)
+    assert r["reset_steps_per_s"] > 0 and r["arrivals_per_step"] == 0
