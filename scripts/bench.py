@@ -10,12 +10,14 @@ observation and reward consumed inside the scan (XLA would otherwise drop that w
     reference (`tests/reference_sim.py`) on the same workload: the same GPUs, arrival rate
     and token law, random decisions;
   - state bytes per environment.
-Routing-v0 also runs on the dense batched engine path (`cluster.batched_path`, the GPU
+Routing-v0 also runs on the dense batched engine path (`lanes.batched_path`, the GPU
 default) so both paths are compared on the same backend. `--ppo` adds PPO training steps/s on
-Routing-v0 against the same PureJaxRL-style PPO on CartPole-v1 at equal env count.
+Routing-v0 (with its registered training defaults, and with CartPole-v1's exact PPO settings)
+against the same PureJaxRL-style PPO on CartPole-v1 at equal env count.
 
-Usage (from the repository root):
-  python -m scripts.bench --out docs/bench_cpu.json     # the acceptance run (CPU: ~30 min)
+Usage (from the repository root; docs/benchmarks.md has the figures):
+  python -m scripts.bench --num-steps 50 --warmup 150 --repeats 3 --ppo --ppo-envs 256 \
+      --ppo-steps 262144 --out docs/bench_cpu.json      # the acceptance run (2-core CPU: ~2 min)
   python -m scripts.bench --quick                       # small sizes, a smoke test
   python -m scripts.bench --num-envs 16384,65536,262144 --ppo   # on a GPU
   python -m scripts.bench --profile --num-envs 256,4096  # Routing-v0 step variants
