@@ -51,7 +51,7 @@ def _raw_threefry_key(key: jax.Array):
     key and the fast path reproduces `jax.random`; None otherwise."""
     if not jax.config.jax_threefry_partitionable:
         return None
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    key = jnp.asarray(key)
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         impl = jax.random.key_impl(key)
         if key.shape != () or "threefry" not in str(impl):

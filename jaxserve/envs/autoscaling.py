@@ -405,10 +405,10 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             params, mode, mult, _ = consts
             sp = params.serving
             gpus = sp.gpus
-            cl0, nxt, phase, pos, rdy, t, m, work_in, key, lg = c
+            cl, nxt, phase, pos, rdy, t, m, work_in, key, lg = c
             key, k_next = rng.split(key)
             gap = nxt.arrival
-            cl, m_adv, lg = self._advance(cl0, gpus, gap, sp.slo_s, lg)
+            cl, m_adv, lg = self._advance(cl, gpus, gap, sp.slo_s, lg)
             cl = eng.rebase(cl, gap)
             rdy = rdy - gap
             # Least queued work among serving slots (ties: lowest index).
