@@ -234,8 +234,9 @@ def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arr
         arrivals = named.pop("arrivals")
     for k, v in named.items():
         kw.setdefault(k, v)
-    if "trace" in named:
-        # One episode replays the whole trace (it terminates when the trace has drained).
+    if kw.get("trace") is not None:
+        # One episode replays the whole trace (it terminates when the trace has drained),
+        # whether the trace came from a named workload or from `trace=`.
         kw.setdefault("max_steps_in_episode", 1_000_000)
     scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
     if "trace" in kw and kw["trace"] is not None:
@@ -328,9 +329,11 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     kw.setdefault("slo_s", 20.0)
     kw.setdefault("drop_penalty_s", 600.0)
     kw.setdefault("latency_scale", 1000.0)
-    kw.setdefault("max_steps_in_episode", 480)
+    # A replayed trace runs to its end (termination), not to the synthetic episode's 480
+    # intervals: the trace's default must be set first, or the synthetic one wins.
     if kw.get("trace") is not None:
         kw.setdefault("max_steps_in_episode", 1_000_000)
+    kw.setdefault("max_steps_in_episode", 480)
     serving = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb = int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None else int(queue_buffer)
     ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else int(max_seqs)
