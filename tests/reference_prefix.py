@@ -83,6 +83,7 @@ class _PReplica(_Replica):
         self.queue = OrderedDict((x, None) for x in range(self.M))  # free queue, head first
         self.cache = {}  # node -> {block: None}, insertion order = lookup order
         self.evictions = 0
+        self.shared_preemptions = 0  # victims holding a block another running request holds
         self.hit_tokens = 0
         self.prompt_tokens_admitted = 0
         self.accounting = []  # (t, fresh, cached_unreferenced, held) after every change
@@ -169,6 +170,7 @@ class _PReplica(_Replica):
             self_victim = False
             while len(self.queue) < extra:
                 v = self.running.pop()
+                self.shared_preemptions += any(self.ref[x] > 1 for x in v.blocks)
                 self._free(v)
                 v.C = 0
                 v.pre += 1
@@ -293,7 +295,8 @@ def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=
       `preemptions`, per-replica `iterations`, `replica_preemptions`, `busy` (s), `kv_block_s`
       (distinct held blocks integrated over iterations), `kv_peak`) plus `cached_tokens` (per
       request, the list of cached tokens at each admission), per replica `hit_tokens`,
-      `evictions`, and `accounting` (per replica, `(t, fresh, cached_unreferenced, held)`
+      `evictions`, `shared_preemptions` (victims that held a block shared with another running
+      request), and `accounting` (per replica, `(t, fresh, cached_unreferenced, held)`
       after every scheduling step and iteration end).
     """
     tree = PrefixTree()
@@ -319,6 +322,7 @@ def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=
     out["cached_tokens"] = [list(r.cached) for r in reqs]
     out["hit_tokens"] = np.array([rp.hit_tokens for rp in reps], np.int64)
     out["evictions"] = np.array([rp.evictions for rp in reps], np.int64)
+    out["shared_preemptions"] = np.array([rp.shared_preemptions for rp in reps], np.int64)
     out["accounting"] = [list(rp.accounting) for rp in reps]
     return out
 
