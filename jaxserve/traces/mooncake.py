@@ -6,15 +6,10 @@ Format (`shared/traces/README.md`, section mooncake_2025): one JSON object per l
 last one covering a partial block; equal ids mean equal prefix content). Files may be gzip
 compressed (detected by their magic bytes, not by the name).
 
-The prefix identity is returned in a static-shape form that stores no hash list per request:
-the trace's **prefix tree**, one node per distinct prefix of the ``hash_ids`` lists (node =
-``(parent node, id)``, so equal ids under different parents are different nodes, as with
-vLLM's chained block hashes), with per-node arrays ``parent`` (-1 under the root), ``depth``
-(blocks from the root, >= 1) and ``hash_id``; and per request its deepest node ``node`` (-1 for
-an empty list) and ``full_blocks = input_length // block_tokens`` (its hash blocks that are
-full; only the deepest can be partial). A request's path is recovered by following ``parent``
-from ``node``. Node ids are numbered in order of first appearance (arrival order), so a node's
-parent always has a smaller id.
+The prefix identity is returned as a `jaxserve.traces.prefix.PrefixTrace`: the trace's prefix
+tree (per-node `parent`, `depth`, `hash_id`; see `traces/prefix.py`) and per request its deepest
+node (`node`, -1 for an empty list) and `full_blocks = input_length // 512` (only the deepest
+block can be partial). Nodes are numbered in arrival order of first appearance.
 
 Conventions as in `jaxserve.traces.loaders`: arrivals are float64 seconds rebased so that the
 earliest request is at 0.0, rows stably sorted by time (the upstream files are already sorted);
@@ -33,59 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flax import struct
 
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.traces.loaders import TraceFormatError
+from jaxserve.traces.prefix import (PrefixTrace, PrefixTree, build_prefix_tree,
+                                    infinite_cache_reuse, kv_prefix, path_nodes)
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "MooncakeTrace", "PrefixTree", "load_mooncake",
+__all__ = ["MOONCAKE_BLOCK_TOKENS", "PrefixTrace", "PrefixTree", "load_mooncake",
            "infinite_cache_reuse", "path_nodes", "kv_prefix"]
 
 MOONCAKE_BLOCK_TOKENS = 512
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
-
-
-@struct.dataclass
-class PrefixTree:
-    """Nodes of a trace's prefix tree of hash blocks (host numpy arrays, `(num_nodes,)`).
-
-    Attributes:
-      parent: parent node id, -1 for a node directly under the root; `parent[k] < k`.
-      depth: number of hash blocks on the path from the root to the node (>= 1).
-      hash_id: the trace's id of the node's own block.
-      block_tokens: tokens per hash block (512 for Mooncake); not a pytree leaf.
-    """
-
-    parent: np.ndarray
-    depth: np.ndarray
-    hash_id: np.ndarray
-    block_tokens: int = struct.field(pytree_node=False, default=MOONCAKE_BLOCK_TOKENS)
-
-    @property
-    def num_nodes(self) -> int:
-        return int(np.shape(self.parent)[0])
-
-
-@struct.dataclass
-class MooncakeTrace:
-    """A Mooncake trace: the request `Trace` plus each request's place in the prefix tree.
-
-    Attributes:
-      trace: arrivals (s, rebased to 0), prompt and output tokens.
-      node: `(n,)` deepest tree node of each request's `hash_ids` (-1 when empty).
-      full_blocks: `(n,)` hash blocks of the prompt that are full, `input_length //
-        block_tokens` (the path's first `full_blocks` nodes; the deepest node is partial when
-        `full_blocks < depth[node]`).
-      tree: the prefix tree.
-    """
-
-    trace: Trace
-    node: np.ndarray
-    full_blocks: np.ndarray
-    tree: PrefixTree
-
-    def __len__(self) -> int:
-        return len(self.trace)
 
 
 def _read_lines(path: Any) -> tuple[Path, list[tuple[int, str]]]:
@@ -135,7 +88,7 @@ def _count(p: Path, line: int, obj: dict, key: str, minimum: int) -> int:
     return int(v)
 
 
-def load_mooncake(path: Any, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> MooncakeTrace:
+def load_mooncake(path: Any, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> PrefixTrace:
     """Reads a Mooncake JSONL(.gz) trace; returns its requests and prefix tree.
 
     Args:
@@ -190,74 +143,10 @@ def load_mooncake(path: Any, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Mo
     prompt_arr = np.asarray(prompt, np.int64)[order]
     output_arr = np.asarray(output, np.int64)[order]
 
-    nodes: dict[tuple[int, int], int] = {}
-    parent, depth, hash_id = [], [], []
-    node = np.full(len(order), -1, np.int64)
-    for row, i in enumerate(order):
-        cur = -1
-        for d, h in enumerate(hashes[i]):
-            key = (cur, h)
-            nxt = nodes.get(key)
-            if nxt is None:
-                nxt = nodes[key] = len(parent)
-                parent.append(cur)
-                depth.append(d + 1)
-                hash_id.append(h)
-            cur = nxt
-        node[row] = cur
-    tree = PrefixTree(parent=np.asarray(parent, np.int64), depth=np.asarray(depth, np.int64),
-                      hash_id=np.asarray(hash_id, np.int64), block_tokens=block_tokens)
+    tree, node = build_prefix_tree([hashes[i] for i in order], block_tokens)
     trace = validate_trace(Trace(arrival_s=arrival, prompt_tokens=prompt_arr,
                                  output_tokens=output_arr))
-    return MooncakeTrace(trace=trace, node=node, full_blocks=prompt_arr // block_tokens,
+    return PrefixTrace(trace=trace, node=node, full_blocks=prompt_arr // block_tokens,
                          tree=tree)
 
 
-def path_nodes(tree: PrefixTree, node: int) -> list[int]:
-    """The nodes from the root's child down to `node` (empty for -1), following `parent`."""
-    out = []
-    while node >= 0:
-        out.append(int(node))
-        node = int(tree.parent[node])
-    return out[::-1]
-
-
-def infinite_cache_reuse(mt: MooncakeTrace) -> float:
-    """Share of all hash blocks that lie in the longest prefix of a request's list already seen
-    in earlier requests (in arrival order): the README's "prefix-block reuse, infinite cache"
-    (one cache shared by all replicas that never evicts; an upper bound for any real cache).
-
-    A node is first created by the earliest request whose path contains it, and a path's nodes
-    are created in order, so the reused prefix of request `i` is the part of its path made of
-    nodes first created by requests before `i`."""
-    first = np.full(mt.tree.num_nodes, -1, np.int64)
-    reused = total = 0
-    for i in range(len(mt)):
-        path = path_nodes(mt.tree, int(mt.node[i]))
-        total += len(path)
-        for k in path:
-            if first[k] < 0:
-                first[k] = i
-            if first[k] < i:
-                reused += 1
-    return reused / total if total else 0.0
-
-
-def kv_prefix(mt: MooncakeTrace, i: int, block_size: int) -> list[tuple[int, int]]:
-    """Request `i`'s KV-block identities at vLLM's `block_size` (docs/prefix_caching.md, 9).
-
-    KV block `j` (tokens `[j b, (j + 1) b)`) lying inside the prompt gets the id `(node of
-    hash block q = floor(j b / T), j - q T / b)`, `T` the hash block size: blocks inside equal
-    hash blocks are equal. Returns the ids of the `floor(prompt / b)` full KV blocks (the form
-    `tests/reference_prefix.simulate_prefix` takes as `prefix[i]`).
-
-    Raises ValueError unless `block_size` divides the hash block size.
-    """
-    T = mt.tree.block_tokens
-    if block_size < 1 or T % block_size:
-        raise ValueError(f"block_size must divide the trace's {T}-token hash blocks, got "
-                         f"{block_size}")
-    per = T // block_size
-    path = path_nodes(mt.tree, int(mt.node[i]))
-    n_full = int(mt.trace.prompt_tokens[i]) // block_size
-    return [(path[j // per], j % per) for j in range(n_full)]
