@@ -29,21 +29,21 @@ import numpy as np
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.traces.prefix import PrefixTrace, build_prefix_tree, reused_blocks
 
-__all__ = ["SharedPrefixConfig", "generate_shared_prefix", "prefix_stats"]
+__all__ = ["SharedPrefixConfig", "draw_sessions", "generate_shared_prefix", "prefix_stats"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SharedPrefixConfig:
     """Parameters of the shared-prefix generator (times in s, lengths in tokens)."""
 
-    session_rate: float = 2.1
+    session_rate: float = 2.15
     num_system: int = 1
     system_tokens: int = 512
     system_zipf: float = 1.0
-    turns_mean: float = 1.63
+    turns_mean: float = 1.66
     think_s: float = 120.0
-    first_user_median: float = 4750.0
-    first_user_sigma: float = 1.5
+    first_user_median: float = 5500.0
+    first_user_sigma: float = 1.4
     next_user_median: float = 250.0
     next_user_sigma: float = 1.5
     output_median: float = 350.0
@@ -80,27 +80,26 @@ def _lognormal(rng, median, sigma, size):
         np.int64)
 
 
-def generate_shared_prefix(n_requests: int, config: SharedPrefixConfig | None = None,
-                           seed: int = 0) -> PrefixTrace:
-    """Draws `n_requests` requests (the earliest, in arrival order) of the session model.
+def draw_sessions(n_requests: int, config: SharedPrefixConfig | None = None,
+                  seed: int = 0) -> list[tuple[float, int, int, int, int, int]]:
+    """The earliest `n_requests` turns of the session model, in arrival order, as rows
+    `(arrival_s, session, turn, prompt, output, system)` (arrivals not rebased).
 
-    Arrivals are rebased so that the first request is at 0 s. Prompts are capped at
-    `max_prompt` tokens (a session whose conversation outgrows it ends there). Deterministic in
-    `seed`. Raises ValueError for `n_requests < 1` or an invalid config (naming the field).
-    """
+    Prompts are capped at `max_prompt` tokens (a session whose conversation outgrows it ends
+    there). Deterministic in `seed`. Raises ValueError for `n_requests < 1` or an invalid config
+    (naming the field)."""
     cfg = config or SharedPrefixConfig()
     cfg.validate()
     if isinstance(n_requests, bool) or not isinstance(n_requests, (int, np.integer)) \
             or n_requests < 1:
         raise ValueError(f"n_requests must be an integer >= 1, got {n_requests}")
     rng = np.random.default_rng(seed)
-    T = cfg.block_tokens
     pop = (np.arange(1, cfg.num_system + 1, dtype=np.float64)) ** -cfg.system_zipf
     pop /= pop.sum()
     p_end = 1.0 / cfg.turns_mean  # geometric: P(turns = t) = (1 - p)^(t - 1) p
-    rows = []  # (arrival, session, turn, prompt, output, system)
-    # Every session starting before the n-th earliest first turn could contribute; drawing
-    # sessions until their start passes the n-th arrival found so far is exact.
+    rows = []
+    # Once n rows exist, a session starting after the n-th earliest arrival cannot contribute
+    # (its turns all come later), so drawing stops there: the n earliest rows are exact.
     t0 = 0.0
     session = 0
     horizon = np.inf
@@ -115,9 +114,9 @@ def generate_shared_prefix(n_requests: int, config: SharedPrefixConfig | None = 
         for k in range(turns):
             if k:
                 t += rng.exponential(cfg.think_s)
-            user = int(_lognormal(rng, cfg.first_user_median if k == 0 else
-                                  cfg.next_user_median,
-                                  cfg.first_user_sigma if k == 0 else cfg.next_user_sigma, 1)[0])
+            first = k == 0
+            user = int(_lognormal(rng, cfg.first_user_median if first else cfg.next_user_median,
+                                  cfg.first_user_sigma if first else cfg.next_user_sigma, 1)[0])
             out = int(_lognormal(rng, cfg.output_median, cfg.output_sigma, 1)[0])
             prompt = history + user
             if prompt > cfg.max_prompt:
@@ -129,20 +128,28 @@ def generate_shared_prefix(n_requests: int, config: SharedPrefixConfig | None = 
             horizon = np.partition(np.array([r[0] for r in rows]), n_requests - 1)[
                 n_requests - 1]
     rows.sort(key=lambda r: (r[0], r[1], r[2]))
-    rows = rows[:n_requests]
+    return rows[:n_requests]
+
+
+def generate_shared_prefix(n_requests: int, config: SharedPrefixConfig | None = None,
+                           seed: int = 0) -> PrefixTrace:
+    """Draws `n_requests` requests of the session model (`draw_sessions`) as a `PrefixTrace`
+    with arrivals rebased so that the first request is at 0 s."""
+    cfg = config or SharedPrefixConfig()
+    rows = draw_sessions(n_requests, cfg, seed)
+    T = cfg.block_tokens
     lists = []
     for idx, (_, s, _, prompt, _, sys_k) in enumerate(rows):
-        full = prompt // T
-        ids = []
-        for q in range(full):
-            # a block wholly inside the system prompt is the system's; later ones the session's
-            ids.append(("sys", sys_k, q) if (q + 1) * T <= cfg.system_tokens else ("s", s, q))
+        # a full block wholly inside the system prompt is the system's, a later one the
+        # session's (the conversation only grows); the partial last block is the request's own
+        ids = [("sys", sys_k, q) if (q + 1) * T <= cfg.system_tokens else ("s", s, q)
+               for q in range(prompt // T)]
         if prompt % T:
             ids.append(("r", idx))
         lists.append(ids)
     intern: dict = {}
-    int_lists = [[intern.setdefault(h, len(intern)) for h in ids] for ids in lists]
-    tree, node = build_prefix_tree(int_lists, T)
+    tree, node = build_prefix_tree(
+        [[intern.setdefault(h, len(intern)) for h in ids] for ids in lists], T)
     arrival = np.array([r[0] for r in rows], np.float64)
     prompt = np.array([r[3] for r in rows], np.int64)
     trace = validate_trace(Trace(arrival_s=arrival - arrival[0], prompt_tokens=prompt,
