@@ -26,7 +26,6 @@ With `caching=False` nothing is looked up or cached, and the model is `MODEL_CON
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import numpy as np
@@ -85,9 +84,7 @@ class _PReplica(_Replica):
         self.evictions = 0
         self.shared_preemptions = 0  # victims holding a block another running request holds
         self.hit_tokens = 0
-        self.prompt_tokens_admitted = 0
         self.accounting = []  # (t, fresh, cached_unreferenced, held) after every change
-        self.t = 0.0
 
     # ---- block pool (docs rules 2, 5, 6) -------------------------------------------------
     def _lookup(self, r):
@@ -212,7 +209,6 @@ class _PReplica(_Replica):
                 self._cache_full(h, c + n)
                 h.cached.append(c)
                 self.hit_tokens += c
-                self.prompt_tokens_admitted += h.L
                 sched.append((h, n))
                 k -= n
         if not sched:
