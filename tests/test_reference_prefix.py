@@ -114,6 +114,30 @@ def test_preemption_of_request_holding_shared_blocks():
     assert off["preemptions"].tolist() == [0, 0]
 
 
+def test_shared_blocks_count_once_in_kv_memory():
+    # 4 blocks. A (9 tokens, 3 output tokens) holds 3 blocks while it decodes. B (same 2-block
+    # prefix, 9 tokens) arrives at 1.0 and is considered at A's first iteration end 1.0625: it
+    # hits A's 2 blocks, which A holds (not taken from the free pool), so it needs 1 block and
+    # 1 is free. Both run together (0.5 + 2/16 = 0.625 s): B finishes at 1.6875, A at 2.25.
+    out = run([0.0, 1.0], [9, 9], [3, 1], [["x", "y"], ["x", "y"]], kv_blocks=4)
+    assert out["finish"].tolist() == [2.25, 1.6875]
+    assert out["cached_tokens"] == [[0], [8]]
+    assert (1.0625, 0, 0, 4) in out["accounting"][0]  # 4 distinct blocks held, 5 references
+    # Without caching B needs 3 blocks and waits for A (decoding alone, 0.5625 s per token).
+    off = run([0.0, 1.0], [9, 9], [3, 1], [["x", "y"], ["x", "y"]], kv_blocks=4,
+              caching=False)
+    assert off["finish"].tolist() == [2.1875, 3.25]
+
+
+def test_arrival_at_an_iteration_end_sees_the_freed_blocks():
+    # A finishes at 1.0 and frees its blocks (iteration end before arrivals); B arriving at
+    # exactly 1.0 hits both, now cached and unreferenced: need = 1 new + 2 touched.
+    out = run([0.0, 1.0], [8, 9], [1, 1], [["x", "y"], ["x", "y"]], kv_blocks=3)
+    assert out["finish"].tolist() == [1.0, 1.5625]
+    assert out["cached_tokens"] == [[0], [8]]
+    assert out["evictions"].tolist() == [0]
+
+
 def random_profile(rng, chunked, watermark, kv_blocks):
     return dict(
         c0=float(rng.choice([0.25, 0.5])), alpha=2.0 ** -int(rng.integers(5, 8)),
