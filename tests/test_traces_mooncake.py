@@ -149,3 +149,28 @@ def test_real_files_reproduce_readme_reuse(name, rows, reuse):
     assert np.all(mt.tree.depth[mt.tree.parent >= 0] ==
                   mt.tree.depth[mt.tree.parent[mt.tree.parent >= 0]] + 1)
     assert np.all(mt.full_blocks <= mt.tree.depth[mt.node])
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="shared Mooncake traces not present")
+def test_real_prefixes_through_the_reference_under_pressure():
+    """The first 40 conversation requests (16-token KV blocks from kv_prefix) on one replica of
+    1200 blocks: the block pool's invariants hold after every change (audit), with hits,
+    evictions and preemptions of requests holding shared blocks all present."""
+    from tests.reference_prefix import simulate_prefix
+
+    mt = load_mooncake(REAL / "conversation_trace.jsonl.gz")
+    n = 40
+    prof = dict(c0=0.5, alpha=2.0 ** -12, alpha2=0.0, beta=0.0, gamma=0.0, delta=2.0 ** -20,
+                kv_blocks=1200, block_size=16, max_seqs=8, max_tokens=4096,
+                chunked_prefill=True, watermark=0.0, queue_cap=64)
+    arrival = np.ceil(mt.trace.arrival_s[:n] * 4) / 4
+    prompt = mt.trace.prompt_tokens[:n]
+    output = np.minimum(mt.trace.output_tokens[:n], 64)
+    prefix = [kv_prefix(mt, i, 16) for i in range(n)]
+    out = simulate_prefix(arrival, prompt, output, np.zeros(n, int), [prof], prefix,
+                          audit=True)
+    assert out["hit_tokens"][0] > 0 and out["evictions"][0] > 0
+    assert out["shared_preemptions"][0] > 0
+    for i in np.flatnonzero(~out["dropped"]):
+        assert all(c % 16 == 0 and c <= prompt[i] + output[i] - 1
+                   for c in out["cached_tokens"][i])
