@@ -194,6 +194,35 @@ def test_random_workloads_exercise_hits_evictions_and_shared_preemption():
     assert hits > 0 and evictions > 0 and shared_victims > 0 and rehits > 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_hits_without_pressure_equal_an_independent_count(seed):
+    """Requests far apart (each finishes before the next arrives) on ample memory: nothing is
+    evicted, so request i's hit is the longest prefix of its id list seen in earlier requests'
+    lists, capped at floor((p - 1) / b) blocks - counted here without any block pool."""
+    rng = np.random.default_rng(50 + seed)
+    n = 60
+    _, prompt, output, prefix = random_shared_workload(rng, n, b=B, tail=(0, 6))
+    arrival = 1000.0 * np.arange(n)
+    out = simulate_prefix(arrival, prompt, output, np.zeros(n, int),
+                          [hand_profile(kv_blocks=4096)], prefix)
+    seen = set()
+    want = []
+    for i in range(n):
+        k = 0
+        while k < min(len(prefix[i]), (int(prompt[i]) - 1) // B) and \
+                tuple(prefix[i][:k + 1]) in seen:
+            k += 1
+        want.append([k * B])
+        seen.update(tuple(prefix[i][:j + 1]) for j in range(len(prefix[i])))
+    assert out["cached_tokens"] == want
+    assert out["evictions"].tolist() == [0] and sum(c[0] > 0 for c in want) > n // 2
+    # some prompts are exactly their shared blocks: their last block is never a hit, and for
+    # some of them every other block is (the cap binds)
+    exact = [i for i in range(n) if prompt[i] == len(prefix[i]) * B]
+    assert all(want[i][0] <= prompt[i] - B for i in exact)
+    assert any(want[i][0] == prompt[i] - B > 0 for i in exact)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_caching_off_equals_reference_continuous(seed):
     arrival, prompt, output, replica, profiles, prefix = random_case(seed)
