@@ -127,6 +127,19 @@ class _Replica:
         if not sched:
             self.stalled = True
             return
+        T = self.iteration_time(sched)
+        self.scheduled = sched
+        self.end = t + T
+        self.iterations += 1
+        # Blocks held during the iteration: every running request's, after its new tokens.
+        n_of = {id(r): n for r, n in sched}
+        blocks = sum(self.blocks(r.C + n_of.get(id(r), 0)) for r in self.running)
+        self.busy += T
+        self.kv_block_s += blocks * T
+        self.kv_peak = max(self.kv_peak, blocks)
+
+    def iteration_time(self, sched):
+        """Seconds of an iteration computing `n` tokens of each `(r, n)` in `sched` (C before)."""
         T = self.c0
         n_dec = 0
         for r, n in sched:
@@ -138,15 +151,7 @@ class _Replica:
                 T += self.alpha2 * n * (r.C + n)
         if n_dec:
             T += self.beta
-        self.scheduled = sched
-        self.end = t + T
-        self.iterations += 1
-        # Blocks held during the iteration: every running request's, after its new tokens.
-        n_of = {id(r): n for r, n in sched}
-        blocks = sum(self.blocks(r.C + n_of.get(id(r), 0)) for r in self.running)
-        self.busy += T
-        self.kv_block_s += blocks * T
-        self.kv_peak = max(self.kv_peak, blocks)
+        return T
 
     def finish_iteration(self, t):
         for r, n in self.scheduled:
@@ -162,7 +167,8 @@ class _Replica:
         self.end = None
 
 
-def simulate(arrival, prompt, output, replica, profiles, check=None):
+def simulate(arrival, prompt, output, replica, profiles, check=None, make_request=None,
+             make_replica=None):
     """Simulates the requests routed to `replica[i]` on replicas with the given profiles.
 
     Args:
@@ -170,6 +176,9 @@ def simulate(arrival, prompt, output, replica, profiles, check=None):
       profiles: list of dicts with `REPLICA_KEYS`.
       check: optional callback `check(t, arrived, completed, waiting, running, dropped)` called
         after every event instant (conservation tests).
+      make_request, make_replica: optional factories `make_request(i, a, p, o)` and
+        `make_replica(k, profile)` replacing `_Req` and `_Replica` (models extending this one,
+        e.g. `tests/reference_prefix.py`, pass subclasses and keep the objects they build).
 
     Returns:
       dict of arrays: `first_token`, `finish` (NaN if dropped), `dropped`, `never_fit`,
@@ -177,8 +186,9 @@ def simulate(arrival, prompt, output, replica, profiles, check=None):
       `kv_block_s` (blocks held during iterations, integrated over time) and `kv_peak`.
     """
     n = len(arrival)
-    reqs = [_Req(i, float(arrival[i]), int(prompt[i]), int(output[i])) for i in range(n)]
-    reps = [_Replica(p) for p in profiles]
+    make_request = make_request or _Req
+    reqs = [make_request(i, float(arrival[i]), int(prompt[i]), int(output[i])) for i in range(n)]
+    reps = [(make_replica(k, p) if make_replica else _Replica(p)) for k, p in enumerate(profiles)]
     dropped = np.zeros(n, bool)
     never = np.zeros(n, bool)
     nxt = 0

@@ -1,0 +1,146 @@
+"""Prefix identity of requests: a prefix tree of hash blocks, in static-shape arrays.
+
+Traces with prefix structure (Mooncake's `hash_ids`, the synthetic shared-prefix generator) name
+each prompt's blocks of `block_tokens` tokens by ids, equal ids meaning equal content. They are
+stored as the trace's **prefix tree** (one node per distinct prefix of the id lists; node =
+`(parent node, id)`, so equal ids under different parents are different nodes, as with vLLM's
+chained block hashes) with per-node arrays `parent`, `depth`, `hash_id`, and per request its
+deepest node and its number of full blocks: nothing of per-request length is stored, and a
+request's path is recovered by following `parent`. The semantics are docs/prefix_caching.md's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import struct
+
+from jaxserve.core.types import Trace
+
+__all__ = ["PrefixTree", "PrefixTrace", "build_prefix_tree", "path_nodes", "reused_blocks",
+           "infinite_cache_reuse", "kv_prefix"]
+
+
+@struct.dataclass
+class PrefixTree:
+    """Nodes of a trace's prefix tree of hash blocks (host numpy arrays, `(num_nodes,)`).
+
+    Attributes:
+      parent: parent node id, -1 for a node directly under the root; `parent[k] < k`.
+      depth: number of hash blocks on the path from the root to the node (>= 1).
+      hash_id: the trace's id of the node's own block.
+      block_tokens: tokens per hash block (512 for Mooncake); not a pytree leaf.
+    """
+
+    parent: np.ndarray
+    depth: np.ndarray
+    hash_id: np.ndarray
+    block_tokens: int = struct.field(pytree_node=False, default=512)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(np.shape(self.parent)[0])
+
+
+@struct.dataclass
+class PrefixTrace:
+    """A request trace plus each request's place in a prefix tree of hash blocks.
+
+    Attributes:
+      trace: arrivals (s), prompt and output tokens.
+      node: `(n,)` deepest tree node of each request's id list (-1 when empty).
+      full_blocks: `(n,)` hash blocks of the prompt that are full, `prompt //
+        block_tokens` (the path's first `full_blocks` nodes; the deepest node is partial when
+        `full_blocks < depth[node]`).
+      tree: the prefix tree.
+    """
+
+    trace: Trace
+    node: np.ndarray
+    full_blocks: np.ndarray
+    tree: PrefixTree
+
+    def __len__(self) -> int:
+        return len(self.trace)
+
+
+def build_prefix_tree(hash_lists, block_tokens: int) -> tuple[PrefixTree, np.ndarray]:
+    """Builds the prefix tree of hash-id lists given in arrival order.
+
+    A node is a distinct `(parent node, id)` pair (chained identity), numbered in order of first
+    appearance, so `parent[k] < k`. Returns the tree and each list's deepest node (-1 if empty).
+    """
+    nodes: dict = {}
+    parent, depth, hash_id = [], [], []
+    node = np.full(len(hash_lists), -1, np.int64)
+    for row, ids in enumerate(hash_lists):
+        cur = -1
+        for d, h in enumerate(ids):
+            key = (cur, h)
+            nxt = nodes.get(key)
+            if nxt is None:
+                nxt = nodes[key] = len(parent)
+                parent.append(cur)
+                depth.append(d + 1)
+                hash_id.append(h)
+            cur = nxt
+        node[row] = cur
+    tree = PrefixTree(parent=np.asarray(parent, np.int64), depth=np.asarray(depth, np.int64),
+                      hash_id=np.asarray(hash_id, np.int64), block_tokens=int(block_tokens))
+    return tree, node
+
+
+def path_nodes(tree: PrefixTree, node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (empty for -1), following `parent`."""
+    out = []
+    while node >= 0:
+        out.append(int(node))
+        node = int(tree.parent[node])
+    return out[::-1]
+
+
+def reused_blocks(mt: PrefixTrace) -> np.ndarray:
+    """Per request (arrival order), the blocks of the longest prefix of its list already seen
+    in earlier requests: `(n,)` int64.
+
+    A node is first created by the earliest request whose path contains it, and a path's nodes
+    are created in order, so the reused prefix of request `i` is the part of its path made of
+    nodes first created by requests before `i`."""
+    first = np.full(mt.tree.num_nodes, -1, np.int64)
+    out = np.zeros(len(mt), np.int64)
+    for i in range(len(mt)):
+        for k in path_nodes(mt.tree, int(mt.node[i])):
+            if first[k] < 0:
+                first[k] = i
+            if first[k] < i:
+                out[i] += 1
+    return out
+
+
+def infinite_cache_reuse(mt: PrefixTrace) -> float:
+    """Share of all hash blocks that lie in the longest prefix of a request's list already seen
+    in earlier requests (`reused_blocks` over all blocks): the traces README's "prefix-block
+    reuse, infinite cache" (one cache shared by all replicas that never evicts; an upper bound
+    for any real cache)."""
+    depth = np.where(mt.node >= 0, mt.tree.depth[np.maximum(mt.node, 0)], 0)
+    total = int(depth.sum())
+    return float(reused_blocks(mt).sum() / total) if total else 0.0
+
+
+def kv_prefix(mt: PrefixTrace, i: int, block_size: int) -> list[tuple[int, int]]:
+    """Request `i`'s KV-block identities at vLLM's `block_size` (docs/prefix_caching.md, 9).
+
+    KV block `j` (tokens `[j b, (j + 1) b)`) lying inside the prompt gets the id `(node of
+    hash block q = floor(j b / T), j - q T / b)`, `T` the hash block size: blocks inside equal
+    hash blocks are equal. Returns the ids of the `floor(prompt / b)` full KV blocks (the form
+    `tests/reference_prefix.simulate_prefix` takes as `prefix[i]`).
+
+    Raises ValueError unless `block_size` divides the hash block size.
+    """
+    T = mt.tree.block_tokens
+    if block_size < 1 or T % block_size:
+        raise ValueError(f"block_size must divide the trace's {T}-token hash blocks, got "
+                         f"{block_size}")
+    per = T // block_size
+    path = path_nodes(mt.tree, int(mt.node[i]))
+    n_full = int(mt.trace.prompt_tokens[i]) // block_size
+    return [(path[j // per], j % per) for j in range(n_full)]
