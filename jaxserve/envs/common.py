@@ -138,7 +138,8 @@ def check_arrival_horizon(arrivals: A.ArrivalProcess, horizon_s: float, where: s
     r = float(np.max(np.asarray(arrivals.rates, np.float64)))
     if r * float(horizon_s) > MAX_ARRIVALS_PER_HORIZON:
         raise ValueError(
-            f"{where}.rates: a rate of {r:g} req/s over {what} ({float(horizon_s):g} s) is "
+            f"{where}.rates (make's arrival_rate= or arrivals=): a rate of {r:g} req/s over "
+            f"{what} ({float(horizon_s):g} s) is "
             f"{r * float(horizon_s):.3g} arrivals per event loop; at most "
             f"{MAX_ARRIVALS_PER_HORIZON} are accepted (float32 time must advance with each "
             f"gap): lower the arrival rate")

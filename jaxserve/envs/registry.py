@@ -90,6 +90,10 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
         if rate.ndim != 0:
             raise ValueError(f"arrival_rate must be one number (req/s), got {arrival_rate!r}")
         arrivals = A.poisson(float(arrival_rate))
+        try:
+            A.validate_arrivals(arrivals)
+        except ValueError as e:
+            raise ValueError(f"arrival_rate={arrival_rate!r} is invalid: {e}") from None
     if arrivals is None:
         raise ValueError("an arrival process is required (arrivals= or arrival_rate=)")
     if not isinstance(arrivals, A.ArrivalProcess):

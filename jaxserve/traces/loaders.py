@@ -56,9 +56,10 @@ timestamp outside int64 nanoseconds, each named with its line.
 
 A file cut short (a copy interrupted mid-write) is caught where its content shows it: a last
 row with too few fields, or whose cut field no longer parses (``2023-11-16 18:1``, ``1.5e``).
-A cut that leaves a valid shorter value (``55`` cut to ``5``) cannot be told from a file
-written without a final newline, which is legal; the loader then warns (`UserWarning`, naming
-the file and the last line) instead of loading it silently.
+A cut that leaves a valid shorter value (``55`` cut to ``5``, or text) cannot be told from a
+file written without a final newline, which is legal (the published Azure LLM 2023 and
+Functions 2021 files end that way); `LoadReport.notes` then says that the last line (named)
+could not be checked.
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ import datetime as _dt
 import math
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -173,8 +173,15 @@ def _open_checked(path: Any) -> Path:
     return p
 
 
-def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]:
-    """Reads a CSV file: returns (path, header, [(line_number, fields), ...]).
+def _read_rows(path: Any, fmt: str | None = None, required: Sequence[str] | None = None
+               ) -> tuple[Path, list[str], list[tuple[int, list[str]]], str | None]:
+    """Reads a CSV file: returns (path, header, [(line_number, fields), ...], end_note).
+
+    `end_note` is None, or (when the file does not end with a newline) the note that its last
+    line cannot be checked for a cut (see the module docstring), for `LoadReport.notes`.
+
+    With `fmt`, the header must hold that format's columns (or `required`), checked before
+    any data row, so a file of the wrong format is reported at line 1.
 
     Handles LF and CRLF line endings, a UTF-8 byte-order mark and a missing final newline.
     Header names are stripped of surrounding whitespace. Trailing blank lines are ignored; a
@@ -195,6 +202,8 @@ def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]
             header = [h.strip() for h in header]
             if not any(header):
                 raise TraceFormatError(p, 1, "blank header line")
+            if fmt is not None:
+                _column_index(p, header, fmt, required)
             ncol = len(header)
             for fields in reader:
                 line = reader.line_num
@@ -217,12 +226,18 @@ def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]
         raise TraceFormatError(p, max(getattr(reader, "line_num", 1), 1), f"CSV syntax error: {e}") from None
     if not rows:
         raise TraceFormatError(p, 2, "no data rows (header only)")
+    end_note = None
     if rows[-1][0] == last_line and not _ends_with_newline(p):
-        warnings.warn(f"{p}, line {last_line}: the file does not end with a newline, so its "
-                      f"last line may have been cut short (a cut inside its last field, e.g. "
-                      f"'55' -> '5', cannot be detected); check the file if it was copied or "
-                      f"downloaded", UserWarning, stacklevel=3)
-    return p, header, rows
+        end_note = (f"line {last_line}: the file does not end with a newline, so a cut inside "
+                    f"its last field (e.g. '55' -> '5') could not be detected")
+    return p, header, rows, end_note
+
+
+def _new_report(p: Path, fmt: str, rows: list, end_note: str | None) -> LoadReport:
+    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    if end_note is not None:
+        report.notes.append(end_note)
+    return report
 
 
 def _first_undecodable_line(p: Path) -> int | None:
@@ -423,10 +438,10 @@ def _finish(p: Path, report: LoadReport, arrival: np.ndarray, prompt: np.ndarray
 
 def _read_azure_llm_2023(path: Any, *, check_sorted: bool = True,
                          zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
-    p, header, rows = _read_rows(path)
     fmt = "azure_llm_2023"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     n = len(rows)
     ns = np.empty(n, dtype=np.int64)
     prompt = np.empty(n, dtype=np.int64)
@@ -458,10 +473,10 @@ def _read_azure_llm_2023(path: Any, *, check_sorted: bool = True,
 
 def _read_azure_llm_reencoded(path: Any, *, check_sorted: bool = True,
                               zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
-    p, header, rows = _read_rows(path)
     fmt = "azure_llm_reencoded"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     n = len(rows)
     t = np.empty(n, dtype=np.float64)
     prompt = np.empty(n, dtype=np.int64)
@@ -490,10 +505,10 @@ def _read_burstgpt(path: Any, *, models: Iterable[str] | None = None,
         raise ValueError("models= and log_types= take a sequence of names, e.g. ('ChatGPT',)")
     models_set = None if models is None else set(models)
     logs_set = None if log_types is None else set(log_types)
-    p, header, rows = _read_rows(path)
     fmt = "burstgpt"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     report.excluded = {"model": 0, "log_type": 0, "failed": 0}
     if logs_set is not None and "Log Type" not in header:
         raise TraceFormatError(p, 1, "log_types= given but the file has no 'Log Type' column")
@@ -586,10 +601,10 @@ def _read_azure_functions_2021(path: Any, *, tokens_per_second: float = 50.0,
                                prompt_tokens: int = 512) -> tuple[Trace, LoadReport]:
     prompt_tokens = _check_prompt_tokens(prompt_tokens)
     tokens_per_second = _check_tokens_per_second(tokens_per_second)
-    p, header, rows = _read_rows(path)
     fmt = "azure_functions_2021"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     n = len(rows)
     end = np.empty(n, dtype=np.float64)
     dur = np.empty(n, dtype=np.float64)
@@ -611,9 +626,9 @@ def _read_azure_functions_2021(path: Any, *, tokens_per_second: float = 50.0,
 
 def _read_durations_2019(path: Any) -> dict[tuple[str, str, str], float]:
     """Reads a 2019 ``function_durations_percentiles`` file: (owner, app, func) -> Average s."""
-    p, header, rows = _read_rows(path)
-    ix = _column_index(p, header, "azure_functions_2019",
-                       ("HashOwner", "HashApp", "HashFunction", "Average"))
+    cols = ("HashOwner", "HashApp", "HashFunction", "Average")
+    p, header, rows, _ = _read_rows(path, "azure_functions_2019", cols)
+    ix = _column_index(p, header, "azure_functions_2019", cols)
     out: dict[tuple[str, str, str], float] = {}
     for line, f in rows:
         ms = _parse_float(p, line, "Average", f[ix["Average"]], nonneg=True)
@@ -629,8 +644,8 @@ def _read_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
     if not (math.isfinite(duration_s) and duration_s >= 0):
         raise ValueError(f"duration_s must be finite and >= 0, got {duration_s}")
     durations = _read_durations_2019(durations_path) if durations_path is not None else None
-    p, header, rows = _read_rows(path)
     fmt = "azure_functions_2019"
+    p, header, rows, end_note = _read_rows(path, fmt)
     _column_index(p, header, fmt)
     if header[:4] != list(_COLUMNS[fmt]):
         raise TraceFormatError(p, 1, f"the first columns must be {','.join(_COLUMNS[fmt])}")
@@ -642,7 +657,7 @@ def _read_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
             raise TraceFormatError(
                 p, 1, f"per-minute columns must be named 1,2,3,...; column {j + 5} is "
                       f"{name!r}, expected '{j + 1}'")
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     times, durs, row_lines = [], [], []
     missing = 0
     for line, f in rows:
