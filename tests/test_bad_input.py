@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 
 import jaxserve
 from jaxserve.core import arrivals as A
-from jaxserve.core import cluster as C
 from jaxserve.core.replica import ReplicaProfile, replica_profile
 from jaxserve.core.types import MAX_TOKENS, GPUProfile
 from jaxserve.envs import common

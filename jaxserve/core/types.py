@@ -142,8 +142,9 @@ class Trace:
 
     Attributes:
       arrival_s: arrival times in seconds, finite, non-decreasing. `(n,)`, float64 on the host.
-      prompt_tokens: prompt lengths, integers >= 1. `(n,)`.
-      output_tokens: output lengths, integers >= 1. `(n,)`.
+      prompt_tokens: prompt lengths, integers in `[1, MAX_TOKENS]`. `(n,)`.
+      output_tokens: output lengths, integers in `[1, MAX_TOKENS]`, with prompt + output
+        <= `MAX_TOKENS` (2^24). `(n,)`.
     """
 
     arrival_s: np.ndarray

@@ -223,7 +223,8 @@ def _read_rows(path: Any, fmt: str | None = None, required: Sequence[str] | None
                                                               f" at byte {e.start})") from None
     except csv.Error as e:
         # The reader has read the offending line when it raises (e.g. a NUL byte).
-        raise TraceFormatError(p, max(getattr(reader, "line_num", 1), 1), f"CSV syntax error: {e}") from None
+        line = max(getattr(reader, "line_num", 1), 1)
+        raise TraceFormatError(p, line, f"CSV syntax error: {e}") from None
     if not rows:
         raise TraceFormatError(p, 2, "no data rows (header only)")
     end_note = None
