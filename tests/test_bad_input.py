@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import jaxserve
@@ -302,6 +302,10 @@ def _refusal_names(err: ValueError, names) -> bool:
        overrides=st.dictionaries(st.sampled_from(SERVING_FIELDS), MIXED, min_size=1,
                                  max_size=3),
        profile=st.dictionaries(st.sampled_from(PROFILE_FIELDS), MIXED, max_size=2))
+# The issue's cases first: a rate float32 cannot resolve (reset never returned), a profile
+# whose service time no float32 clock can step through at the default rate.
+@example(name="Batching-v0", overrides={"arrival_rate": 1e30}, profile={})
+@example(name="Batching-v0", overrides={"slo_s": 10.0}, profile={"c0": 1e30})
 def test_property_make_overrides_and_profiles(name, overrides, profile):
     """Every draw is refused naming a drawn field, or runs 50 vmapped steps finite with
     arrivals = completed + in system + dropped."""
@@ -330,6 +334,10 @@ def _trace_column(values):
 @given(arrival=columns(st.floats(min_value=0.0, max_value=100.0)),
        prompt=columns(st.integers(1, 5000)), output=columns(st.integers(1, 5000)),
        name=st.sampled_from(["Routing-v0", "Batching-v0"]))
+# A gap float32 cannot hold (inf), and tokens past int32 (the issue's 3e9).
+@example(arrival=[0.0, 1.0, 2.0, 1e300], prompt=[10] * 4, output=[10] * 4, name="Routing-v0")
+@example(arrival=[0.0, 1.0, 2.0, 3.0], prompt=[3 * 10 ** 9] * 4, output=[10] * 4,
+         name="Batching-v0")
 def test_property_trace_arrays(arrival, prompt, output, name):
     """`Trace` arrays from the whole range (sorted arrivals when they are floats, so that
     draws get past the order check): refused naming a `Trace` field, or replayed finite
