@@ -20,6 +20,48 @@ METRICS_CSV = "metrics.csv"
 CURVE_PNG = "learning_curve.png"
 
 
+def check_out_dir(out: Path | None, *, resume: bool, overwrite: bool,
+                  resume_flag: str = "resume=True", overwrite_flag: str = "overwrite=True",
+                  out_flag: str = "out_dir", refuse_foreign: bool = False) -> bool:
+    """Checks what a training run may do with its run directory `out`, before any writing.
+
+    The `*_flag` strings are how the caller's user spells the options (`resume=True` for
+    `agents.train`, `--resume` for `jaxserve-train`), so each message names what to change.
+
+    Returns:
+      whether `out` already holds a run of ours (a checkpoint under `out/checkpoints`).
+    Raises:
+      ValueError: `resume` without `out`, `resume` with `overwrite`, `out` is not a directory,
+        `out` holds a run and neither `resume` nor `overwrite` is given, or (with
+        `refuse_foreign`) `out` is a non-empty directory that holds no run and `overwrite` is
+        not given (its files would be replaced without a word).
+      FileNotFoundError: `resume` and no checkpoint under `out`.
+    """
+    if resume and out is None:
+        raise ValueError(f"{resume_flag} needs {out_flag} (where the checkpoints are)")
+    if resume and overwrite:
+        raise ValueError(f"{resume_flag} and {overwrite_flag} contradict each other")
+    if out is None:
+        return False
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out_flag} {out} exists and is not a directory")
+    ckpt_dir = (out / CHECKPOINT_DIR).absolute()
+    ours = ckpt_dir.is_dir() and latest_step(ckpt_dir) is not None
+    if resume and not ours:
+        raise FileNotFoundError(f"{resume_flag} but there is no checkpoint under {ckpt_dir}")
+    if not resume and ours and not overwrite:
+        raise ValueError(f"{out} already holds a training run; pass {resume_flag} to "
+                         f"continue it or {overwrite_flag} to replace it")
+    if (refuse_foreign and not ours and not overwrite and out.is_dir()
+            and any(out.iterdir())):
+        raise ValueError(f"{out} is not empty and holds no training run (no checkpoint under "
+                         f"{CHECKPOINT_DIR}/); its files (e.g. results.json, results.csv, "
+                         f"{METRICS_CSV}, {CURVE_PNG}) would be replaced: pass {overwrite_flag} "
+                         f"to write there anyway, or choose another {out_flag}")
+    return ours
+
+
 def jsonable_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     """Overrides as JSON: values JSON cannot hold are stored as `{"repr": repr(value)}`."""
     out = {}

@@ -40,14 +40,14 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from agents.checkpoint import latest_step, save_checkpoint
+from agents.checkpoint import save_checkpoint
 from agents.config import TrainConfig
 from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
 from agents.envs import make_env
 from agents.policy import LearnedPolicy
 from agents.rollout import RunnerState
 from agents.run_dir import (CHECKPOINT_DIR, CURVE_PNG, METRICS_CSV, _metadata, _restore,
-                            _write_csv, jsonable_overrides, plot_learning_curve)
+                            _write_csv, check_out_dir, jsonable_overrides, plot_learning_curve)
 from agents.trainer import Trainer
 
 __all__ = ["ALGOS", "ENV_DEFAULTS", "LearnedPolicy", "TrainResult", "chunk_size", "make_config",
@@ -225,20 +225,14 @@ def train(
 
     out = None if out_dir is None else Path(out_dir)
     ckpt_dir = None if out is None else (out / CHECKPOINT_DIR).absolute()
-    if resume and out is None:
-        raise ValueError("resume=True needs out_dir (where the checkpoints are)")
-    if resume and overwrite:
-        raise ValueError("resume=True and overwrite=True contradict each other")
+    ours = check_out_dir(out, resume=resume, overwrite=overwrite)
 
     wall_before = 0.0
     if resume:
         runner, done, curves, wall_before = _restore(ckpt_dir, trainer, key, env_name,
                                                      overrides, algo)
     else:
-        if out is not None and ckpt_dir.exists() and latest_step(ckpt_dir) is not None:
-            if not overwrite:
-                raise ValueError(f"{out} already holds a training run; pass resume=True to "
-                                 f"continue it or overwrite=True to replace it")
+        if ours:  # with overwrite (check_out_dir refused it otherwise)
             shutil.rmtree(ckpt_dir)
         runner, done, curves = None, 0, {}
     if out is not None and main_process:

@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="run directory (default runs/<env>-<algo>-<seed>)")
     ap.add_argument("--resume", action="store_true", help="continue the run saved in --out")
-    ap.add_argument("--overwrite", action="store_true", help="replace a run saved in --out")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a run saved in --out, or write into a non-empty --out that "
+                         "holds no run")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="environment override, repeatable (e.g. arrival_rate=2.5, slo_s=10)")
     for flag, field, typ in HPARAM_FLAGS:
@@ -204,9 +206,13 @@ def run(args, argv) -> int:
     out = Path(args.out or f"runs/{args.env}-{args.algo}-{args.seed}")
 
     import agents
+    from agents.run_dir import check_out_dir
     from agents.train import make_env
 
     make_env(args.env, overrides)  # fail fast, before compiling anything
+    # Before training: refuse what would overwrite files without a word, in the CLI's terms.
+    check_out_dir(out, resume=args.resume, overwrite=args.overwrite, resume_flag="--resume",
+                  overwrite_flag="--overwrite", out_flag="--out", refuse_foreign=True)
     t0 = time.perf_counter()
     try:
         result = agents.train(args.env, overrides, args.algo, args.total_steps, args.seed,

@@ -451,3 +451,147 @@ def test_summary_definitions():
 def test_formats_listed():
     assert set(FORMATS) == {"azure_llm_2023", "azure_llm_reencoded", "burstgpt",
                             "azure_functions_2021", "azure_functions_2019"}
+
+
+# ------------------------------------------------------------------------------------------
+# Damaged files (issue #24): every format, every damage -> TraceFormatError with file + line
+# ------------------------------------------------------------------------------------------
+
+# One valid two-row file per format; every row's last field ends in "55" (or "API log").
+SAMPLES = {
+    "azure_llm_2023": AZ + "2023-11-16 18:00:00.0,10,55\n2023-11-16 18:00:01.0,12,55\n",
+    "azure_llm_reencoded": "arrived_at,num_prefill_tokens,num_decode_tokens\n"
+                           "0.0,10,55\n1.0,12,55\n",
+    "burstgpt": "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                "0,ChatGPT,10,55,65,API log\n1,ChatGPT,12,55,67,API log\n",
+    "azure_functions_2021": FN + "a,f,10.5,0.55\na,f,11.5,0.55\n",
+    "azure_functions_2019": "HashOwner,HashApp,HashFunction,Trigger,1,2\n"
+                            "o,a,f,http,1,55\no,a,g,http,2,55\n",
+}
+# The last row with an out-of-range cell: past int64, past the engine's 2^24 tokens, or
+# (Functions 2021, no integer cells) a time or duration whose gap / tokens are out of range.
+HUGE = {
+    "azure_llm_2023": ["2023-11-16 18:00:01.0,12,30000000000000000000000",
+                       "2023-11-16 18:00:01.0,3000000000,5", "9999-11-16 18:00:01.0,12,5"],
+    "azure_llm_reencoded": ["1.0,30000000000000000000000,55", "1.0,12,3000000000",
+                            "1e300,12,55"],
+    "burstgpt": ["1,ChatGPT,30000000000000000000000,55,1,API log",
+                 "1,ChatGPT,12,3000000000,1,API log", "1e300,ChatGPT,12,55,67,API log"],
+    "azure_functions_2021": ["a,f,1e300,0.55", "a,f,1e8,9e7"],
+    "azure_functions_2019": ["o,a,g,http,2,30000000000000000000000",
+                             "o,a,g,http,30000000,1"],
+}
+
+
+def _replace_last_row(text: str, row: str) -> str:
+    lines = text.rstrip("\n").split("\n")
+    return "\n".join(lines[:-1] + [row]) + "\n"
+
+
+def _assert_located(e, f, line):
+    msg = str(e.value)
+    assert isinstance(e.value, TraceFormatError) and str(f) in msg, msg
+    assert e.value.line == line and f"line {line}:" in msg, msg
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_huge_cells(tmp_path, fmt):
+    for i, row in enumerate(HUGE[fmt]):
+        f = write(tmp_path, f"{fmt}_huge{i}.csv", _replace_last_row(SAMPLES[fmt], row))
+        with pytest.raises(TraceFormatError) as e:
+            load(f, format=fmt)
+        _assert_located(e, f, 3)
+        assert "OverflowError" not in repr(e.value.__cause__)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_truncated_last_line(tmp_path, fmt):
+    text = SAMPLES[fmt]
+    assert load(write(tmp_path, f"{fmt}_ok.csv", text), format=fmt) is not None
+    # Cut inside the last row so that its last field is gone: detected (field count).
+    cut = text[:text.rstrip("\n").rindex(",")]
+    f = write(tmp_path, f"{fmt}_cut_row.csv", cut)
+    with pytest.raises(TraceFormatError) as e:
+        load(f, format=fmt)
+    _assert_located(e, f, 3)
+    # Cut inside the last field, leaving a valid shorter value ("55" -> "5"): it cannot be
+    # told from a file without a final newline (legal), so the report says so, with the line.
+    f = write(tmp_path, f"{fmt}_cut_field.csv", text.rstrip("\n")[:-1])
+    _, rep = load_with_report(f, format=fmt)
+    assert any(n.startswith("line 3: the file does not end with a newline") for n in rep.notes)
+    _, rep = load_with_report(write(tmp_path, f"{fmt}_ok.csv", text), format=fmt)
+    assert not any("newline" in n for n in rep.notes)
+    # A cut that breaks the field's syntax is a format error with the line.
+    if fmt == "azure_functions_2021":  # "1e-3" cut to "1e-"
+        f = write(tmp_path, "fn_cut.csv", FN + "a,f,10.5,0.55\na,f,11.5,1e-")
+        with pytest.raises(TraceFormatError) as e:
+            load(f, format=fmt)
+        _assert_located(e, f, 3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_damaged_wrong_header_binary_empty(tmp_path, fmt):
+    text = SAMPLES[fmt]
+    # A header of the wrong format (here: another format's columns).
+    other = next(x for x in FORMATS if x != fmt and not x.startswith(fmt[:9]))
+    f = write(tmp_path, f"{fmt}_hdr.csv", SAMPLES[other].split("\n")[0] + "\n"
+              + "\n".join(text.split("\n")[1:]))
+    with pytest.raises(TraceFormatError) as e:
+        load(f, format=fmt)
+    _assert_located(e, f, 1)
+    # Binary: not UTF-8 from the first byte, and a NUL byte inside a data row.
+    f = tmp_path / f"{fmt}_bin.csv"
+    f.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe\x00")
+    with pytest.raises(TraceFormatError) as e:
+        load(f, format=fmt)
+    _assert_located(e, f, 1)
+    f = tmp_path / f"{fmt}_nul.csv"
+    lines = text.split("\n")
+    f.write_bytes(("\n".join(lines[:2]) + "\n").encode() + b"\x00\x01\xff\n")
+    with pytest.raises(TraceFormatError) as e:
+        load(f, format=fmt)
+    _assert_located(e, f, 3)
+    # Empty.
+    f = write(tmp_path, f"{fmt}_empty.csv", "")
+    with pytest.raises(TraceFormatError) as e:
+        load(f, format=fmt)
+    _assert_located(e, f, 1)
+
+
+def test_damaged_copies_of_shared_traces(traces_dir, tmp_path):
+    # (file, format, column damaged, huge value): a token count past int64, or a time.
+    for src, fmt, j, huge in ((CODE, "azure_llm_2023", 2, "30000000000000000000000"),
+                              (BURST, "burstgpt", 2, "30000000000000000000000"),
+                              (FN21, "azure_functions_2021", 2, "1e300")):
+        head = src.read_text().splitlines()[:12]
+        cells = head[5].split(",")  # file line 6
+        cells[j] = huge
+        f = write(tmp_path, f"{src.stem}_huge.csv", "\n".join(head[:5] + [",".join(cells)]
+                                                              + head[6:]) + "\n")
+        with pytest.raises(TraceFormatError) as e:
+            load(f, format=fmt)
+        _assert_located(e, f, 6)
+        # Cut one character from the end (no final newline): refused with the last line when
+        # the cut empties the last field, else noted in the report with that line.
+        f = write(tmp_path, f"{src.stem}_cut.csv", "\n".join(head)[:-1])
+        if len(head[-1].split(",")[-1].strip()) == 1:
+            with pytest.raises(TraceFormatError) as e:
+                load(f, format=fmt)
+            _assert_located(e, f, len(head))
+        else:
+            _, rep = load_with_report(f, format=fmt)
+            assert any(n.startswith(f"line {len(head)}: the file does not end") for n in
+                       rep.notes), rep.notes
+
+
+def test_functions_tokens_per_second_refused_clearly(tmp_path):
+    f = write(tmp_path, "fn.csv", SAMPLES["azure_functions_2021"])
+    for bad in (1e30, 0.0, math.nan, -1.0):
+        with pytest.raises(ValueError, match=r"tokens_per_second must be in \(0, 16777216\]"):
+            load_azure_functions_2021(f, tokens_per_second=bad)
+    # Within the bound but too many tokens for a long invocation: the row is named.
+    f = write(tmp_path, "fn_long.csv", FN + "a,f,10.5,0.55\na,f,400000.0,399990.0\n")
+    with pytest.raises(TraceFormatError) as e:
+        load_azure_functions_2021(f, tokens_per_second=100.0)
+    _assert_located(e, f, 3)
+    assert "lower tokens_per_second" in str(e.value)

@@ -22,8 +22,14 @@ import numpy as np
 from flax import struct
 
 from jaxserve.core import rng
+from jaxserve.core.types import MAX_TOKENS, numeric_array
 
 ESTIMATE_EXACT, ESTIMATE_NOISY, ESTIMATE_CLASS = 0, 1, 2
+# Gaps are `-log(u) / rate` with `u` a float32 uniform >= 2^-126 (float32's smallest normal),
+# so `-log(u) <= 87.4`: at `MIN_EVENT_RATE` every gap is at most 87.4e-7^-1 ~ 8.7e8 s
+# (< `types.MAX_SECONDS`), finite in float32. A phase's events (arrivals and switches) must come at
+# least this often.
+MIN_EVENT_RATE = 1e-7
 
 
 @struct.dataclass
@@ -111,9 +117,13 @@ def mean_rate(proc: ArrivalProcess) -> jax.Array:
 
 
 def validate_arrivals(proc: ArrivalProcess, where: str = "arrivals") -> None:
-    """Raises ValueError naming the field for NaN/inf/negative rates or a bad shape."""
-    rates = np.asarray(proc.rates, np.float64)
-    sw = np.asarray(proc.switch, np.float64)
+    """Raises ValueError naming the field for NaN/inf/negative rates or a bad shape, or a
+    phase whose events (arrival rate + switching rates out) come less often than
+    `MIN_EVENT_RATE` (its gaps would not be finite in float32). The upper bound on rates
+    depends on how long an environment's event loop runs between rebases, and is checked there
+    (`envs.common.check_arrival_horizon`)."""
+    rates = numeric_array(proc.rates, f"{where}.rates").astype(np.float64)
+    sw = numeric_array(proc.switch, f"{where}.switch").astype(np.float64)
     if rates.ndim != 1 or rates.shape[0] < 1:
         raise ValueError(f"{where}.rates must be a 1-D array of phase rates, got {rates.shape}")
     if sw.shape != (rates.shape[0], rates.shape[0]):
@@ -129,6 +139,15 @@ def validate_arrivals(proc: ArrivalProcess, where: str = "arrivals") -> None:
         off = sw * (1 - np.eye(rates.shape[0]))
         if np.any((off.sum(-1) == 0) & (rates == 0)):
             raise ValueError(f"{where}: a phase with rate 0 and no way out never yields arrivals")
+        events = rates + off.sum(-1)
+    else:
+        events = rates
+    if np.any(events < MIN_EVENT_RATE):
+        raise ValueError(f"{where}.rates must be >= {MIN_EVENT_RATE:g} events/s in every phase "
+                         f"(rate plus switching rates out; slower gaps overflow float32), got "
+                         f"{rates}")
+    if np.any(sw > 1.0 / MIN_EVENT_RATE):
+        raise ValueError(f"{where}.switch must be <= {1.0 / MIN_EVENT_RATE:g} per second, got {sw}")
 
 
 def sample_gap(key: jax.Array, phase: jax.Array, proc: ArrivalProcess):
@@ -253,12 +272,23 @@ def empirical_tokens(prompt_tokens, output_tokens) -> TokenDist:
 
 
 def validate_tokens(dist: TokenDist, where: str = "tokens") -> None:
-    """Raises ValueError naming the field for invalid token-length parameters."""
+    """Raises ValueError naming the field for invalid token-length parameters.
+
+    `max_prompt`, `max_output` (the clip of every drawn length) and their sum are at most
+    `types.MAX_TOKENS`, as are the empirical table's rows.
+    """
     for f in ("weights", "prompt_median", "prompt_sigma", "output_median", "output_sigma",
-              "max_prompt", "max_output"):
-        v = np.asarray(getattr(dist, f), np.float64)
+              "max_prompt", "max_output", "table_prompt", "table_output"):
+        v = numeric_array(getattr(dist, f), f"{where}.{f}").astype(np.float64)
         if not np.all(np.isfinite(v)) or np.any(v < 0):
             raise ValueError(f"{where}.{f} must be finite and >= 0, got {v}")
+        if f not in ("weights", "prompt_sigma", "output_sigma") and np.any(v > MAX_TOKENS):
+            raise ValueError(f"{where}.{f} must be <= {MAX_TOKENS} tokens, got {v}")
+    if np.any(np.asarray(dist.max_prompt, np.float64) + np.asarray(dist.max_output, np.float64)
+              > MAX_TOKENS):
+        raise ValueError(f"{where}.max_prompt + {where}.max_output must be <= {MAX_TOKENS} "
+                         f"tokens (a request's prompt + output), got {np.asarray(dist.max_prompt)}"
+                         f" + {np.asarray(dist.max_output)}")
     if not np.asarray(dist.weights).sum() > 0:
         raise ValueError(f"{where}.weights must have a positive entry")
     for f in ("prompt_median", "output_median", "max_prompt", "max_output"):

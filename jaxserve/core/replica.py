@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxserve.core.types import INT32_MAX, MAX_SECONDS, MAX_SLOTS, check_int_array, numeric_array
+
 REPLICA_FLOAT_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "watermark")
 REPLICA_INT_FIELDS = ("kv_blocks", "block_size", "max_seqs", "max_tokens", "queue_cap")
 REPLICA_BOOL_FIELDS = ("chunked_prefill",)
@@ -87,14 +89,22 @@ class ReplicaProfile:
 
 
 def validate_replica(profile: ReplicaProfile, where: str = "ReplicaProfile") -> None:
-    """Raises ValueError naming the field if a profile (scalar or stacked) is invalid."""
+    """Raises ValueError naming the field if a profile (scalar or stacked) is invalid.
+
+    Coefficients are finite numbers with magnitude <= `MAX_SECONDS`; `chunked_prefill` a
+    boolean (Python or numpy bool: a string such as "no" is refused, not read as True);
+    `max_seqs` and `queue_cap` integers in `[1, MAX_SLOTS]`, the other integer fields in
+    `[1, 2^31 - 1]` with `kv_blocks * block_size` (the cache's tokens) <= 2^31 - 1 too.
+    """
     if not isinstance(profile, ReplicaProfile):
         raise ValueError(f"{where} must be a ReplicaProfile, got {type(profile).__name__}")
     vals = {}
     for f in REPLICA_FLOAT_FIELDS:
-        v = np.asarray(getattr(profile, f), dtype=np.float64)
+        v = numeric_array(getattr(profile, f), f"{where}.{f}").astype(np.float64)
         if not np.all(np.isfinite(v)):
             raise ValueError(f"{where}.{f} must be finite, got {v}")
+        if np.any(np.abs(v) > MAX_SECONDS):
+            raise ValueError(f"{where}.{f} must be <= {MAX_SECONDS:g} in magnitude, got {v}")
         if f != "gamma" and np.any(v < 0):
             raise ValueError(f"{where}.{f} must be >= 0, got {v}")
         vals[f] = v
@@ -106,11 +116,15 @@ def validate_replica(profile: ReplicaProfile, where: str = "ReplicaProfile") -> 
     if np.any(vals["watermark"] >= 1):
         raise ValueError(f"{where}.watermark must be in [0, 1), got {vals['watermark']}")
     for f in REPLICA_INT_FIELDS:
-        v = np.asarray(getattr(profile, f))
-        if not np.all(np.isfinite(v)) or np.any(v != np.round(v)):
-            raise ValueError(f"{where}.{f} must be an integer, got {v}")
-        if np.any(v < 1):
-            raise ValueError(f"{where}.{f} must be >= 1, got {v}")
+        high = MAX_SLOTS if f in ("max_seqs", "queue_cap") else INT32_MAX
+        vals[f] = check_int_array(getattr(profile, f), f"{where}.{f}", 1, high)
+    if np.any(vals["kv_blocks"] * vals["block_size"] > INT32_MAX):
+        raise ValueError(f"{where}.kv_blocks * block_size (tokens of KV cache) must be <= "
+                         f"{INT32_MAX}, got {vals['kv_blocks'] * vals['block_size']}")
+    for f in REPLICA_BOOL_FIELDS:
+        v = getattr(profile, f)
+        if not (isinstance(v, (bool, np.bool_)) or np.asarray(v).dtype == np.bool_):
+            raise ValueError(f"{where}.{f} must be a boolean (True/False), got {v!r}")
     kv = np.asarray(profile.kv_blocks)
     if np.any(kv - np.floor(vals["watermark"] * kv) < 1):
         raise ValueError(f"{where}.kv_blocks leaves no block above the watermark")

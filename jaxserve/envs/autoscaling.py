@@ -37,6 +37,7 @@ from jaxserve.core import rng
 from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.tree import select
+from jaxserve.core.types import MAX_SECONDS, check_int_array, numeric_array
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 
@@ -200,14 +201,15 @@ def counts(state: AutoscalingState) -> dict[str, jax.Array]:
 
 def target_from_action(action, state: AutoscalingState, params: AutoscalingParams,
                        max_replicas: int):
-    """The active count an action asks for, clipped to `[1, R]`, and whether it was invalid."""
-    action = jnp.asarray(action, jnp.int32)
-    in_range = (action >= 0) & (action < max_replicas)
-    a = jnp.clip(action, 0, max_replicas - 1)
+    """The active count an action asks for, clipped to `[1, R]`, and whether it was invalid.
+
+    An action that is not an integer in `[0, R)` (out of range, non-integral, NaN/inf) is
+    invalid and mapped by `common.discrete_action` (clipped, floored, NaN to 0)."""
+    a, bad = common.discrete_action(action, max_replicas)
     asked = jnp.where(params.action_mode == DELTA,
                       (state.mode == ACTIVE).sum() + a - max_replicas // 2, a + 1)
     target = jnp.clip(asked, 1, max_replicas)
-    return target.astype(jnp.int32), ~in_range | (asked != target)
+    return target.astype(jnp.int32), bad | (asked != target)
 
 
 def action_for_target(target, state: AutoscalingState, params: AutoscalingParams,
@@ -290,8 +292,10 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
 
     Decision epochs: every `control_interval_s` seconds of simulated time.
     Action: `Discrete(max_replicas)`; action `a` asks for `a + 1` active replicas, or with
-      `params.action_mode = 1` for `active + a - max_replicas // 2`. Out-of-range actions, and
-      steps past `[1, max_replicas]`, are clipped and counted in `info["invalid_actions"]`.
+      `params.action_mode = 1` for `active + a - max_replicas // 2`. Actions that are not an
+      integer in `[0, max_replicas)` (out of range, non-integral or non-finite: floored and
+      clipped, NaN to 0, by `common.discrete_action`), and steps past `[1, max_replicas]`,
+      are counted in `info["invalid_actions"]`.
     Observation: float32 `(16,)` in [0, 1000] (`FEATURES` names them): replica counts as
       fractions of `max_replicas` (active, serving, warming, draining), last interval's offered
       load in replicas (arrived work / interval), the one before it, requests in system per
@@ -431,6 +435,14 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             out = select(active, out, c)
             return (eng.with_buffers(out[0], cl), *out[1:])
 
+        # Why the loop ends: each iteration is one arrival inside the interval `[0, dt)`; it
+        # stops at the first arrival due at or after `dt - t`. With a trace every iteration
+        # consumes a row and an exhausted trace's gap is inf: at most `trace_len` iterations.
+        # With synthetic arrivals the rate in the interval is at most `r * (1 + a) < 2 r`,
+        # and `validate_scaling_params` bounds `2 r * dt <= 2^23`
+        # (`common.check_arrival_horizon`): each gap then moves the float32 clock `t`
+        # (< dt) with probability > 0.36, so the loop ends after about `2 r dt` arrivals and
+        # never spins on `t + gap == t`.
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, ready_at,
                  jnp.float32(0.0), StepMetrics.zeros(), jnp.float32(0.0), key, state.log)
         # Under vmap the lanes' arrival counts per interval differ (diurnal rates, bursts), so
@@ -570,10 +582,18 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
     if not isinstance(params, AutoscalingParams):
         raise ValueError(f"Autoscaling-v0 needs AutoscalingParams, got {type(params).__name__}")
     common.validate_params(params.serving, queue_buffer, max_batch, max_replicas)
-    for f in SCALING_FIELDS:
-        v = np.asarray(getattr(params, f), np.float64)
+    for f, dtype in SCALING_FIELDS.items():
+        raw = numeric_array(getattr(params, f), f"params.{f}")
+        if dtype == jnp.int32 and raw.dtype.kind not in "iu":
+            check_int_array(raw, f"params.{f}", -2 ** 31, 2 ** 31 - 1)
+        v = raw.astype(np.float64)
         if not np.all(np.isfinite(v)) or np.any(v < 0):
             raise ValueError(f"params.{f} must be finite and >= 0, got {v}")
+        # Times, prices and weights at most MAX_SECONDS (the price spread at most 1e3): the
+        # interval's cost stays far inside float32 (module constants in `core.types`).
+        high = 1e3 if f == "price_spread" else MAX_SECONDS
+        if dtype == jnp.float32 and np.any(v > high):
+            raise ValueError(f"params.{f} must be <= {high:g}, got {v}")
     for f in ("control_interval_s", "diurnal_period_s"):
         if np.any(np.asarray(getattr(params, f)) <= 0):
             raise ValueError(f"params.{f} must be > 0, got {np.asarray(getattr(params, f))}")
@@ -595,3 +615,9 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
     if np.any(has_trace & (np.asarray(params.diurnal_amplitude) > 0)):
         raise ValueError("params.diurnal_amplitude must be 0 when a trace is replayed "
                          "(the trace carries its own time variation)")
+    if not np.all(has_trace):
+        # The per-interval arrival loop (`Autoscaling.step_env`) spans `control_interval_s`
+        # at a rate up to `(1 + diurnal_amplitude) < 2` times the phase rate.
+        horizon = 2.0 * float(np.max(np.asarray(params.control_interval_s, np.float64)))
+        common.check_arrival_horizon(params.serving.arrivals, horizon,
+                                     "params.serving.arrivals", "2 x control_interval_s")

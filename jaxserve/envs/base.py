@@ -92,15 +92,31 @@ def check_sizes(static: Any, positive: tuple[str, ...] = (),
     for names, low in ((positive, 1), (nonnegative, 0)):
         for name in names:
             v = getattr(static, name)
-            try:
-                i = int(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"{name} must be an integer, got {v!r}") from None
-            if i != v:
-                raise ValueError(f"{name} must be an integer, got {v!r}")
-            if i < low:
-                raise ValueError(f"{name} must be >= {low}, got {v}")
-            object.__setattr__(static, name, i)  # frozen: the normalised value, set once
+            object.__setattr__(static, name, as_size(name, v, low))  # frozen: set once
+
+
+def as_size(name: str, value: Any, low: int = 1) -> int:
+    """`value` as a Python int in `[low, 2^31 - 1]` (static sizes index int32 arrays).
+
+    An integral float or numpy integer is accepted; strings (`"4"`), booleans, non-integral
+    or non-finite numbers are refused.
+
+    Raises:
+      ValueError: naming `name`.
+    """
+    if isinstance(value, (bool, np.bool_, str, bytes)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        i = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if i != value:
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if i < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    if i > 2 ** 31 - 1:
+        raise ValueError(f"{name} must be <= {2 ** 31 - 1}, got {value!r}")
+    return i
 
 
 class StaticConfig:

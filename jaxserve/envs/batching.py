@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from gymnax.environments import environment, spaces
 
@@ -73,7 +74,9 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
     Action: `Discrete(max_batch + 1)`. `0` waits: the next decision comes at the next arrival
       instant. `k >= 1` dispatches the first `min(k, waiting, max_batch)` waiting requests as one
       batch now. Counted in `info["invalid_actions"]` and mapped deterministically: an action
-      outside `[0, max_batch]` is clipped into it; `k > waiting` dispatches all that wait;
+      that is not an integer in `[0, max_batch]` is clipped into it (`common.discrete_action`:
+      a non-integral or non-finite float is floored, NaN to 0); `k > waiting` dispatches all
+      that wait;
       `0` when no request will ever arrive again (end of a trace) dispatches
       `min(waiting, max_batch)`.
     Observation: float32 `(6,)`: waiting / max_batch, waiting / queue_cap, head's wait /
@@ -96,6 +99,17 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
     def num_actions(self) -> int:
         return self.max_batch + 1
 
+    def check_params(self, params) -> None:
+        """Raises ValueError (naming the field) if `params` do not fit this environment, or if
+        synthetic arrivals are too fast for float32 time over one batch's longest service
+        (`common.check_arrival_horizon`; see `_run_to_decision`)."""
+        super().check_params(params)
+        if int(np.asarray(params.trace.length)) == 0:
+            horizon = float(np.max(common.static_service_bound(params.gpus, params.tokens)))
+            common.check_arrival_horizon(params.arrivals, horizon, "params.arrivals",
+                                         "one batch's longest service time (params.gpus, "
+                                         "params.tokens.max_prompt/max_output)")
+
     def reset_env(self, key, params):
         k_phase, k_req, k_run = rng.split(key, 3)
         phase = common.first_phase(k_phase, params)
@@ -109,15 +123,15 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
         return self.get_obs(state, params), state
 
     def step_env(self, key, state, action, params):
-        action = jnp.asarray(action, jnp.int32)
+        action, bad = common.discrete_action(action, self.max_batch + 1)
         cl = state.cluster
         waiting = cl.queues.count[0]
         limit = C.batch_limit(cl, params.gpus)[0]
         no_more = ~jnp.isfinite(state.upcoming.arrival)
-        k = jnp.minimum(jnp.clip(action, 0, self.max_batch), jnp.minimum(waiting, limit))
+        k = jnp.minimum(action, jnp.minimum(waiting, limit))
         forced = (k == 0) & no_more
         k = jnp.where(forced, jnp.minimum(waiting, limit), k)
-        invalid = (action < 0) | (action > self.max_batch) | (action > waiting) | forced
+        invalid = bad | (action > waiting) | forced
         go = (k > 0) & (waiting > 0)
         cl, log = C.dispatch(cl, params.gpus, go[None], k[None], jnp.zeros((1,), jnp.float32),
                              params.slo_s, state.log)
@@ -164,6 +178,16 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
             out = select(active, (cl_new, nxt, phase, pos, t_new, must & completion, m, key), c)
             return (engines.STATIC.with_buffers(out[0], cl_arr), *out[1:])
 
+        # Why the loop ends. Each iteration is a completion or an arrival. One GPU runs one
+        # batch, so at most one completion happens per call; after it the loop ends at the
+        # first arrival whose time is > t (or at once if requests wait and none is due).
+        # With a trace every arrival consumes a row (`pos + 1`) and an exhausted trace's gap
+        # is inf, so there are at most `trace_len + 1` iterations. With synthetic arrivals,
+        # `t` stays below one batch's longest service time H (`common.static_service_bound`)
+        # plus the gap to the first arrival after it, and `check_params` bounds every phase
+        # rate by `r * H <= 2^23` (`common.check_arrival_horizon`): each gap then moves the
+        # float32 clock with probability > 0.36, so the loop ends after about `r * H` arrivals
+        # and never spins on `t + gap == t` (as `arrival_rate=1e30` would).
         carry = (state.cluster, state.upcoming, state.phase, state.trace_pos, jnp.float32(0.0),
                  must_wait, StepMetrics.zeros(), key)
         # Under vmap the lanes' iteration counts are skewed (the arrivals during one batch's

@@ -18,7 +18,8 @@ from flax import struct
 from jaxserve.core import arrivals as A
 from jaxserve.core.queues import Request
 from jaxserve.core.sources import TraceArrays
-from jaxserve.core.types import GPUProfile, validate_profile
+from jaxserve.core.types import (INT32_MAX, MAX_SECONDS, MAX_TOKENS, GPUProfile,
+                                 check_int_array, numeric_array, validate_profile)
 
 
 @struct.dataclass
@@ -63,6 +64,122 @@ SCALAR_FIELDS = {
     "latency_scale": jnp.float32, "drop_penalty_s": jnp.float32, "time_scale": jnp.float32,
     "max_steps_in_episode": jnp.int32,
 }
+# Upper bounds of the float scalars: times in seconds at most `MAX_SECONDS`; the noisy
+# estimate multiplies an output by `exp(estimate_noise * z)`, |z| <= 5.4 (float32 uniforms),
+# so a sigma of 4 keeps it below 2^24 * e^21.6 ~ 4e16, finite. `latency_scale` divides the
+# reward: at least `MIN_LATENCY_SCALE` keeps `cost / latency_scale` finite for any cost the
+# bounded times and counts produce (< 1e30).
+SCALAR_MAX = {"estimate_noise": 4.0, "slo_s": MAX_SECONDS, "latency_scale": MAX_SECONDS,
+              "drop_penalty_s": MAX_SECONDS, "time_scale": MAX_SECONDS}
+MIN_LATENCY_SCALE = 1e-6
+# Arrivals one event loop may process between two rebases of its clock, on average, at the
+# worst-case horizon (`check_arrival_horizon`).
+MAX_ARRIVALS_PER_HORIZON = 2 ** 23
+
+
+def scalar_leaf(name: str, value, dtype, where: str = "params") -> jax.Array:
+    """`value` as a scalar-field leaf of `dtype`, refusing what a cast would silently change.
+
+    Strings and other non-numbers are refused; an int32 field takes integers only (an
+    integral float such as `512.0` is accepted; `2.5`, NaN, booleans and values outside int32
+    are refused). Range checks are the validators' (`validate_params`).
+
+    Raises:
+      ValueError: naming `where.name` (`name` alone when `where` is empty).
+    """
+    label = f"{where}.{name}" if where else name
+    if dtype == jnp.int32:
+        return jnp.asarray(check_int_array(value, label, -INT32_MAX - 1, INT32_MAX), jnp.int32)
+    a = numeric_array(value, label)
+    if a.dtype.kind == "b":
+        raise ValueError(f"{label} must be a number, got {value!r}")
+    return jnp.asarray(a, dtype)
+
+
+def check_token_headroom(params: "ServingParams", block_size, slots: int,
+                         where: str = "params") -> None:
+    """Raises ValueError unless the continuous engine's int32 token sums cannot overflow.
+
+    `continuous._schedule` sums the tokens of up to `slots` requests (running, or the front
+    of the queue) and rounds up to blocks of `block_size`; the largest request this
+    configuration can produce (`max_prompt + max_output`, or a trace's largest row) times
+    `slots + 1`, plus a block, must fit int32.
+    """
+    tr = params.trace
+    n = int(np.asarray(tr.length))
+    if n > 0:
+        biggest = float(np.max(np.asarray(tr.prompt, np.float64)[:n]
+                               + np.asarray(tr.output, np.float64)[:n]))
+        what = f"{where}.trace (largest prompt + output)"
+    else:
+        biggest = float(np.max(np.asarray(params.tokens.max_prompt, np.float64)
+                               + np.asarray(params.tokens.max_output, np.float64)))
+        what = f"{where}.tokens.max_prompt + max_output"
+    b = float(np.max(np.asarray(block_size)))
+    if (slots + 1) * (biggest + b) > INT32_MAX:
+        raise ValueError(f"{what} = {biggest:.0f} tokens is too large for {slots} running "
+                         f"slots: (slots + 1) * (tokens + block_size) must be <= {INT32_MAX} "
+                         f"(the engine's int32 token sums)")
+
+
+def check_arrival_horizon(arrivals: A.ArrivalProcess, horizon_s: float, where: str,
+                          what: str) -> None:
+    """Raises ValueError if `arrivals` is too fast for an event loop spanning `horizon_s` s.
+
+    A loop that advances a float32 clock `t` by each arrival gap moves it only when the gap
+    exceeds half a unit in the last place of `t` (<= `horizon_s * 2^-24`). With every phase
+    rate `r` satisfying `r * horizon_s <= MAX_ARRIVALS_PER_HORIZON = 2^23`, a gap is below
+    `horizon_s * 2^-23` with probability `1 - exp(-r * horizon_s * 2^-23) <= 1 - 1/e < 0.64`,
+    so each arrival advances the clock with probability > 0.36 and the loop reaches its
+    horizon after about `r * horizon_s <= 2^23` arrivals (the horizon is a worst case: most
+    loops end far sooner). Faster rates (e.g. 1e30 req/s, where
+    `t + gap == t` for every gap) would spin forever and are refused.
+    """
+    r = float(np.max(np.asarray(arrivals.rates, np.float64)))
+    if r * float(horizon_s) > MAX_ARRIVALS_PER_HORIZON:
+        raise ValueError(
+            f"{where}.rates (make's arrival_rate= or arrivals=): a rate of {r:g} req/s over "
+            f"{what} ({float(horizon_s):g} s) is "
+            f"{r * float(horizon_s):.3g} arrivals per event loop; at most "
+            f"{MAX_ARRIVALS_PER_HORIZON} are accepted (float32 time must advance with each "
+            f"gap): lower the arrival rate")
+
+
+def static_service_bound(gpus: GPUProfile, tokens: A.TokenDist) -> np.ndarray:
+    """Upper bound (s) of one static batch's service time per GPU, `(num_gpus,)` float64.
+
+    `shared/MODEL.md`'s `T(S)` with `|S| = max_batch` requests of `max_prompt` and
+    `max_output` tokens (every coefficient is >= 0, so `T` grows with each).
+    """
+    g = {f: np.asarray(getattr(gpus, f), np.float64) for f in
+         ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "max_batch")}
+    p = float(np.max(np.asarray(tokens.max_prompt, np.float64)))
+    o = float(np.max(np.asarray(tokens.max_output, np.float64)))
+    b = g["max_batch"]
+    return (g["c0"] + g["alpha"] * b * p + g["alpha2"] * b * p * p
+            + o * (g["beta"] + g["gamma"] * b + g["delta"] * b * p))
+
+
+def discrete_action(action, n: int):
+    """A `Discrete(n)` action as an index, and whether it was invalid (inside jit).
+
+    Valid actions are integers in `[0, n)`. Anything else is mapped deterministically and
+    flagged: an integer outside the range is clipped into it; a float action is invalid
+    unless finite and integral, and maps to `clip(floor(a), 0, n - 1)` with NaN -> 0,
+    +inf -> n - 1 and -inf -> 0 (so 1.7 -> 1, flagged; 2.0 -> 2, valid).
+
+    Returns:
+      (index int32 in `[0, n)`, invalid bool).
+    """
+    a = jnp.asarray(action)
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        finite = jnp.isfinite(a)
+        f = jnp.clip(jnp.nan_to_num(a, nan=0.0, posinf=n - 1, neginf=0.0), 0, n - 1)
+        idx = jnp.floor(f).astype(jnp.int32)
+        invalid = ~finite | (a != jnp.floor(a)) | (a < 0) | (a > n - 1)
+        return idx, invalid
+    a = a.astype(jnp.int32) if a.dtype != jnp.int32 else a
+    return jnp.clip(a, 0, n - 1), (a < 0) | (a >= n)
 
 
 def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | None = None,
@@ -86,20 +203,33 @@ def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | N
     if np.asarray(params.trace.length) == 0:
         A.validate_arrivals(params.arrivals, where="params.arrivals")
         A.validate_tokens(params.tokens, where="params.tokens")
-    for f in SCALAR_FIELDS:
-        v = np.asarray(getattr(params, f), np.float64)
+    for f, dtype in SCALAR_FIELDS.items():
+        raw = numeric_array(getattr(params, f), f"params.{f}")
+        if dtype == jnp.int32 and raw.dtype.kind not in "iu":
+            check_int_array(raw, f"params.{f}", -INT32_MAX - 1, INT32_MAX)
+        v = raw.astype(np.float64)
         if not np.all(np.isfinite(v)) or np.any(v < 0):
             raise ValueError(f"params.{f} must be finite and >= 0, got {v}")
+        if f in SCALAR_MAX and np.any(v > SCALAR_MAX[f]):
+            raise ValueError(f"params.{f} must be <= {SCALAR_MAX[f]:g}, got {v}")
     for f in ("latency_scale", "time_scale", "max_steps_in_episode"):
         if np.any(np.asarray(getattr(params, f)) <= 0):
             raise ValueError(f"params.{f} must be > 0, got {np.asarray(getattr(params, f))}")
-    if int(np.asarray(params.estimate_mode)) not in (0, 1, 2):
-        raise ValueError("params.estimate_mode must be 0 (exact), 1 (noisy) or 2 (class)")
-    edges = np.asarray(params.size_edges, np.float64)
+    if np.any(np.asarray(params.latency_scale) < MIN_LATENCY_SCALE):
+        raise ValueError(f"params.latency_scale must be >= {MIN_LATENCY_SCALE:g} (it divides "
+                         f"the reward), got {np.asarray(params.latency_scale)}")
+    if not np.all(np.isin(np.asarray(params.estimate_mode), (0, 1, 2))):
+        raise ValueError("params.estimate_mode must be 0 (exact), 1 (noisy) or 2 (class), got "
+                         f"{np.asarray(params.estimate_mode)}")
+    edges = numeric_array(params.size_edges, "params.size_edges").astype(np.float64)
     if edges.ndim != 1 or np.any(np.diff(edges) <= 0) or not np.all(np.isfinite(edges)):
         raise ValueError(f"params.size_edges must be a finite increasing 1-D array, got {edges}")
-    if np.asarray(params.size_values).shape != (edges.shape[0] + 1,):
+    values = numeric_array(params.size_values, "params.size_values").astype(np.float64)
+    if values.shape != (edges.shape[0] + 1,):
         raise ValueError("params.size_values must have one entry more than params.size_edges")
+    if not np.all(np.isfinite(values)) or np.any(values < 1) or np.any(values > MAX_TOKENS):
+        raise ValueError(f"params.size_values must be output lengths in [1, {MAX_TOKENS}] "
+                         f"tokens, got {values}")
 
 
 def draw_request(u: jax.Array, params: ServingParams, arrival, req_id, tokens=None) -> Request:
@@ -182,11 +312,12 @@ def reward_from(metrics, params: ServingParams) -> jax.Array:
 
 
 def override(params: ServingParams, **kwargs) -> ServingParams:
-    """Replaces scalar fields of `params`, casting to their dtypes; ValueError for unknown."""
+    """Replaces scalar fields of `params`, cast to their dtypes by `scalar_leaf` (which refuses
+    non-numbers and non-integers for int32 fields); ValueError for an unknown name."""
     names = {f.name for f in dataclasses.fields(params)}
     for k in kwargs:
         if k not in names:
             raise ValueError(f"unknown environment parameter {k!r}; known: {sorted(names)}")
-    cast = {k: (jnp.asarray(v, SCALAR_FIELDS[k]) if k in SCALAR_FIELDS else v)
+    cast = {k: (scalar_leaf(k, v, SCALAR_FIELDS[k]) if k in SCALAR_FIELDS else v)
             for k, v in kwargs.items()}
     return params.replace(**cast)

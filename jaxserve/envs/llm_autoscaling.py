@@ -28,13 +28,17 @@ from jaxserve.core import engines
 from jaxserve.core.replica import validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import autoscaling as AS
+from jaxserve.envs import common
 
 
 class LLMAutoscaling(AS.Autoscaling):
     """Autoscaling-v0 over continuous-batching replicas (module docstring).
 
     `max_batch` (a static size of the parent) is the number of running slots per replica:
-    at least the largest `max_seqs` of the slots.
+    at least the largest `max_seqs` of the slots. Actions as Autoscaling-v0's: one that is not
+    an integer in `[0, max_replicas)` (out of range, non-integral or non-finite) is counted in
+    `info["invalid_actions"]` and mapped by `common.discrete_action` (clipped, floored, NaN
+    to 0).
     """
 
     ENGINE = engines.CONTINUOUS
@@ -65,3 +69,5 @@ class LLMAutoscaling(AS.Autoscaling):
                               queue_cap=jnp.asarray(prof.queue_cap, jnp.int32), timeout=ones)
         AS.validate_scaling_params(params.replace(serving=params.serving.replace(gpus=stand_in)),
                                    self.queue_buffer, self.max_batch, self.max_replicas)
+        common.check_token_headroom(params.serving, prof.block_size, self.max_batch,
+                                    "params.serving")

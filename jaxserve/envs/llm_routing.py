@@ -85,8 +85,10 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         the current iteration ends / time_scale, preempted requests waiting / max_seqs, and
         relative speed (fastest replica's iteration time for a reference prefill of 512 tokens
         plus 32 decodes / this replica's, in (0, 1]).
-    Action: `Discrete(num_replicas)`. Out-of-range actions are clipped and counted in
-      `info["invalid_actions"]`.
+    Action: `Discrete(num_replicas)`. An action that is not an integer in `[0, num_replicas)`
+      (out of range, non-integral or non-finite) is counted in `info["invalid_actions"]` and
+      mapped deterministically (`common.discrete_action`: clipped into range, a float
+      floored, NaN to 0).
     Reward: `-(time-in-system during the step + drop_penalty_s * drops) / latency_scale`
       (`common.reward_from`).
     Termination: only with a replayed trace, after its last request (that step drains the
@@ -130,9 +132,7 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         return self.get_obs(state, params), state
 
     def step_env(self, key, state, action, params):
-        action = jnp.asarray(action, jnp.int32)
-        invalid = (action < 0) | (action >= self.num_replicas)
-        replica = jnp.clip(action, 0, self.num_replicas - 1)
+        replica, invalid = common.discrete_action(action, self.num_replicas)
         cluster, dropped, never = CB.route(state.cluster, params.gpus, state.pending, replica)
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(
@@ -211,3 +211,4 @@ def check_llm_params(params: common.ServingParams, num_replicas: int, queue_buff
                           max_batch=jnp.ones(shape, jnp.int32),
                           queue_cap=jnp.asarray(prof.queue_cap, jnp.int32), timeout=ones)
     common.validate_params(params.replace(gpus=stand_in), queue_buffer, None, num_replicas)
+    common.check_token_headroom(params, prof.block_size, max_seqs)

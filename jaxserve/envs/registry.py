@@ -27,6 +27,7 @@ from jaxserve.core.profiles import get_profile
 from jaxserve.core.sources import no_trace, trace_arrays
 from jaxserve.core.types import GPUProfile, stack_profiles
 from jaxserve.envs import common
+from jaxserve.envs.base import as_size
 from jaxserve.envs import autoscaling as AS
 from jaxserve.envs.batching import Batching
 from jaxserve.envs.routing import DEFAULT_SHAPING_GAMMA, Routing
@@ -85,7 +86,14 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
     if arrivals is not None and arrival_rate is not None:
         raise ValueError("give either arrivals= or arrival_rate=, not both")
     if arrival_rate is not None:
+        rate = common.scalar_leaf("arrival_rate", arrival_rate, jnp.float32, where="")
+        if rate.ndim != 0:
+            raise ValueError(f"arrival_rate must be one number (req/s), got {arrival_rate!r}")
         arrivals = A.poisson(float(arrival_rate))
+        try:
+            A.validate_arrivals(arrivals)
+        except ValueError as e:
+            raise ValueError(f"arrival_rate={arrival_rate!r} is invalid: {e}") from None
     if arrivals is None:
         raise ValueError("an arrival process is required (arrivals= or arrival_rate=)")
     if not isinstance(arrivals, A.ArrivalProcess):
@@ -113,9 +121,7 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
 def _static_sizes(queue_buffer, params):
     """(queue buffer, max batch) shapes for `params`, validated."""
     caps = int(np.max(np.asarray(params.gpus.queue_cap)))
-    qb = caps if queue_buffer is None else int(queue_buffer)
-    if qb < 1:
-        raise ValueError(f"queue_buffer must be >= 1, got {qb}")
+    qb = caps if queue_buffer is None else as_size("queue_buffer", queue_buffer)
     mb = int(np.max(np.asarray(params.gpus.max_batch)))
     common.validate_params(params, qb, mb)
     return qb, mb
@@ -186,6 +192,7 @@ def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None
     qb, mb = _static_sizes(queue_buffer, params)
     env = Batching(max_batch=mb, queue_buffer=qb,
                    trace_len=params.trace.gap.shape[0], default=params)
+    env.check_params(params)
     return env, params
 
 
@@ -206,7 +213,7 @@ def scaling_params(serving: common.ServingParams, **scalars) -> AS.AutoscalingPa
                          f"{sorted(AS.SCALING_FIELDS)}")
     values = {**AUTOSCALING_DEFAULTS, **scalars}
     return AS.AutoscalingParams(serving=serving, **{
-        k: jnp.asarray(values[k], AS.SCALING_FIELDS[k]) for k in AS.SCALING_FIELDS})
+        k: common.scalar_leaf(k, values[k], AS.SCALING_FIELDS[k]) for k in AS.SCALING_FIELDS})
 
 
 @register("Autoscaling-v0")
@@ -222,7 +229,8 @@ def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arr
     if gpu is not None and gpus is not None:
         raise ValueError("give either gpu= (one profile for every slot) or gpus=, not both")
     if gpus is None:
-        gpus = [get_profile("mid") if gpu is None else gpu] * int(max_replicas)
+        gpus = [get_profile("mid") if gpu is None else gpu] * as_size("max_replicas",
+                                                                       max_replicas)
     gpus = list(gpus)
     max_replicas = len(gpus)
     named = workload_overrides(workload, gpus, load)
@@ -292,8 +300,10 @@ def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_ra
     kw.setdefault("tokens", routing_tokens())
     kw.setdefault("slo_s", 20.0)
     params = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
-    qb = int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None else int(queue_buffer)
-    ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else int(max_seqs)
+    qb = (int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None
+          else as_size("queue_buffer", queue_buffer))
+    ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else as_size("max_seqs",
+                                                                                   max_seqs)
     env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,
                      trace_len=params.trace.gap.shape[0], default=params)
     env.check_params(params)
@@ -315,8 +325,8 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     from jaxserve.envs.llm_autoscaling import LLMAutoscaling
 
     if replicas is None:
-        replicas = [replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16)] * int(
-            max_replicas)
+        replicas = [replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16)] * as_size(
+            "max_replicas", max_replicas)
     replicas = list(replicas)
     prof = stack_replicas(replicas)
     scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
@@ -335,8 +345,10 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
         kw.setdefault("max_steps_in_episode", 1_000_000)
     kw.setdefault("max_steps_in_episode", 480)
     serving = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
-    qb = int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None else int(queue_buffer)
-    ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else int(max_seqs)
+    qb = (int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None
+          else as_size("queue_buffer", queue_buffer))
+    ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else as_size("max_seqs",
+                                                                                   max_seqs)
     params = scaling_params(serving, **scalars)
     env = LLMAutoscaling(max_replicas=len(replicas), queue_buffer=qb, max_batch=ms,
                          trace_len=serving.trace.gap.shape[0], history_len=history_len,

@@ -99,8 +99,10 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
         `log1p(mean)/log1p(max_output)`: where long requests sit, i.e. where a short one would
         be blocked behind them.
       `obs_layout` gives `(3, num_gpus, 6)` for networks that reshape it.
-    Action: `Discrete(num_gpus)`, the GPU index. Out-of-range actions are clipped to
-      `[0, num_gpus)` and counted in `info["invalid_actions"]`.
+    Action: `Discrete(num_gpus)`, the GPU index. An action that is not an integer in
+      `[0, num_gpus)` (out of range, non-integral or non-finite) is counted in
+      `info["invalid_actions"]` and mapped deterministically (`common.discrete_action`:
+      clipped into range, a float floored, NaN to 0).
     Reward: the cost `-(time-in-system during the step + drop_penalty_s * drops) /
       latency_scale` (`common.reward_from`) plus, when `shaping_gamma` is not None (the
       default, 0.99), the potential-based shaping term `shaping_gamma * phi(s') - phi(s)`
@@ -172,9 +174,7 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
         return self.get_obs(state, params), state
 
     def _step(self, key, u, state, action, params):
-        action = jnp.asarray(action, jnp.int32)
-        invalid = (action < 0) | (action >= self.num_gpus)
-        gpu = jnp.clip(action, 0, self.num_gpus - 1)
+        gpu, invalid = common.discrete_action(action, self.num_gpus)
         cluster, dropped = C.route(state.cluster, params.gpus, state.pending, gpu)
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(

@@ -50,6 +50,16 @@ Rules (also in ``docs/traces.md``):
 
 Any defect in a file raises `TraceFormatError` (a `ValueError`) whose message names the file,
 the 1-based line (the header is line 1) and the problem; nothing is ever loaded partially.
+The engine's bounds (`core.types`) are defects too: a token count over `MAX_TOKENS` (2^24), a
+request whose prompt + output exceeds it, a gap between arrivals over `MAX_SECONDS`, or a
+timestamp outside int64 nanoseconds, each named with its line.
+
+A file cut short (a copy interrupted mid-write) is caught where its content shows it: a last
+row with too few fields, or whose cut field no longer parses (``2023-11-16 18:1``, ``1.5e``).
+A cut that leaves a valid shorter value (``55`` cut to ``5``, or text) cannot be told from a
+file written without a final newline, which is legal (the published Azure LLM 2023 and
+Functions 2021 files end that way); `LoadReport.notes` then says that the last line (named)
+could not be checked.
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from jaxserve.core.types import Trace, validate_trace
+from jaxserve.core.types import MAX_SECONDS, MAX_TOKENS, Trace, validate_trace
 
 __all__ = [
     "FORMATS",
@@ -163,8 +173,15 @@ def _open_checked(path: Any) -> Path:
     return p
 
 
-def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]:
-    """Reads a CSV file: returns (path, header, [(line_number, fields), ...]).
+def _read_rows(path: Any, fmt: str | None = None, required: Sequence[str] | None = None
+               ) -> tuple[Path, list[str], list[tuple[int, list[str]]], str | None]:
+    """Reads a CSV file: returns (path, header, [(line_number, fields), ...], end_note).
+
+    `end_note` is None, or (when the file does not end with a newline) the note that its last
+    line cannot be checked for a cut (see the module docstring), for `LoadReport.notes`.
+
+    With `fmt`, the header must hold that format's columns (or `required`), checked before
+    any data row, so a file of the wrong format is reported at line 1.
 
     Handles LF and CRLF line endings, a UTF-8 byte-order mark and a missing final newline.
     Header names are stripped of surrounding whitespace. Trailing blank lines are ignored; a
@@ -173,6 +190,8 @@ def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]
     p = _open_checked(path)
     rows: list[tuple[int, list[str]]] = []
     blank_line: int | None = None
+    last_line = 0
+    reader = None
     try:
         with open(p, newline="", encoding="utf-8-sig") as f:
             reader = csv.reader(f)
@@ -183,6 +202,8 @@ def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]
             header = [h.strip() for h in header]
             if not any(header):
                 raise TraceFormatError(p, 1, "blank header line")
+            if fmt is not None:
+                _column_index(p, header, fmt, required)
             ncol = len(header)
             for fields in reader:
                 line = reader.line_num
@@ -196,13 +217,45 @@ def _read_rows(path: Any) -> tuple[Path, list[str], list[tuple[int, list[str]]]]
                     raise TraceFormatError(
                         p, line, f"expected {ncol} fields as in the header, got {len(fields)}")
                 rows.append((line, fields))
+            last_line = reader.line_num
     except UnicodeDecodeError as e:
-        raise TraceFormatError(p, None, f"not a UTF-8 text file ({e})") from None
+        raise TraceFormatError(p, _first_undecodable_line(p), f"not a UTF-8 text file ({e.reason}"
+                                                              f" at byte {e.start})") from None
     except csv.Error as e:
-        raise TraceFormatError(p, None, f"CSV syntax error: {e}") from None
+        # The reader has read the offending line when it raises (e.g. a NUL byte).
+        line = max(getattr(reader, "line_num", 1), 1)
+        raise TraceFormatError(p, line, f"CSV syntax error: {e}") from None
     if not rows:
         raise TraceFormatError(p, 2, "no data rows (header only)")
-    return p, header, rows
+    end_note = None
+    if rows[-1][0] == last_line and not _ends_with_newline(p):
+        end_note = (f"line {last_line}: the file does not end with a newline, so a cut inside "
+                    f"its last field (e.g. '55' -> '5') could not be detected")
+    return p, header, rows, end_note
+
+
+def _new_report(p: Path, fmt: str, rows: list, end_note: str | None) -> LoadReport:
+    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    if end_note is not None:
+        report.notes.append(end_note)
+    return report
+
+
+def _first_undecodable_line(p: Path) -> int | None:
+    """1-based line of the first bytes that are not UTF-8 (None if every line decodes)."""
+    with open(p, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                (raw[3:] if i == 1 and raw.startswith(b"\xef\xbb\xbf") else raw).decode("utf-8")
+            except UnicodeDecodeError:
+                return i
+    return None
+
+
+def _ends_with_newline(p: Path) -> bool:
+    with open(p, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) in (b"\n", b"\r")
 
 
 def _column_index(p: Path, header: list[str], fmt: str,
@@ -233,11 +286,15 @@ def _parse_float(p: Path, line: int, col: str, s: str, *, nonneg: bool = False) 
     return v
 
 
-def _parse_count(p: Path, line: int, col: str, s: str) -> int:
-    """A non-negative integer; an integral float such as ``12.0`` is accepted."""
+def _parse_count(p: Path, line: int, col: str, s: str, high: int = MAX_TOKENS) -> int:
+    """An integer in `[0, high]`; an integral float such as ``12.0`` is accepted.
+
+    `high` defaults to the engine's largest token count (`types.MAX_TOKENS`), which also
+    keeps every count far inside int64.
+    """
     t = s.strip()
     try:
-        return _check_nonneg(p, line, col, s, int(t))
+        return _check_range(p, line, col, s, int(t), high)
     except ValueError:
         pass
     try:
@@ -246,12 +303,15 @@ def _parse_count(p: Path, line: int, col: str, s: str) -> int:
         raise TraceFormatError(p, line, f"{col} is not an integer: {s!r}") from None
     if not math.isfinite(v) or v != math.floor(v):
         raise TraceFormatError(p, line, f"{col} is not an integer: {s!r}")
-    return _check_nonneg(p, line, col, s, int(v))
+    return _check_range(p, line, col, s, int(v), high)
 
 
-def _check_nonneg(p: Path, line: int, col: str, s: str, v: int) -> int:
+def _check_range(p: Path, line: int, col: str, s: str, v: int, high: int) -> int:
     if v < 0:
         raise TraceFormatError(p, line, f"{col} is negative: {s!r}")
+    if v > high:
+        raise TraceFormatError(p, line, f"{col} is out of range: {s.strip()!r} > {high} "
+                                        f"(the largest count the engine takes)")
     return v
 
 
@@ -285,7 +345,11 @@ def _parse_timestamp_ns(p: Path, line: int, col: str, s: str) -> int:
         sign = -1 if tz[0] == "-" else 1
         digits = tz[1:].replace(":", "")
         secs -= sign * (int(digits[:2]) * 3600 + int(digits[2:]) * 60)
-    return secs * 1_000_000_000 + (int(frac.ljust(9, "0")) if frac else 0)
+    ns = secs * 1_000_000_000 + (int(frac.ljust(9, "0")) if frac else 0)
+    if not -2 ** 63 <= ns < 2 ** 63:
+        raise TraceFormatError(p, line, f"{col} is out of range (int64 nanoseconds since 1970 "
+                                        f"cover years 1677 to 2262): {s!r}")
+    return ns
 
 
 _EPOCH_ORDINAL = _dt.date(1970, 1, 1).toordinal()
@@ -323,7 +387,18 @@ def _finish(p: Path, report: LoadReport, arrival: np.ndarray, prompt: np.ndarray
             output: np.ndarray, origin: str, *, lines: np.ndarray | None = None,
             must_be_sorted: bool = False,
             time_col: str = "time") -> tuple[Trace, LoadReport]:
-    """Sorts (stable) or checks order, rebases to the first arrival, validates."""
+    """Sorts (stable) or checks order, rebases to the first arrival, validates.
+
+    `lines[i]` is the file line of row `i` (None: a problem is reported without a line).
+    The engine's bounds are checked here with the line: prompt + output <= `MAX_TOKENS`, and
+    every gap between consecutive (sorted) arrivals <= `MAX_SECONDS`.
+    """
+    line_of = (lambda i: int(lines[i])) if lines is not None else (lambda i: None)  # noqa: E731
+    total = prompt.astype(np.float64) + output.astype(np.float64)
+    if np.any(total > MAX_TOKENS):
+        i = int(np.flatnonzero(total > MAX_TOKENS)[0])
+        raise TraceFormatError(p, line_of(i), f"prompt + output = {total[i]:.0f} tokens exceeds "
+                                              f"the engine's largest request ({MAX_TOKENS})")
     if arrival.shape[0] == 0:
         reasons = ", ".join(f"{k}: {v}" for k, v in report.excluded.items() if v)
         raise TraceFormatError(p, None, f"no rows left after exclusions ({reasons})")
@@ -339,10 +414,21 @@ def _finish(p: Path, report: LoadReport, arrival: np.ndarray, prompt: np.ndarray
                        f"promises rows sorted by time (pass check_sorted=False to sort them)")
         order = np.argsort(arrival, kind="stable")
         arrival, prompt, output = arrival[order], prompt[order], output[order]
+        lines = None if lines is None else lines[order]
+        line_of = (lambda i: int(lines[i])) if lines is not None else (lambda i: None)  # noqa
+    big = np.diff(arrival) > MAX_SECONDS
+    if np.any(big):
+        i = int(np.flatnonzero(big)[0]) + 1
+        raise TraceFormatError(p, line_of(i), f"{time_col} comes {arrival[i] - arrival[i - 1]:g} s "
+                                              f"after the previous request; gaps must be <= "
+                                              f"{MAX_SECONDS:g} s")
     report.rows_loaded = int(arrival.shape[0])
     report.origin = origin
-    trace = validate_trace(Trace(arrival_s=arrival, prompt_tokens=prompt,
-                                 output_tokens=output))
+    try:
+        trace = validate_trace(Trace(arrival_s=arrival, prompt_tokens=prompt,
+                                     output_tokens=output))
+    except ValueError as e:  # the checks above name the line; this is a safety net
+        raise TraceFormatError(p, None, str(e)) from None
     return trace, report
 
 
@@ -353,10 +439,10 @@ def _finish(p: Path, report: LoadReport, arrival: np.ndarray, prompt: np.ndarray
 
 def _read_azure_llm_2023(path: Any, *, check_sorted: bool = True,
                          zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
-    p, header, rows = _read_rows(path)
     fmt = "azure_llm_2023"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     n = len(rows)
     ns = np.empty(n, dtype=np.int64)
     prompt = np.empty(n, dtype=np.int64)
@@ -383,15 +469,15 @@ def _read_azure_llm_2023(path: Any, *, check_sorted: bool = True,
     origin = rows[int(np.flatnonzero(keep)[first])][1][it].strip()
     # Rebase in exact integer nanoseconds, then one rounding to float64 seconds.
     arrival = (ns - ns[first]).astype(np.float64) / 1e9
-    return _finish(p, report, arrival, prompt, output, origin)
+    return _finish(p, report, arrival, prompt, output, origin, lines=lines)
 
 
 def _read_azure_llm_reencoded(path: Any, *, check_sorted: bool = True,
                               zero_tokens: str = "clip") -> tuple[Trace, LoadReport]:
-    p, header, rows = _read_rows(path)
     fmt = "azure_llm_reencoded"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     n = len(rows)
     t = np.empty(n, dtype=np.float64)
     prompt = np.empty(n, dtype=np.int64)
@@ -420,10 +506,10 @@ def _read_burstgpt(path: Any, *, models: Iterable[str] | None = None,
         raise ValueError("models= and log_types= take a sequence of names, e.g. ('ChatGPT',)")
     models_set = None if models is None else set(models)
     logs_set = None if log_types is None else set(log_types)
-    p, header, rows = _read_rows(path)
     fmt = "burstgpt"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     report.excluded = {"model": 0, "log_type": 0, "failed": 0}
     if logs_set is not None and "Log Type" not in header:
         raise TraceFormatError(p, 1, "log_types= given but the file has no 'Log Type' column")
@@ -463,35 +549,67 @@ def _read_burstgpt(path: Any, *, models: Iterable[str] | None = None,
     t_a = np.asarray(t, dtype=np.float64)
     prompt_a = np.asarray(prompt, dtype=np.int64)
     output_a = np.asarray(output, dtype=np.int64)
-    keep = _tokens_policy(p, report, np.asarray(lines, dtype=np.int64), prompt_a, output_a,
+    lines_a = np.asarray(lines, dtype=np.int64)
+    keep = _tokens_policy(p, report, lines_a, prompt_a, output_a,
                           zero_tokens, ("Request tokens", "Response tokens"))
-    t_a, prompt_a, output_a = t_a[keep], prompt_a[keep], output_a[keep]
+    t_a, prompt_a, output_a, lines_a = t_a[keep], prompt_a[keep], output_a[keep], lines_a[keep]
     t0 = float(t_a.min()) if t_a.shape[0] else 0.0
-    return _finish(p, report, t_a - t0, prompt_a, output_a, _num_str(t0))
+    return _finish(p, report, t_a - t0, prompt_a, output_a, _num_str(t0), lines=lines_a,
+                   time_col="Timestamp")
 
 
-def _derive_output_tokens(duration_s: np.ndarray, tokens_per_second: float) -> np.ndarray:
-    if not (math.isfinite(tokens_per_second) and tokens_per_second > 0):
-        raise ValueError(f"tokens_per_second must be > 0, got {tokens_per_second}")
-    return np.maximum(1, np.rint(duration_s * tokens_per_second)).astype(np.int64)
+def _check_tokens_per_second(tokens_per_second: float) -> float:
+    try:
+        v = float(tokens_per_second)
+    except (TypeError, ValueError):
+        raise ValueError(f"tokens_per_second must be a number, got {tokens_per_second!r}") \
+            from None
+    if not (math.isfinite(v) and 0 < v <= MAX_TOKENS):
+        raise ValueError(f"tokens_per_second must be in (0, {MAX_TOKENS}] tokens/s (a 1 s "
+                         f"invocation must fit the engine's largest request), got "
+                         f"{tokens_per_second}")
+    return v
+
+
+def _derive_output_tokens(p: Path, lines: np.ndarray, duration_s: np.ndarray,
+                          tokens_per_second: float, prompt_tokens: int) -> np.ndarray:
+    """`max(1, rint(duration_s * tokens_per_second))`, refusing (with the file line) an
+    invocation whose output would make prompt + output exceed `MAX_TOKENS`."""
+    out = np.maximum(1.0, np.rint(duration_s * tokens_per_second))
+    bad = out + prompt_tokens > MAX_TOKENS
+    if np.any(bad):
+        i = int(np.flatnonzero(bad)[0])
+        raise TraceFormatError(
+            p, int(lines[i]), f"a duration of {duration_s[i]:g} s at tokens_per_second="
+                              f"{tokens_per_second:g} gives {out[i]:.0f} output tokens; with "
+                              f"prompt_tokens={prompt_tokens} that exceeds the engine's largest "
+                              f"request ({MAX_TOKENS} tokens): lower tokens_per_second")
+    return out.astype(np.int64)
 
 
 def _check_prompt_tokens(prompt_tokens: int) -> int:
-    if int(prompt_tokens) != prompt_tokens or prompt_tokens < 1:
-        raise ValueError(f"prompt_tokens must be an integer >= 1, got {prompt_tokens}")
+    try:
+        ok = int(prompt_tokens) == prompt_tokens and 1 <= prompt_tokens < MAX_TOKENS
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok or isinstance(prompt_tokens, bool):
+        raise ValueError(f"prompt_tokens must be an integer in [1, {MAX_TOKENS - 1}], got "
+                         f"{prompt_tokens!r}")
     return int(prompt_tokens)
 
 
 def _read_azure_functions_2021(path: Any, *, tokens_per_second: float = 50.0,
                                prompt_tokens: int = 512) -> tuple[Trace, LoadReport]:
     prompt_tokens = _check_prompt_tokens(prompt_tokens)
-    p, header, rows = _read_rows(path)
+    tokens_per_second = _check_tokens_per_second(tokens_per_second)
     fmt = "azure_functions_2021"
+    p, header, rows, end_note = _read_rows(path, fmt)
     ix = _column_index(p, header, fmt)
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
+    report = _new_report(p, fmt, rows, end_note)
     n = len(rows)
     end = np.empty(n, dtype=np.float64)
     dur = np.empty(n, dtype=np.float64)
+    lines = np.asarray([line for line, _ in rows], dtype=np.int64)
     for i, (line, f) in enumerate(rows):
         end[i] = _parse_float(p, line, "end_timestamp", f[ix["end_timestamp"]], nonneg=True)
         dur[i] = _parse_float(p, line, "duration", f[ix["duration"]], nonneg=True)
@@ -500,17 +618,18 @@ def _read_azure_functions_2021(path: Any, *, tokens_per_second: float = 50.0,
                 p, line, f"duration ({f[ix['duration']]}) exceeds end_timestamp "
                          f"({f[ix['end_timestamp']]}): the arrival would be before 0")
     arrival = end - dur
-    output = _derive_output_tokens(dur, tokens_per_second)
+    output = _derive_output_tokens(p, lines, dur, tokens_per_second, prompt_tokens)
     prompt = np.full(n, prompt_tokens, dtype=np.int64)
     t0 = float(arrival.min())
-    return _finish(p, report, arrival - t0, prompt, output, _num_str(t0))
+    return _finish(p, report, arrival - t0, prompt, output, _num_str(t0), lines=lines,
+                   time_col="end_timestamp - duration")
 
 
 def _read_durations_2019(path: Any) -> dict[tuple[str, str, str], float]:
     """Reads a 2019 ``function_durations_percentiles`` file: (owner, app, func) -> Average s."""
-    p, header, rows = _read_rows(path)
-    ix = _column_index(p, header, "azure_functions_2019",
-                       ("HashOwner", "HashApp", "HashFunction", "Average"))
+    cols = ("HashOwner", "HashApp", "HashFunction", "Average")
+    p, header, rows, _ = _read_rows(path, "azure_functions_2019", cols)
+    ix = _column_index(p, header, "azure_functions_2019", cols)
     out: dict[tuple[str, str, str], float] = {}
     for line, f in rows:
         ms = _parse_float(p, line, "Average", f[ix["Average"]], nonneg=True)
@@ -522,11 +641,12 @@ def _read_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
                                prompt_tokens: int = 512, duration_s: float = 1.0,
                                durations_path: Any = None) -> tuple[Trace, LoadReport]:
     prompt_tokens = _check_prompt_tokens(prompt_tokens)
+    tokens_per_second = _check_tokens_per_second(tokens_per_second)
     if not (math.isfinite(duration_s) and duration_s >= 0):
         raise ValueError(f"duration_s must be finite and >= 0, got {duration_s}")
     durations = _read_durations_2019(durations_path) if durations_path is not None else None
-    p, header, rows = _read_rows(path)
     fmt = "azure_functions_2019"
+    p, header, rows, end_note = _read_rows(path, fmt)
     _column_index(p, header, fmt)
     if header[:4] != list(_COLUMNS[fmt]):
         raise TraceFormatError(p, 1, f"the first columns must be {','.join(_COLUMNS[fmt])}")
@@ -538,8 +658,8 @@ def _read_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
             raise TraceFormatError(
                 p, 1, f"per-minute columns must be named 1,2,3,...; column {j + 5} is "
                       f"{name!r}, expected '{j + 1}'")
-    report = LoadReport(path=str(p), format=fmt, rows_read=len(rows))
-    times, durs = [], []
+    report = _new_report(p, fmt, rows, end_note)
+    times, durs, row_lines = [], [], []
     missing = 0
     for line, f in rows:
         counts = np.asarray([_parse_count(p, line, f"minute {j + 1}", s)
@@ -560,6 +680,7 @@ def _read_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
             else:
                 missing += 1
         durs.append(np.full(total, d))
+        row_lines.append(np.full(total, line, dtype=np.int64))
     if missing:
         report.notes.append(f"{missing} function(s) not in durations_path; used "
                             f"duration_s={duration_s}")
@@ -568,10 +689,12 @@ def _read_azure_functions_2019(path: Any, *, tokens_per_second: float = 50.0,
     arrival = np.concatenate(times)
     # Rows are concatenated function by function; the stable sort in `_finish` orders them
     # by time and keeps file order among equal times.
-    output = _derive_output_tokens(np.concatenate(durs), tokens_per_second)
+    lines = np.concatenate(row_lines)
+    output = _derive_output_tokens(p, lines, np.concatenate(durs), tokens_per_second,
+                                   prompt_tokens)
     prompt = np.full(arrival.shape[0], prompt_tokens, dtype=np.int64)
     t0 = float(arrival.min())
-    return _finish(p, report, arrival - t0, prompt, output, _num_str(t0))
+    return _finish(p, report, arrival - t0, prompt, output, _num_str(t0), lines=lines)
 
 
 def _num_str(x: float) -> str:
