@@ -110,6 +110,24 @@ def _phase_fractions(rec: dict, fast: np.ndarray, warmup: int) -> np.ndarray:
     return out
 
 
+def _reading(name: str, lat: dict, best: str, ref: str, d_best: dict, to_fast: dict) -> str:
+    """The section's reading of scenario `name`, from its measured numbers only."""
+    verdict = ("beats it" if d_best["high"] < 0 else "loses to it" if d_best["low"] > 0
+               else "is not distinguishable from it (the CI includes 0)")
+    learned = next(k for k in to_fast if k.startswith(ALGO))
+    lf, hf = np.asarray(to_fast[learned]), np.asarray(to_fast[best])
+    shares = "; ".join(
+        f"phase {p}: short {100 * lf[p, 0]:.0f}% vs {100 * hf[p, 0]:.0f}%, long "
+        f"{100 * lf[p, -1]:.0f}% vs {100 * hf[p, -1]:.0f}%" for p in range(min(len(lf),
+                                                                               len(hf))))
+    return (f"Reading ({name}, measured above): PPO ({lat[ALGO]:.3g} s) {verdict}: the best "
+            f"heuristic, {best} ({lat[best]:.3g} s), paired difference "
+            f"{_interval(d_best)} s. Headroom: the best clairvoyant reference ({ref}, "
+            f"{lat[ref]:.3g} s) is {lat[best] - lat[ref]:.3g} s below the best heuristic, what "
+            f"knowing the true lengths would be worth. Share of requests sent to a fastest "
+            f"GPU, {learned} vs {best}: {shares}.")
+
+
 @experiment("w", "Honest information, headroom, and a learned router that wins")
 def routing_win(ctx: Context) -> Section:
     b = ctx.budget
@@ -185,10 +203,11 @@ def routing_win(ctx: Context) -> Section:
                 why.append([n, f"phase {p}"] + [f"{100 * x:.0f}%" for x in frac[p]])
             data[name].setdefault("to_fast", {})[n] = frac.tolist()
         parts += ["Where requests go (share of each true size class sent to a fastest GPU, by "
-                  "arrival phase; fresh streams; the class is a report, not something a "
-                  "policy saw):",
+                  "arrival phase, phase 1 = bursts; fresh streams; the class is a report, not "
+                  "something a policy saw):",
                   table(["policy", "arrival phase"]
-                        + [f"class {k}" for k in range(len(why[0]) - 2)], why)]
+                        + [f"class {k}" for k in range(len(why[0]) - 2)], why),
+                  _reading(name, lat, best, ref, d_best, data[name]["to_fast"])]
     body = "\n\n".join([
         parts[0], "Summary (best learned vs best heuristic vs the best clairvoyant reference, "
         "drop-inclusive mean latency, s):",
