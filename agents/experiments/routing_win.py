@@ -1,4 +1,4 @@
-"""Experiment (w): honest information, headroom, and where a learned router beats the best
+"""Experiment (w): honest information, headroom, and whether a learned router beats the best
 heuristic (issue 25, items 1, 2, 5).
 
 Every router (learned or heuristic) reads the same noisy output-length prediction
@@ -112,23 +112,23 @@ def _phase_fractions(rec: dict, fast: np.ndarray, warmup: int) -> np.ndarray:
 
 def _reading(name: str, lat: dict, best: str, ref: str, d_best: dict, to_fast: dict) -> str:
     """The section's reading of scenario `name`, from its measured numbers only."""
-    verdict = ("beats it" if d_best["high"] < 0 else "loses to it" if d_best["low"] > 0
-               else "is not distinguishable from it (the CI includes 0)")
+    verdict = ("PPO beats it" if d_best["high"] < 0 else "PPO loses to it"
+               if d_best["low"] > 0 else "no difference is resolved (the CI includes 0)")
     learned = next(k for k in to_fast if k.startswith(ALGO))
     lf, hf = np.asarray(to_fast[learned]), np.asarray(to_fast[best])
     shares = "; ".join(
         f"phase {p}: short {100 * lf[p, 0]:.0f}% vs {100 * hf[p, 0]:.0f}%, long "
         f"{100 * lf[p, -1]:.0f}% vs {100 * hf[p, -1]:.0f}%" for p in range(min(len(lf),
                                                                                len(hf))))
-    return (f"Reading ({name}, measured above): PPO ({lat[ALGO]:.3g} s) {verdict}: the best "
-            f"heuristic, {best} ({lat[best]:.3g} s), paired difference "
-            f"{_interval(d_best)} s. Headroom: the best clairvoyant reference ({ref}, "
+    return (f"Reading ({name}, measured above): PPO {lat[ALGO]:.3g} s against the best "
+            f"heuristic, {best}, {lat[best]:.3g} s: paired difference {_interval(d_best)} s, "
+            f"so {verdict}. Headroom: the best clairvoyant reference ({ref}, "
             f"{lat[ref]:.3g} s) is {lat[best] - lat[ref]:.3g} s below the best heuristic, what "
             f"knowing the true lengths would be worth. Share of requests sent to a fastest "
             f"GPU, {learned} vs {best}: {shares}.")
 
 
-@experiment("w", "Honest information, headroom, and a learned router that wins")
+@experiment("w", "Honest information, headroom, and learned vs best heuristic")
 def routing_win(ctx: Context) -> Section:
     b = ctx.budget
     seeds, steps = WIN_BUDGETS[b.name]
@@ -213,5 +213,5 @@ def routing_win(ctx: Context) -> Section:
         "drop-inclusive mean latency, s):",
         table(["scenario", ALGO, "best heuristic", f"{ALGO} - best heuristic (95% CI)",
                "verdict", "best clairvoyant"], summary), *parts[1:]])
-    return Section("(w) Honest information, headroom, and a learned router that wins", body,
+    return Section("(w) Honest information, headroom, and learned vs best heuristic", body,
                    data=data)
