@@ -34,7 +34,7 @@ def _twin_states(num_requests=12):
     runs = []
     for out in (out_a, out_b):
         tr = Trace(arrival_s=arrivals, prompt_tokens=prompt, output_tokens=out)
-        env, params = jaxserve.make("Routing-v0", trace=tr)  # estimate_mode 2: size class
+        env, params = jaxserve.make("Routing-v0", trace=tr, estimate_mode=2)  # size class
         obs, state = env.reset(jax.random.PRNGKey(0), params)
         obss, states = [obs], [state]
         for i, a in enumerate(actions):

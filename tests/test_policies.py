@@ -83,7 +83,8 @@ def routing_episode():
     # Bursty arrivals (MMPP: 0.4 and 8 req/s phases) visit idle, busy and full GPUs.
     env, params = jaxserve.make("Routing-v0", gpus=[SLOW, FAST, MID, FAST],
                                 arrivals=A.mmpp([0.4, 8.0], (0.1, 0.3)),
-                                tokens=A.bimodal_tokens(long_frac=0.3, sigma=0.3))
+                                tokens=A.bimodal_tokens(long_frac=0.3, sigma=0.3),
+                                estimate_mode=A.ESTIMATE_CLASS)  # SITA's partition test
     # The oracles read true lengths by design (tests/test_honest_eval.py covers them).
     pols = {n: P.get(n, env=env, params=params) for n in ROUTING if not n.endswith("_oracle")}
     names = tuple(pols)

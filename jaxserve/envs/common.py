@@ -31,7 +31,8 @@ class ServingParams:
       arrivals: arrival process (MMPP; Poisson is one phase). Unused when `trace` has rows.
       tokens: token-length distribution. Unused when `trace` has rows.
       estimate_mode: what schedulers see of output lengths: 0 exact, 1 noisy, 2 size class
-        (the default; a real scheduler rarely knows the true length). int32.
+        (of the true length: an oracle bit). `build_params` defaults to 2, Routing-v0 to 1
+        (a real router has only a prediction). int32.
       estimate_noise: lognormal sigma of the noisy estimate. float32.
       size_edges: `(E,)` output-length class boundaries (tokens).
       size_values: `(E + 1,)` representative output length of each class (tokens).

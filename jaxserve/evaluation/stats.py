@@ -5,7 +5,9 @@ replicate. Intervals are Student-t intervals of the replicates' mean (n - 1 degr
 freedom), never the normal 1.96 approximation, which is too narrow for the handful of
 replicates a CPU run affords. Policies evaluated on one key see the same streams (common
 random numbers), so compare them with `paired_difference`, not by whether their separate
-intervals overlap.
+intervals overlap. A learned policy trained with several seeds and evaluated on common streams
+is a crossed (seed x stream) table: `seed_env_bootstrap` gives its mean, or its paired
+difference with a heuristic, a CI that counts training and evaluation noise together.
 
 Percentiles are exact (no histogram): `percentiles` interpolates linearly between order
 statistics (`numpy.percentile`'s default) over the finite values, on the host;
@@ -70,6 +72,60 @@ def paired_difference(a, b, level: float = 0.95) -> dict:
     half = t_halfwidth(d, level)
     return {"mean": mean, "ci": half, "low": mean - half, "high": mean + half, "n": n,
             "significant": bool(np.isfinite(half) and (mean - half > 0 or mean + half < 0))}
+
+
+def seed_env_bootstrap(values, level: float = 0.95, num_resamples: int = 4000,
+                       seed: int = 0) -> dict:
+    """Mean of a (training seed x evaluation stream) table with a CI that counts both noises.
+
+    `values[s, e]`: one metric (or a paired difference, learned - heuristic) of training seed
+    `s` on evaluation stream `e`; every seed sees the same streams (common random numbers), so
+    seeds and streams are *crossed*, not nested. The interval is the percentile interval of
+    the pigeonhole bootstrap for crossed random effects (Owen, 2007, Ann. Appl. Stat. 1(2)):
+    each resample draws `S` seeds and, independently, `E` streams with replacement and takes
+    the mean of the selected `S x E` cells. Resampling the seeds carries the training noise,
+    resampling the streams the evaluation noise (including the heuristic's own, which a
+    per-seed mean over the same streams would hide); Owen shows the variance estimate is
+    conservative (it double-counts the interaction term), never anti-conservative. A single
+    row (`S = 1`, e.g. a heuristic) reduces to the ordinary bootstrap over streams.
+
+    Cells that are NaN are left out of each resample's mean. Deterministic for a `seed`.
+
+    Returns:
+      dict: `mean` (of all finite cells), `low`, `high` (the percentile interval), `ci`
+      (half its width), `seeds`, `streams`, and `significant` (the interval excludes 0).
+    """
+    v = np.asarray(values, np.float64)
+    if v.ndim == 1:
+        v = v[None, :]
+    if v.ndim != 2 or v.shape[0] < 1 or v.shape[1] < 1:
+        raise ValueError(f"values must be a (seeds, streams) array, got shape {v.shape}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    s, e = v.shape
+    finite = np.isfinite(v)
+    mean = float(v[finite].mean()) if finite.any() else float("nan")
+    rng = np.random.default_rng(seed)
+    si = rng.integers(0, s, (num_resamples, s))
+    ei = rng.integers(0, e, (num_resamples, e))
+    # Cell (i, j) is picked count_s[i] * count_e[j] times: a weighted mean, no S x E copies.
+    ws = np.zeros((num_resamples, s))
+    we = np.zeros((num_resamples, e))
+    np.add.at(ws, (np.arange(num_resamples)[:, None], si), 1.0)
+    np.add.at(we, (np.arange(num_resamples)[:, None], ei), 1.0)
+    x, m = np.where(finite, v, 0.0), finite.astype(np.float64)
+    num = np.einsum("rs,se,re->r", ws, x, we)
+    den = np.einsum("rs,se,re->r", ws, m, we)
+    boot = np.where(den > 0, num / np.maximum(den, 1.0), np.nan)
+    boot = boot[np.isfinite(boot)]
+    if boot.size == 0 or s * e < 2:
+        low = high = float("nan")
+    else:
+        low, high = (float(q) for q in np.percentile(boot, [50 * (1 - level),
+                                                              50 * (1 + level)]))
+    half = (high - low) / 2.0
+    return {"mean": mean, "low": low, "high": high, "ci": half, "seeds": s, "streams": e,
+            "significant": bool(np.isfinite(half) and (low > 0 or high < 0))}
 
 
 def percentiles(values, qs) -> np.ndarray:

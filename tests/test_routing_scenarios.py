@@ -1,0 +1,52 @@
+"""Routing-v0's honest default information and its registered scenarios (issue 25)."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve.core import arrivals as A
+from jaxserve.envs.registry import ROUTING_SCENARIOS
+
+
+def test_default_routers_see_a_noisy_prediction_not_the_class():
+    _, params = jaxserve.make("Routing-v0")
+    assert int(params.estimate_mode) == A.ESTIMATE_NOISY
+    assert float(params.estimate_noise) == 1.0
+    # The oracle class stays a named option.
+    _, p2 = jaxserve.make("Routing-v0", estimate_mode=A.ESTIMATE_CLASS)
+    assert int(p2.estimate_mode) == A.ESTIMATE_CLASS
+    # Estimates of requests with equal true length differ (noise), and their class follows
+    # the estimate, not the true length: the true class does not leak through it.
+    out = jax.numpy.full((2000,), 512.0)
+    est, cls = jax.vmap(lambda k, o: A.output_estimate(
+        k, o, params.estimate_mode, params.estimate_noise, params.size_edges,
+        params.size_values))(jax.random.split(jax.random.PRNGKey(0), 2000), out)
+    est, cls = np.asarray(est), np.asarray(cls)
+    assert np.unique(est).size > 100
+    np.testing.assert_array_equal(cls, (est > float(params.size_edges[0])).astype(int))
+    # sigma 1: P(512 * e^z <= 128) = P(z <= -1.386) = 8.3%; 2000 draws, +-2% is ~3.3 sd.
+    assert abs((cls == 0).mean() - 0.083) < 0.02
+
+
+@pytest.mark.parametrize("name", sorted(ROUTING_SCENARIOS))
+def test_registered_scenarios_build_with_equal_static_shapes(name):
+    env, params = jaxserve.make("Routing-v0", scenario=name)
+    env0, _ = jaxserve.make("Routing-v0", scenario=sorted(ROUTING_SCENARIOS)[0])
+    assert env.static == env0.static  # one program trains the whole family
+    assert params.arrivals.rates.shape == (2,)  # bursty: a two-phase MMPP
+    mean = float(A.mean_rate(params.arrivals))
+    assert mean == pytest.approx(0.6 * 2.163, rel=1e-4)
+    assert int(params.estimate_mode) == A.ESTIMATE_NOISY
+    obs, state = env.reset(jax.random.PRNGKey(0), params)
+    obs, *_ = env.step(jax.random.PRNGKey(1), state, 0, params)
+    assert np.all(np.isfinite(np.asarray(obs)))
+
+
+def test_scenario_overrides_yield_to_explicit_ones_and_unknown_is_an_error():
+    _, p = jaxserve.make("Routing-v0", scenario="bursty", arrival_rate=1.0)
+    assert p.arrivals.rates.shape == (1,) and float(p.arrivals.rates[0]) == 1.0
+    _, p = jaxserve.make("Routing-v0", scenario="bursty_short_queues", slo_s=20.0)
+    assert np.all(np.asarray(p.gpus.queue_cap) == 16) and float(p.slo_s) == 20.0
+    with pytest.raises(ValueError, match="scenario"):
+        jaxserve.make("Routing-v0", scenario="nope")
