@@ -7,7 +7,7 @@ Example (the docs/continuous.md experiment)::
 
 Trains PPO on a workload fitted to the first quarter of the trace and replays the rest, in
 disjoint windows, under the learned policies and every heuristic
-(`jaxserve.evaluation.llm_routing_study`). Prints markdown tables and writes `study.json` to
+(`agents.experiments.llm_routing_study`). Prints markdown tables and writes `study.json` to
 --out. Errors print one line on stderr and exit with status 2.
 """
 
@@ -41,7 +41,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     def body():
-        from jaxserve.evaluation.llm_routing_study import format_study, run_study
+        from agents.experiments.llm_routing_study import format_study, run_study
         from jaxserve.evaluation.serialize import to_jsonable
 
         args = build_parser().parse_args(argv)

@@ -136,7 +136,7 @@ def test_per_episode_metrics_pair_with_the_summary():
         assert per[n]["cost"].shape == (3,)
         assert out[n]["cost"] == pytest.approx(per[n]["cost"].mean(), rel=1e-9)
     # Same episodes: the paired GPU-hour difference is exact, 2 replicas x duration.
-    from jaxserve.evaluation.stats import paired_difference
+    from jaxserve.core.stats import paired_difference
     d = paired_difference(per["fixed-3"]["gpu_hours"], per["fixed-1"]["gpu_hours"])
     assert d["mean"] == pytest.approx(2 * 12 * float(params.control_interval_s) / 3600, rel=1e-5)
     assert d["ci"] == pytest.approx(0.0, abs=1e-9)

@@ -12,7 +12,7 @@ from jaxserve import policies as P
 from jaxserve.core.profiles import get_profile
 from jaxserve.core.types import Trace
 from jaxserve.core import sources
-from jaxserve.evaluation import stats
+from jaxserve.core import stats
 import importlib
 
 E = importlib.import_module("jaxserve.evaluation.evaluate")  # the module, not the function

@@ -30,7 +30,7 @@ import pytest
 
 import jaxserve
 from jaxserve import policies
-from jaxserve.evaluation.stats import paired_difference
+from jaxserve.core.stats import paired_difference
 from tests.minimal_ppo import greedy_policy, make_train
 
 TRAIN_STEPS = 401_408  # 196 updates of 16 x 128; ~2-4 min on 2 CPU cores

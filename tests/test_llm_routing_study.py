@@ -1,10 +1,10 @@
-"""The item-6 study's pieces that run without training (`evaluation.llm_routing_study`)."""
+"""The item-6 study's pieces that run without training (`agents.experiments.llm_routing_study`)."""
 
 import numpy as np
 import pytest
 
 from jaxserve.core.types import Trace
-from jaxserve.evaluation import llm_routing_study as S
+from agents.experiments import llm_routing_study as S
 
 
 def test_window_metrics_by_hand():

@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.types import GPUProfile
-from jaxserve.evaluation import stats
+from jaxserve.core import stats
 from jaxserve.workloads import rollout as W
 from tests import reference_sim as ref
 

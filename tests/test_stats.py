@@ -1,10 +1,10 @@
-"""`jaxserve.evaluation.stats`: Student-t intervals, flat and along an axis."""
+"""`jaxserve.core.stats`: Student-t intervals, flat and along an axis."""
 
 import numpy as np
 import pytest
 from scipy.stats import t as student_t
 
-from jaxserve.evaluation import stats
+from jaxserve.core import stats
 
 
 def test_t_halfwidth_known_value_and_small_samples():

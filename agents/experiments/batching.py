@@ -15,7 +15,7 @@ from agents.experiments.registry import experiment
 from jaxserve import policies
 from jaxserve.core.sources import tuning_key
 from jaxserve.evaluation import evaluate_many, tune_static
-from jaxserve.evaluation.stats import paired_difference
+from jaxserve.core.stats import paired_difference
 from jaxserve.policies.batching import default_grid
 from jaxserve.policies.smdp import build_model, solve_smdp, static_table_gains
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.evaluation.stats import paired_difference, t_halfwidth
+from jaxserve.core.stats import paired_difference, t_halfwidth
 
 LATENCY = "latency_incl_drops"  # the per-env replicate of the drop-inclusive mean latency
 

@@ -1,6 +1,6 @@
 """(f) Continuous batching: PPO routing LLM requests on an Azure trace (issue 12, item 6).
 
-The experiment itself lives in `jaxserve.evaluation.llm_routing_study` (its module docstring
+The experiment itself lives in `agents.experiments.llm_routing_study` (its module docstring
 says how the trace is split, rescaled, trained on and evaluated on disjoint windows); this
 module registers it with the budget's seeds. It is the slowest experiment on a CPU (the
 continuous-batching step runs a scheduler per replica iteration), so the quick and tiny
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from agents.experiments.common import Context, Section
 from agents.experiments.registry import experiment
-from jaxserve.evaluation import llm_routing_study as study
+from agents.experiments import llm_routing_study as study
 
 # Training steps per seed and evaluation windows per budget. "quick" is docs/continuous.md's
 # CPU run (40k steps, where PPO lost to every heuristic); "full" gives PPO Routing-v0's budget.

@@ -32,7 +32,7 @@ from jaxserve.core import arrivals as A
 from jaxserve.core.sources import tuning_key
 from jaxserve.envs.registry import ROUTING_SCENARIOS, make
 from jaxserve.evaluation import evaluate_many
-from jaxserve.evaluation.stats import seed_env_bootstrap
+from jaxserve.core.stats import seed_env_bootstrap
 from jaxserve.policies.routing import gpu_speeds
 
 ALGO = "ppo"

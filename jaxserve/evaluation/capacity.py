@@ -22,7 +22,7 @@ from jaxserve.core.service import full_batch_rate, host_profile, service_time
 from jaxserve.core.sources import params_trace, sample_stream, sample_tokens_n
 from jaxserve.evaluation.evaluate import (_check_args, rollout_envs, summarise, switch_policy,
                                           trace_env)
-from jaxserve.evaluation.stats import percentile_with_drops, percentiles
+from jaxserve.core.stats import percentile_with_drops, percentiles
 
 
 def p99_with_drops(result_out_lat: np.ndarray) -> float:

@@ -33,7 +33,7 @@ Methodology (docs/baselines.md has the long form):
 * Confidence intervals: each environment is one independent replicate; a 95% CI is the
   Student-t interval of the replicates' values (for the mean latency, of the per-environment
   mean latencies). Policies compared on one key see the same streams, so compare them with
-  `evaluation.stats.paired_difference` (the Student-t CI of the per-environment differences),
+  `core.stats.paired_difference` (the Student-t CI of the per-environment differences),
   not by whether their separate CIs overlap.
 * Tuning and evaluation never share streams: policies that are fitted or tuned by simulation
   (`tuned_static`, `sita`, `scheduled`) use `core.sources.tuning_key(key)` (a `fold_in` with
@@ -61,7 +61,7 @@ from jaxserve.envs import common
 from jaxserve.envs.base import with_static
 from jaxserve.evaluation import episodes
 from jaxserve.evaluation.episodes import as_action
-from jaxserve.evaluation.stats import paired_difference, percentiles, t_halfwidth
+from jaxserve.core.stats import paired_difference, percentiles, t_halfwidth
 
 # ----------------------------------------------------------------------------- building blocks
 

@@ -46,7 +46,7 @@ from jaxserve.envs.autoscaling import LOG_DROPPED, Autoscaling, AutoscalingParam
 from jaxserve.envs.base import with_static
 from jaxserve.evaluation.episodes import Step, from_policy, run_episode
 from jaxserve.evaluation.evaluate import switch_policy
-from jaxserve.evaluation.stats import (paired_difference, percentile_with_drops, percentiles,
+from jaxserve.core.stats import (paired_difference, percentile_with_drops, percentiles,
                                        t_halfwidth)
 
 # The reactive autoscalers a learned one must beat (`verdicts`, `paired_comparisons`).
@@ -118,7 +118,7 @@ def _run(env, policies, params, keys, num_steps, windows=None):
 def per_episode(totals: dict, control_interval_s: float) -> dict[str, np.ndarray]:
     """Host-side `(E,)` per-episode metrics from episode totals (see the module docstring);
     episode `i` of every policy ran on the same streams, so pair them
-    (`evaluation.stats.paired_difference`)."""
+    (`core.stats.paired_difference`)."""
     t = {k: np.asarray(v, np.float64) for k, v in totals.items()}
     completed = np.maximum(t["completed"], 1.0)
     arrived = np.maximum(t["arrived"], 1.0)

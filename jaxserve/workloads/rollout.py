@@ -72,7 +72,7 @@ from jaxserve.core.replica import NAMED_REPLICAS, REPLICA_BOOL_FIELDS, REPLICA_F
 from jaxserve.core.service import batch_service_time
 from jaxserve.core.types import PROFILE_FLOAT_FIELDS, PROFILE_INT_FIELDS, GPUProfile, \
     validate_profile
-from jaxserve.evaluation.stats import percentiles_jax, t_halfwidth
+from jaxserve.core.stats import percentiles_jax, t_halfwidth
 
 RULES: tuple[str, ...] = ("round_robin", "jsq", "least_work_left", "lpt", "lpt_batch")
 ROUND_ROBIN, JSQ, LEAST_WORK_LEFT, LPT, LPT_BATCH = range(len(RULES))
@@ -524,7 +524,7 @@ def simulate_iteration(key: jax.Array, params: RolloutParams, rule, *, num_reque
       dict of scalars: `makespan_s` (time of the last completion, s), `iteration_s`
       (makespan + train_s, s), `gpu_hours` (r * gpus_per_replica * iteration_s / 3600, h),
       `trainer_gpu_hours` (trainer_gpus * iteration_s / 3600, h), `mean_latency_s`,
-      `p50_latency_s`, `p99_latency_s` (`evaluation.stats` percentiles: linear
+      `p50_latency_s`, `p99_latency_s` (`core.stats` percentiles: linear
       interpolation over served requests), `max_latency_s` (request latency = its
       finish time, s), `batches` (static batches run; iterations for continuous-batching
       replicas), `busy_s` (replica-seconds serving),

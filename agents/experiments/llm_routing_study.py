@@ -17,7 +17,7 @@ The experiment, end to end (`run_study`):
    comparisons are paired on the same requests (common random numbers). Per window:
    TTFT / TPOT / E2E p50 and p99, SLO attainment and goodput (`evaluation.llm_metrics`),
    drops, mean E2E with drops charged `drop_penalty_s`. Learned minus each heuristic:
-   Student-t CIs of the paired per-window differences (`evaluation.stats.paired_difference`).
+   Student-t CIs of the paired per-window differences (`core.stats.paired_difference`).
 
 `run_study` returns a JSON-able dict; `format_study` renders it as markdown tables.
 `scripts/llm_routing.py` is the CLI.
@@ -167,7 +167,7 @@ def evaluate_policies(env, params, policies: dict, eval_trace, *, window_request
 
 def compare(per_window: dict, learned: Sequence[str], baselines: Sequence[str]) -> list[dict]:
     """Paired differences (learned minus baseline) of every metric, with 95% Student-t CIs."""
-    from jaxserve.evaluation.stats import paired_difference
+    from jaxserve.core.stats import paired_difference
     rows = []
     for ln in learned:
         for b in baselines:
