@@ -82,3 +82,77 @@ def queued_work(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
     wait = jnp.where(Q.waiting_mask(q),
                      request_work(col, q.prompt, jnp.maximum(q.estimate, 1.0)), 0.0).sum(-1)
     return (running + wait).astype(jnp.float32)
+
+
+def remaining_times(rep: CB.Replicas, prof: ReplicaProfile):
+    """Estimated seconds until each request present finishes, from output estimates.
+
+    Requests are taken per replica in service order (running ones in admission order, then
+    the waiting queue front to back). Each has work `w` (`request_work` at its prompt and
+    output estimate, running ones scaled by the fraction of their estimated tokens still to
+    compute, as in `queued_work`) and a remaining span `s` (`full_batch_time` scaled the
+    same way: its own decodes at a full batch's pace). Request `i` is estimated to finish at
+    `max(W_i, s_i)`, `W_i` the replica's work up to and including `i`: no sooner than its own
+    remaining decodes, nor before the replica has done, at full-batch throughput, everything
+    ahead of it and itself. An estimate (no preemption, no chunk interleaving).
+
+    Returns:
+      (finish, valid, age, estimate), each `(R, max_seqs + slots)`: estimated seconds until
+      the request finishes, whether the slot holds a request, seconds since its arrival, its
+      output estimate (tokens); the waiting slots hold the queue in order.
+    """
+    run, q = rep.run, rep.queues
+    col = jax.tree.map(lambda x: x[:, None], prof)
+    r_valid = jnp.arange(rep.max_seqs)[None, :] < run.count[:, None]
+    r_est = jnp.maximum(run.estimate, 1.0)
+    total = run.prompt + r_est
+    done = jnp.minimum(run.comp.astype(jnp.float32), run.prompt) + run.gen
+    left = jnp.clip(1.0 - done / total, 0.0, 1.0)
+    w_valid, win = Q.front(q, q.capacity)
+    w_est = jnp.maximum(win.estimate, 1.0)
+    prompt = jnp.concatenate([run.prompt.astype(jnp.float32), win.prompt.astype(jnp.float32)],
+                             -1)
+    est = jnp.concatenate([r_est, w_est], -1)
+    frac = jnp.concatenate([left, jnp.ones_like(w_est)], -1)
+    valid = jnp.concatenate([r_valid, w_valid], -1)
+    b = full_batch(col, prompt, est)
+    span = full_batch_time(col, prompt, est)
+    work = jnp.where(valid, frac * span / b, 0.0)
+    cum = jax.lax.associative_scan(jnp.add, work, axis=work.ndim - 1)
+    finish = jnp.where(valid, jnp.maximum(cum, frac * span), 0.0)
+    age = jnp.where(valid, -jnp.concatenate([run.arrival, win.arrival], -1), 0.0)
+    return finish, valid, age, est
+
+
+def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
+    """Expected remaining time-in-system of every request present, summed (s); a scalar.
+
+    The sum of `remaining_times`: the potential of LLMRouting-v0's reward shaping, the
+    continuous-batching counterpart of `envs.routing.expected_backlog`.
+    """
+    finish, *_ = remaining_times(rep, prof)
+    return finish.sum().astype(jnp.float32)
+
+
+def expected_slo_misses(rep: CB.Replicas, prof: ReplicaProfile, slo_ttft_s,
+                        slo_tpot_s) -> jax.Array:
+    """Requests present expected to miss their SLO, a float32 scalar count.
+
+    A request meeting both targets finishes within `slo_ttft_s + slo_tpot_s * (o - 1)` of
+    its arrival; one whose age plus `remaining_times` exceeds that deadline (`o` its output
+    estimate) is counted. The potential of LLMRouting-v0's shaped SLO reward.
+    """
+    finish, valid, age, est = remaining_times(rep, prof)
+    deadline = slo_ttft_s + slo_tpot_s * jnp.maximum(est - 1.0, 0.0)
+    return (valid & (age + finish > deadline)).sum().astype(jnp.float32)
+
+
+def finish_if_routed(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -> jax.Array:
+    """Estimated seconds until a request of `prompt` tokens and output estimate `estimate`
+    would finish at each replica, `(R,)` float32: `max(queued_work + w, s)` with `w` its
+    `request_work` and `s` its `full_batch_time` there, `remaining_times`' estimate for a
+    request joining the back of the queue (so also the increase of `expected_backlog` that
+    routing it there causes in that model)."""
+    est = jnp.maximum(jnp.asarray(estimate, jnp.float32), 1.0)
+    own = request_work(prof, prompt, est)
+    return jnp.maximum(queued_work(rep, prof) + own, full_batch_time(prof, prompt, est))
