@@ -123,10 +123,11 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         kv_blocks, `log1p(estimated tokens in flight / (kv_blocks * block_size))`
         (`continuous.tokens_in_flight`: prompt + output estimate of every request, less
         tokens generated), `log1p(queued work / time_scale)` (`continuous_load.queued_work`,
-        estimated seconds of replica time held), `log1p(estimated seconds until the arriving
-        request would finish there / time_scale)` (`continuous_load.finish_if_routed`), and
-        the replica's full-batch capacity for the arriving request relative to the best
-        replica's (`continuous_load.capacity`, in (0, 1]: speed and KV memory together).
+        estimated seconds of replica time held), `log1p(estimated seconds of time-in-system the
+        arriving request would add there / time_scale)` (its own latency plus the delay it
+        causes the others, `continuous_load.marginal_backlog`), and
+        the same relative to the smallest over replicas, `log(added / min added)` (0 at the
+        replica where the request adds least).
       All features are clipped to `[0, FEATURE_CLIP]` (`clip_features`); at 10x the registered
       load they stay below 10 (tests/test_llm_routing_env.py).
     Action: `Discrete(num_replicas)`. Out-of-range actions are clipped and counted in
@@ -294,7 +295,7 @@ def replica_features(rep: CB.Replicas, pending: Request,
     prof = params.gpus
     kv = prof.kv_blocks.astype(jnp.float32)
     est = jnp.maximum(pending.estimate, 1.0)
-    cap = CL.capacity(prof, pending.prompt, est)
+    added = jnp.maximum(CL.marginal_backlog(rep, prof, pending.prompt, est), 1e-6)
     ts = params.time_scale
     rows = jnp.stack([
         rep.queues.count / jnp.maximum(prof.queue_cap, 1),
@@ -302,8 +303,8 @@ def replica_features(rep: CB.Replicas, pending: Request,
         CB.kv_used(rep, prof) / kv,
         jnp.log1p(CB.tokens_in_flight(rep) / (kv * prof.block_size)),
         jnp.log1p(CL.queued_work(rep, prof) / ts),
-        jnp.log1p(CL.finish_if_routed(rep, prof, pending.prompt, est) / ts),
-        cap / cap.max(),
+        jnp.log1p(added / ts),
+        jnp.log(added / added.min()),
     ], axis=-1)
     return clip_features(rows)
 

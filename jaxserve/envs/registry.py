@@ -323,7 +323,9 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     `replicas`: list of `ReplicaProfile`, one per slot (default: `max_replicas` OPT-13B
     A100-80GB replicas with `max_seqs = queue_cap = 16`, about 3.4 req/s each on Routing-v0's
     token mix by `core.continuous_load`). Diurnal Poisson arrivals, mean 6 req/s (peak 9.6:
-    three replicas at the mean, all four near the peak); warm-up 60 s. Other keywords as
+    three replicas at the mean, all four near the peak), each episode from a random time of
+    day (`random_phase=1`); warm-up 60 s; `latency_scale=1000` s and `drop_penalty_s=600` s
+    as the other environments. Other keywords as
     Autoscaling-v0's scaling and serving parameters (`envs/llm_autoscaling.py`).
     """
     from jaxserve.core.replica import replica_profile, stack_replicas
@@ -336,6 +338,9 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     prof = stack_replicas(replicas)
     scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
     scalars.setdefault("warmup_s", 60.0)
+    # Each episode starts at a random time of day, so vmapped episodes are not in lockstep
+    # (issue 25; Autoscaling-v0's `random_phase`).
+    scalars.setdefault("random_phase", 1)
     if kw.get("trace") is not None:
         scalars.setdefault("diurnal_amplitude", 0.0)
     if arrivals is None and arrival_rate is None:
