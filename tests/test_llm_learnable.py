@@ -18,8 +18,8 @@ training and evaluation): PPO 6.36 s, JSQ by tokens 5.67 s (paired +0.70 [+0.62,
 round robin 9.82 s (paired -3.46 [-6.03, -0.89]); `policies.llm_routing.least_marginal`, the
 greedy policy of the shaping potential, 5.22 s, so the features and the potential do carry a
 better router than JSQ by tokens; 131k steps of CartPole's PPO do not find it (its greedy
-policy still sends 83% of requests to replica 0). Training took 316 s of CPU time (555 s wall
-at a load average of ~9), over the ~3 minutes CI allows: hence `slow`.
+policy still sends 83% of requests to replica 0). This file took 276 s of CPU time (505 s
+wall at a load average of ~9), over the ~3 minutes CI allows: hence `slow`.
 
 Tolerance, and why it holds: everything is seeded, so the outcome is deterministic up to
 floating-point reassociation in XLA's CPU code; the round-robin margin is about 3 s on a
