@@ -1,4 +1,4 @@
-"""Event-by-event reference of the continuous-batching model in `shared/MODEL_CONTINUOUS.md`.
+"""Event-by-event reference of the continuous-batching model in `docs/contract_continuous.md`.
 
 Plain Python, float64, written from the contract's text (not from the JAX engine):
 

@@ -1,4 +1,4 @@
-"""Event-by-event reference simulator of the serving-cluster model in `shared/MODEL.md`.
+"""Event-by-event reference simulator of the serving-cluster model in `docs/contract_static.md`.
 
 This is the ground truth the JAX engine is tested against. It is deliberately plain Python
 (numpy only for the returned arrays), float64 throughout, and follows MODEL.md literally:

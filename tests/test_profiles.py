@@ -28,7 +28,7 @@ COEFS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta")
 
 
 def service_time(prof: GPUProfile, p, o) -> float:
-    """T(S) of shared/MODEL.md, written out independently of the fit script."""
+    """T(S) of docs/contract_static.md, written out independently of the fit script."""
     p = np.asarray(p, dtype=np.float64)
     o = np.asarray(o, dtype=np.float64)
     return (prof.c0 + prof.alpha * p.sum() + prof.alpha2 * np.sum(p * p)

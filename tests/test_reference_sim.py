@@ -1,7 +1,7 @@
 """Hand-checkable tests of the pure-Python reference simulator (`tests/reference_sim.py`).
 
 The reference is the ground truth for the JAX engine, so these tests check it against numbers
-worked out by hand from `shared/MODEL.md`, against rule-level invariants recomputed from its
+worked out by hand from `docs/contract_static.md`, against rule-level invariants recomputed from its
 output, and against the Pollaczek-Khinchine formula.
 """
 

@@ -1,6 +1,6 @@
 """The cluster: per-GPU queues and running batches, and advancing them through simulated time.
 
-Event-driven and exact (`shared/MODEL.md`): the engine jumps from event to event (batch
+Event-driven and exact (`docs/contract_static.md`): the engine jumps from event to event (batch
 completions, dispatches) with `lax.while_loop`; there is no time step. Between two arrivals
 the GPUs evolve independently, so `advance_static` moves every GPU to the next arrival instant
 at once: vectorised over GPUs for one environment, and lane-compacted over (environment, GPU)

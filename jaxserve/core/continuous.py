@@ -1,4 +1,4 @@
-"""Continuous-batching replicas with a paged KV cache: the engine of `shared/MODEL_CONTINUOUS.md`.
+"""Continuous-batching replicas with a paged KV cache: the engine of `docs/contract_continuous.md`.
 
 Each replica runs vLLM v1's FCFS scheduler at every iteration boundary: a running pass in
 admission order under the token budget, recompute preemption of the *last* running request when

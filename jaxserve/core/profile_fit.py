@@ -6,7 +6,7 @@ Source rows: `jaxserve/core/profile_data/splitwise_perf_model_subset.csv`, a ver
 replica: `prompt_time` (ms) to prefill `batch_size` prompts of `prompt_size` tokens, and
 `token_time` (ms) of one decode iteration of that batch.
 
-For every replica configuration the two halves of the closed form of `shared/MODEL.md` are fit
+For every replica configuration the two halves of the closed form of `docs/contract_static.md` are fit
 by non-negative least squares (all coefficients >= 0, as the model requires) on the rows with
 `batch_size <= FIT_MAX_BATCH`:
 
@@ -176,7 +176,7 @@ def fit_all(path: Path = DATA_CSV) -> dict[str, ProfileFit]:
 
 
 def service_time(coef: dict[str, float], p: np.ndarray, o: np.ndarray) -> float:
-    """T(S) of shared/MODEL.md (`core.service.service_time`) for one batch with prompt lengths
+    """T(S) of docs/contract_static.md (`core.service.service_time`) for one batch with prompt lengths
     `p` and output lengths `o`, from a `coefficients()` dict (seconds)."""
     p = np.asarray(p, dtype=np.float64)
     o = np.asarray(o, dtype=np.float64)

@@ -2,7 +2,7 @@
 
 Every profile is one serving replica (a tensor-parallel group of GPUs running one model), named
 `<gpu>-<model>-tp<gpus per replica>`. Its service-time coefficients are the closed form of
-`shared/MODEL.md` fitted by `scripts/fit_profiles.py` (non-negative least squares, times in
+`docs/contract_static.md` fitted by `scripts/fit_profiles.py` (non-negative least squares, times in
 seconds) to measured prefill and decode-iteration times published in
 
     repository Mutinifni/splitwise-sim (SplitwiseSim, Splitwise paper, ISCA 2024),

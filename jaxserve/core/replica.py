@@ -1,4 +1,4 @@
-"""Continuous-batching replica profiles (`shared/MODEL_CONTINUOUS.md`).
+"""Continuous-batching replica profiles (`docs/contract_continuous.md`).
 
 A `ReplicaProfile` holds one replica's iteration-time coefficients, KV-cache size and vLLM
 scheduler limits as scalars, or a whole cluster's as `(num_replicas,)` arrays

@@ -1,4 +1,4 @@
-"""The static-batch service-time closed form of `shared/MODEL.md`, and what follows from it.
+"""The static-batch service-time closed form of `docs/contract_static.md`, and what follows from it.
 
 `service_time` is the one place T(S) is written; it is plain arithmetic, so it runs on numpy
 float64 arrays on the host (fits, tuning, capacity estimates) and on jax arrays inside the

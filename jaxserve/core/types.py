@@ -68,7 +68,7 @@ def check_int_array(value, where: str, low: int = 1, high: int = INT32_MAX) -> n
 class GPUProfile:
     """Service model and batcher settings of one GPU (scalars) or a cluster (`(N,)` arrays).
 
-    Service time of a static batch `S` (seconds), per `shared/MODEL.md`:
+    Service time of a static batch `S` (seconds), per `docs/contract_static.md`:
 
         T(S) = c0 + alpha * sum p + alpha2 * sum p^2
                   + max o * (beta + gamma * |S| + delta * sum p)

@@ -159,7 +159,7 @@ def check_arrival_horizon(arrivals: A.ArrivalProcess, horizon_s: float, where: s
 def static_service_bound(gpus: GPUProfile, tokens: A.TokenDist) -> np.ndarray:
     """Upper bound (s) of one static batch's service time per GPU, `(num_gpus,)` float64.
 
-    `shared/MODEL.md`'s `T(S)` with `|S| = max_batch` requests of `max_prompt` and
+    `docs/contract_static.md`'s `T(S)` with `|S| = max_batch` requests of `max_prompt` and
     `max_output` tokens (every coefficient is >= 0, so `T` grows with each).
     """
     g = {f: np.asarray(getattr(gpus, f), np.float64) for f in

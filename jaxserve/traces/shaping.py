@@ -3,7 +3,7 @@
 Offered load (the definition used by `offered_load` and `rescale_to_load`)
 --------------------------------------------------------------------------
 For a trace with `N` requests over a span `T` (first to last arrival), mean prompt `p` and mean
-output `o` tokens, and a cluster of GPUs `g` with profiles (`shared/MODEL.md`):
+output `o` tokens, and a cluster of GPUs `g` with profiles (`docs/contract_static.md`):
 
 * arrival rate `lam = (N - 1) / T` (req/s; the `mean_rate` of `jaxserve.traces.summary`);
 * a GPU's nominal capacity `mu_g = B_g / T_g` (req/s), where `T_g` is the service time of a

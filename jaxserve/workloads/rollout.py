@@ -3,7 +3,7 @@
 One RL iteration submits `K` generation requests at once (all at time 0) with long-tailed
 output lengths. They are routed, one after another, to `r` identical inference replicas by a
 routing rule; every replica runs the engine's static batcher (`jaxserve.core.cluster`,
-`shared/MODEL.md`) until it has served everything it holds. The generation phase ends when the
+`docs/contract_static.md`) until it has served everything it holds. The generation phase ends when the
 last request finishes (the *makespan*); a training phase of `train_s` seconds follows, during
 which the replicas stay provisioned and idle. So, per iteration (seconds, hours):
 
