@@ -1,5 +1,10 @@
 """LLMRouting-v0 heuristics: jit/vmap-safe, valid actions, and JSQ beats random under load."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +16,7 @@ from jaxserve.policies import llm_routing as P
 REPLICAS = [jaxserve.replica_profile("opt13b-a100-80g", max_seqs=8, queue_cap=8),
             jaxserve.replica_profile("opt13b-a100-40g", max_seqs=8, queue_cap=8)]
 NAMES = list(P.POLICIES)
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 400
 
 
@@ -38,7 +44,8 @@ def episode_costs(rate, key):
     return jax.jit(jax.vmap(episode))(jnp.arange(len(fns)))
 
 
-def test_policies_valid_and_jsq_beats_random_at_high_load():
+def check_policies_valid_and_jsq_beats_random_at_high_load():
+    """The check itself; `test_...` below runs it in a fresh process."""
     # 4.5 req/s is above these two small replicas' capacity (drops under every policy).
     cost, drops, ok = episode_costs(4.5, jax.random.PRNGKey(0))
     assert bool(ok.all())
@@ -48,6 +55,20 @@ def test_policies_valid_and_jsq_beats_random_at_high_load():
     assert cost["jsq_requests"] < 0.85 * cost["random"], cost
     assert drops["jsq_requests"] < drops["random"], drops
     assert cost["vllm_dp"] < cost["random"], cost
+
+
+def test_policies_valid_and_jsq_beats_random_at_high_load():
+    # Run in a fresh Python process. Inside a pytest-xdist worker that has run the rest of
+    # the suite, XLA:CPU aborted the process (SIGABRT in backend_compile) while compiling
+    # this program, in two CI runs out of two at commit 3aad147; the same test passes alone
+    # (-n 0, ~30 s). The cause is not diagnosed yet (see the session note); a fresh process
+    # keeps the check and keeps one crash from taking the worker down.
+    code = ("import tests.test_llm_routing_policies as t; "
+            "t.check_policies_valid_and_jsq_beats_random_at_high_load()")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_policy_reads_estimates_not_true_lengths():
