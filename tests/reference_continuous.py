@@ -94,10 +94,7 @@ class _Replica:
             while free < extra:
                 v = self.running.pop()
                 free += self.blocks(v.C)
-                v.C = 0
-                v.pre += 1
-                self.preemptions += 1
-                self.waiting.appendleft(v)
+                self.requeue_preempted(v)
                 preempted = True
                 if v is r:
                     self_victim = True
@@ -137,6 +134,14 @@ class _Replica:
         self.busy += T
         self.kv_block_s += blocks * T
         self.kv_peak = max(self.kv_peak, blocks)
+
+    def requeue_preempted(self, v):
+        """Recompute preemption of the popped victim `v`: its computed tokens are dropped and
+        it goes back to the front of the waiting queue (MODEL_CONTINUOUS.md)."""
+        v.C = 0
+        v.pre += 1
+        self.preemptions += 1
+        self.waiting.appendleft(v)
 
     def iteration_time(self, sched):
         """Seconds of an iteration computing `n` tokens of each `(r, n)` in `sched` (C before)."""

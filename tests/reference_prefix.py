@@ -169,10 +169,7 @@ class _PReplica(_Replica):
                 v = self.running.pop()
                 self.shared_preemptions += any(self.ref[x] > 1 for x in v.blocks)
                 self._free(v)
-                v.C = 0
-                v.pre += 1
-                self.preemptions += 1
-                self.waiting.appendleft(v)
+                self.requeue_preempted(v)
                 preempted = True
                 if v is r:
                     self_victim = True
