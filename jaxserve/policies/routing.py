@@ -60,13 +60,14 @@ def _argmin_open(cost, state, params) -> jax.Array:
 def workload_means(params):
     """Mean prompt and output tokens of the workload (`params.tokens`), as float32 scalars.
 
-    Lognormal class means `median * exp(sigma^2 / 2)` weighted by class probability (the clip
+    Lognormal class means `median * exp(sigma^2 / 2)` weighted by class probability (with a
+    class mix per arrival phase, the mix of all arrivals, `arrivals.mixture_weights`; the clip
     to `max_*` is ignored), or the table means for an empirical distribution.
     """
     t = params.tokens
     if t.table_prompt.shape[-1] > 0:
         return t.table_prompt.mean(), t.table_output.mean()
-    w = t.weights / t.weights.sum()
+    w = A.mixture_weights(t, A.arrival_phase_probs(params.arrivals))
     p = (w * t.prompt_median * jnp.exp(0.5 * t.prompt_sigma ** 2)).sum()
     o = (w * t.output_median * jnp.exp(0.5 * t.output_sigma ** 2)).sum()
     return p.astype(jnp.float32), o.astype(jnp.float32)
@@ -229,7 +230,8 @@ def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, outp
     key = tuning_key() if key is None else mark_tuning_key(key)
     if prompt is None:
         k_tok, key = jax.random.split(key)
-        prompt, output = sample_tokens_n(k_tok, params.tokens, int(num_samples))
+        prompt, output = sample_tokens_n(k_tok, params.tokens, int(num_samples),
+                                         params.arrivals)
     prompt = jnp.asarray(prompt, jnp.float32)
     output = jnp.asarray(output, jnp.float32)
     if prompt.ndim != 1 or prompt.shape != output.shape or prompt.shape[0] == 0:
