@@ -121,10 +121,11 @@ def _reading(name: str, lat: dict, best: str, ref: str, d_best: dict, to_fast: d
                if d_best["low"] > 0 else "no difference is resolved (the CI includes 0)")
     learned = next(k for k in to_fast if k.startswith(ALGO))
     lf, hf = np.asarray(to_fast[learned]), np.asarray(to_fast[best])
+    def pct(x):
+        return f"{100 * x:.0f}%" if np.isfinite(x) else "none arrived"
     shares = "; ".join(
-        f"phase {p}: short {100 * lf[p, 0]:.0f}% vs {100 * hf[p, 0]:.0f}%, long "
-        f"{100 * lf[p, -1]:.0f}% vs {100 * hf[p, -1]:.0f}%" for p in range(min(len(lf),
-                                                                               len(hf))))
+        f"phase {p}: short {pct(lf[p, 0])} vs {pct(hf[p, 0])}, long "
+        f"{pct(lf[p, -1])} vs {pct(hf[p, -1])}" for p in range(min(len(lf), len(hf))))
     return (f"Reading ({name}, measured above): PPO {lat[ALGO]:.3g} s against the best "
             f"heuristic, {best}, {lat[best]:.3g} s: paired difference {_interval(d_best)} s, "
             f"so {verdict}. Headroom: the best clairvoyant reference ({ref}, "
@@ -224,7 +225,8 @@ def routing_win(ctx: Context) -> Section:
                                  ctx.eval_key(90 + i), eval_envs, eval_steps)
             frac = _phase_fractions(rec, fast, warmup)
             for p in range(frac.shape[0]):
-                why.append([n, f"phase {p}"] + [f"{100 * x:.0f}%" for x in frac[p]])
+                why.append([n, f"phase {p}"] + [f"{100 * x:.0f}%" if np.isfinite(x) else
+                                                 "none arrived" for x in frac[p]])
             data[name].setdefault("to_fast", {})[n] = frac.tolist()
         parts += ["Where requests go (share of each true size class sent to a fastest GPU, by "
                   "arrival phase, phase 1 = bursts; fresh streams; the class is a report, not "

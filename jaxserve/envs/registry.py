@@ -215,7 +215,7 @@ ROUTING_SCENARIOS = {
                "requests are long; bursts (30% of the time, 3x the quiet rate, lasting 120 s "
                "on average) bring short requests only. Mean load 0.6 of capacity. Prompts "
                "say nothing of output length (as in Azure's LLM traces), so routers size "
-               "requests by the noisy estimate alone. SITA is fitted to the average mix (20% "
+               "requests by the noisy estimate alone. SITA is fitted to the average mix (17.5% "
                "long), which is wrong in both phases; a router that reads the queues can see "
                "when the fast GPUs hold no long requests and send short ones there.",
         overrides=lambda: dict(
