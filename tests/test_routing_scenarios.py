@@ -69,3 +69,11 @@ def test_short_bursts_mix_shifts_with_the_phase_and_the_prompt_says_nothing():
     np.testing.assert_allclose(probs, [0.7 / 1.6, 0.9 / 1.6], rtol=1e-4)
     mix = np.asarray(A.mixture_weights(params.tokens, probs))
     assert mix[1] == pytest.approx(0.175, rel=1e-4)
+
+
+def test_win_experiment_trains_scenarios_with_equal_parameter_shapes_together():
+    from agents.experiments.routing_win import _shape_signature
+    sig = {n: _shape_signature(jaxserve.make("Routing-v0", scenario=n)[1])
+           for n in ROUTING_SCENARIOS}
+    # The per-phase class mix adds an axis to tokens.weights: its own training program.
+    assert sig["bursty"] == sig["bursty_short_queues"] != sig["short_bursts"]
