@@ -12,7 +12,10 @@ step. Each scheduling decision is computed in closed form with prefix sums over 
 (see `_schedule`), so a boundary costs O(max_seqs^2) vector work and no inner loop.
 
 Clock: stored times are relative to the current decision instant (time 0); `rebase` moves the
-origin forward, so float32 times stay as precise as the spans between nearby events.
+origin forward, so float32 times stay as precise as the spans between nearby events. Within one
+decision window a replica may run thousands of iterations; its clock is the unevaluated float32
+pair `t_end + t_lo` (compensated summation: `_add_time`), so it does not drift by an ulp per
+iteration the way a plain float32 running sum does.
 
 Event order at equal timestamps (MODEL.md): iteration ends at `t <= horizon` are processed;
 the next iteration is scheduled only at `t < horizon`, so arrivals at the boundary instant are
@@ -88,6 +91,8 @@ class Replicas:
       busy, kv_block_s: per-replica busy seconds and KV block-seconds this episode. float32.
       kv_peak, iterations, preemptions: per-replica peak blocks, iterations run and
         preemptions this episode. int32.
+      t_lo: low-order part of `t_end` (s): the clock is `t_end + t_lo` with
+        `|t_lo| <= ulp(t_end) / 2` (compensated summation). float32.
     """
 
     queues: Q.Queues
@@ -105,6 +110,7 @@ class Replicas:
     kv_peak: jax.Array
     iterations: jax.Array
     preemptions: jax.Array
+    t_lo: jax.Array
 
     @property
     def num_replicas(self) -> int:
@@ -149,7 +155,21 @@ def empty_replicas(num_replicas: int, queue_buffer: int, max_seqs: int,
                     q_pre=jnp.zeros((r, w), jnp.int32), q_preempted=z, run=run,
                     in_iter=jnp.zeros((r,), jnp.bool_), t_start=zf, t_end=zf,
                     stalled=jnp.zeros((r,), jnp.bool_), iter_blocks=z, busy=zf, kv_block_s=zf,
-                    kv_peak=z, iterations=z, preemptions=z)
+                    kv_peak=z, iterations=z, preemptions=z, t_lo=zf)
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(s, e)` with `s = fl(a + b)` and `s + e = a + b` exactly (Knuth's TwoSum)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _add_time(hi: jax.Array, lo: jax.Array, dt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The clock `hi + lo` (s) plus `dt` (s), as a new normalised float32 pair: one float32
+    rounding of the pair's sum instead of one per addition."""
+    s, e = _two_sum(hi, dt)
+    return _two_sum(s, e + lo)
 
 
 def _cdiv(a, b):
@@ -252,8 +272,9 @@ def _shift_queues(q: Q.Queues, dt: jax.Array) -> Q.Queues:
     return q.replace(arrival=q.arrival - dt)
 
 
-def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) -> Replicas:
-    """Runs the scheduler of every replica where `go`, starting an iteration at `t[r]`.
+def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+              t_lo: jax.Array) -> Replicas:
+    """Runs the scheduler of every replica where `go`, starting an iteration at `t + t_lo`.
 
     Running pass in closed form. Let `n_i = clip(K - sum_{j<i} (L_j - C_j), 0, L_i - C_i)`
     (the budget taken in admission order), `need_i` the extra blocks `n_i` tokens take, `D_i`
@@ -367,6 +388,7 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
     valid2 = idx < r2.count[:, None]
     blocks = jnp.where(valid2, _cdiv(r2.comp + r2.sched, b), 0).sum(-1)
     started = go & ((s + a) > 0)
+    end_hi, end_lo = _add_time(t, t_lo, iter_time)
     sel = lambda new, old: jnp.where(go.reshape(go.shape + (1,) * (new.ndim - 1)),  # noqa
                                      new, old)
     return rep.replace(
@@ -375,11 +397,119 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
         run=jax.tree.map(sel, new_run, run),
         in_iter=rep.in_iter | started,
         t_start=jnp.where(started, t, rep.t_start),
-        t_end=jnp.where(started, t + iter_time, rep.t_end),
+        t_end=jnp.where(started, end_hi, rep.t_end),
+        t_lo=jnp.where(started, end_lo, rep.t_lo),
         stalled=rep.stalled | (go & ~started),
         iter_blocks=jnp.where(started, blocks, rep.iter_blocks),
         kv_peak=jnp.where(started, jnp.maximum(rep.kv_peak, blocks), rep.kv_peak),
         preemptions=rep.preemptions + npre)
+
+
+# Longest run of decode iterations skipped at one boundary (a binary search of
+# log2(RUN_CAP + 1) halvings finds its length); longer runs take several boundaries.
+RUN_CAP = 2 ** 14 - 1
+
+
+def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+                t_lo: jax.Array, horizon: jax.Array):
+    """Skips, in closed form, the run of pure-decode iterations whose schedule is fixed.
+
+    At a boundary where every running request decodes (`g >= 1`, `C = L - 1`) and all fit
+    the token budget, and the waiting head cannot be admitted, the next iterations schedule
+    the same `n` requests one token each until a request completes, KV blocks run short
+    (preemption), or the decision horizon comes: nothing frees blocks or budget before a
+    completion, the queue's head does not change, and the free blocks only fall, so
+    admission keeps failing. Iteration `j` of the run lasts `T_j = A + B j` with
+    `A = c0 + beta + (alpha + gamma) n + delta sum L`, `B = delta n`, so `k` of them last
+    `dur(k) = k A + B k (k - 1) / 2` (issue 21's formula). The run skipped is the longest
+    `k` with: no completion at any of its ends (`k < min(o - g)`), the KV blocks of its
+    last iteration within the cache (`sum ceil((C + k) / b) <= M`), its last start before
+    and its last end at or before `horizon`. Those iterations hold no first token (every
+    request already has one) and no finish, so every per-request time stays exact; the
+    boundary after the run is scheduled as usual.
+
+    Returns:
+      (replicas advanced by the skipped iterations, the clock pair after them, seconds of
+      iteration time skipped per replica (`busy`)).
+    """
+    run = rep.run
+    s_n = run.arrival.shape[-1]
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    valid = idx < run.count[:, None]
+    b = prof.block_size[:, None]
+    length = run.prompt + run.gen
+    n = run.count
+    decoding = valid & (run.gen >= 1) & (run.comp == length - 1)
+    pure = go & (n > 0) & (decoding.sum(-1) == n) & (n <= prof.max_tokens)
+    comp = jnp.where(valid, run.comp, 0)
+    held0 = jnp.where(valid, _cdiv(comp, b), 0).sum(-1)
+    free0 = prof.kv_blocks - held0
+
+    def blocks_after(k):  # extra blocks held after k decode iterations, D(k)
+        return jnp.where(valid, _cdiv(comp + k[:, None], b), 0).sum(-1) - held0
+
+    # The waiting head's admission at this boundary (the first iteration's blocks taken).
+    w_valid, win = Q.front(rep.queues, 1)
+    h_len = win.prompt[:, 0].astype(jnp.int32) + rep.q_gen[
+        jnp.arange(n.shape[0]), rep.queues.head]
+    k1 = prof.max_tokens - n
+    chunk = prof.chunked_prefill
+    h_n = jnp.where(chunk, jnp.minimum(h_len, k1), h_len)
+    free1 = free0 - blocks_after(jnp.ones_like(n))
+    admit = (w_valid[:, 0] & (n < prof.max_seqs) & (k1 > 0) & (chunk | (h_len <= k1))
+             & (free1 - _cdiv(h_n, prof.block_size) >= watermark_blocks(prof)))
+    left = jnp.where(valid, run.output - run.gen, jnp.int32(2 ** 30)).min(-1)
+    k_max = jnp.where(pure & ~admit, jnp.clip(left - 1, 0, RUN_CAP), 0)
+
+    nf = n.astype(jnp.float32)
+    a_t = (prof.c0 + prof.beta + (prof.alpha + prof.gamma) * nf
+           + prof.delta * jnp.where(valid, length, 0).sum(-1).astype(jnp.float32))
+    b_t = prof.delta * nf
+
+    def dur(k):
+        kf = k.astype(jnp.float32)
+        return kf * a_t + b_t * (kf * (kf - 1.0) * 0.5)
+
+    def ok(k):
+        return ((blocks_after(k) <= free0) & (t + (t_lo + dur(k)) <= horizon)
+                & ((k == 0) | (t + (t_lo + dur(k - 1)) < horizon)))
+
+    def halve(_, lo_hi):  # the largest k in [lo, hi] with ok(k); ok is monotone, ok(0)
+        lo, hi = lo_hi
+        mid = (lo + hi + 1) // 2
+        good = ok(mid)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    k, _ = jax.lax.fori_loop(0, RUN_CAP.bit_length(), halve, (jnp.zeros_like(k_max), k_max))
+    skip = k > 0
+    total = dur(k)
+    # KV block-seconds: sum_j T_j H(j), H(j) = sum_i ceil((C_i + j + 1) / b). Request i's
+    # blocks start at ceil((C_i + 1) / b) and grow by one at each j >= 1 with
+    # (C_i + j) mod b = 0: j = f_i + m b, f_i = (-C_i) mod b or b, m < M_i.
+    kf = k.astype(jnp.float32)[:, None]
+    bf = b.astype(jnp.float32)
+    f = (-comp) % b
+    f = jnp.where(f == 0, b, f)
+    m_i = jnp.where(valid & (k[:, None] - 1 >= f), (k[:, None] - 1 - f) // b + 1, 0)
+    mf, ff = m_i.astype(jnp.float32), f.astype(jnp.float32)
+    s1 = mf * ff + bf * mf * (mf - 1.0) * 0.5  # sum of the crossings j
+    s2 = (mf * ff * ff + ff * bf * mf * (mf - 1.0)
+          + bf * bf * (mf - 1.0) * mf * (2.0 * mf - 1.0) / 6.0)  # sum of j^2
+    tail = (a_t[:, None] * (mf * kf - s1)
+            + b_t[:, None] * (mf * kf * (kf - 1.0) * 0.5 - (s2 - s1) * 0.5))
+    h1 = jnp.where(valid, _cdiv(comp + 1, b), 0).sum(-1).astype(jnp.float32)
+    kv_s = h1 * total + tail.sum(-1)
+    end_hi, end_lo = _add_time(t, t_lo, total)
+    adv = jnp.where(valid & skip[:, None], k[:, None], 0)
+    rep = rep.replace(
+        run=run.replace(gen=run.gen + adv, comp=run.comp + adv),
+        t_start=jnp.where(skip, t + (t_lo + dur(k - 1)), rep.t_start),
+        t_end=jnp.where(skip, end_hi, rep.t_end), t_lo=jnp.where(skip, end_lo, rep.t_lo),
+        busy=rep.busy + total, kv_block_s=rep.kv_block_s + jnp.where(skip, kv_s, 0.0),
+        kv_peak=jnp.where(skip, jnp.maximum(rep.kv_peak, held0 + blocks_after(k)),
+                          rep.kv_peak),
+        iterations=rep.iterations + k)
+    return rep, jnp.where(skip, end_hi, t), jnp.where(skip, end_lo, t_lo), total
 
 
 def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dict,
@@ -394,8 +524,7 @@ def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dic
     first = sampled & (run.gen == 0)
     gen = run.gen + sampled.astype(jnp.int32)
     done = sampled & (gen == run.output)
-    t = rep.t_end[:, None]
-    span = t - run.arrival
+    span = (rep.t_end[:, None] - run.arrival) + rep.t_lo[:, None]
     k = done.sum(-1)
     since = jnp.where(end, rep.t_end - jnp.maximum(rep.t_start, 0.0), 0.0)
     m = m.replace(
@@ -449,18 +578,26 @@ def _due(rep: Replicas, horizon):
 
 
 def zero_extras() -> dict:
-    """Continuous-batching counters reported next to `StepMetrics` in `info`."""
+    """Continuous-batching counters reported next to `StepMetrics` in `info` (`boundaries`:
+    the engine loop's boundary passes in the step, see `advance`)."""
     return {"first_tokens": jnp.int32(0), "ttft_sum": jnp.float32(0.0),
-            "preemptions": jnp.int32(0), "never_fit": jnp.int32(0)}
+            "preemptions": jnp.int32(0), "never_fit": jnp.int32(0),
+            "boundaries": jnp.int32(0)}
 
 
 def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.Array,
-            log: TokenLog | None = None):
+            log: TokenLog | None = None, decode_runs: bool = True):
     """Runs every replica from time 0 to `horizon` (s) with no arrivals; `inf` drains.
 
     Processes iteration ends at `t <= horizon` and schedules iterations at `t < horizon`.
     Time-in-system over `[0, horizon]` is `sum over completions of t_c + N(horizon) *
     horizon` (N only falls inside the window). Does not rebase the clock.
+
+    Each trip of the loop is one boundary pass over all replicas: iteration ends due, then,
+    where a replica is free, the closed-form skip of a fixed pure-decode run (`_decode_run`;
+    off with `decode_runs=False`, which runs every iteration's boundary: same results up to
+    float32 rounding, for tests and profiling), then the scheduler. `extra["boundaries"]`
+    counts the trips.
 
     Returns:
       (replicas, StepMetrics of the window, extra counters (`zero_extras` keys), log).
@@ -473,8 +610,14 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
         rp, m, ex, lg = _end_iteration(rp, end, slo_s, m, ex, lg)
         has_work = (rp.queues.count + rp.run.count) > 0
         t = jnp.maximum(rp.t_end, 0.0)
+        t_lo = jnp.where(rp.t_end > 0.0, rp.t_lo, 0.0)
         go = ~rp.in_iter & ~rp.stalled & has_work & (t < horizon)
-        rp = _schedule(rp, prof, go, t)
+        if decode_runs:
+            rp, t, t_lo, skipped = _decode_run(rp, prof, go, t, t_lo, horizon)
+            m = m.replace(busy_time=m.busy_time + skipped.sum())
+            go = go & (t < horizon)  # a run may end exactly at the horizon
+        rp = _schedule(rp, prof, go, t, t_lo)
+        ex = {**ex, "boundaries": ex["boundaries"] + 1}
         return (rp, m, ex, lg, *_due(rp, horizon))
 
     carry = (rep, StepMetrics.zeros(), zero_extras(), log, *_due(rep, horizon))
@@ -497,9 +640,10 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
 
 def rebase(rep: Replicas, dt: jax.Array) -> Replicas:
     """Moves the clock origin `dt` seconds forward (every stored time minus `dt`)."""
+    t_end, t_lo = _add_time(rep.t_end, rep.t_lo, -jnp.asarray(dt, jnp.float32))
     return rep.replace(queues=_shift_queues(rep.queues, dt),
                        run=rep.run.replace(arrival=rep.run.arrival - dt),
-                       t_start=rep.t_start - dt, t_end=rep.t_end - dt)
+                       t_start=rep.t_start - dt, t_end=t_end, t_lo=t_lo)
 
 
 def tokens_in_flight(rep: Replicas) -> jax.Array:
