@@ -11,9 +11,15 @@ for one run only, so no result or timing depends on what an earlier run left beh
 Measured with `-n 2` on the shared 2-core CPU (user CPU time, cache off -> on, two runs each):
 tests/test_honest_eval.py + tests/test_evaluate.py 157 -> 132 s and 149 -> 120 s;
 tests/test_agents_checkpoint.py 93 -> 94 s (both workers compile its one trainer at once).
-Without `filelock` JAX does not lock the cache: a worker reading an entry another is writing
-gets a decompression error, which JAX reports as a warning before compiling the program
-itself, so a race costs time, never a result.
+The cache must be locked. JAX locks its cache directory (`filelock`) only when a size limit is
+set (`jax_compilation_cache_max_size`); without one, `put` is a check-then-`write_bytes` with no
+lock, so two workers compiling the same program can write one file at once while a third reads
+it. With the cache shared unlocked, an xdist worker died with a segmentation fault inside
+`compilation_cache.get_executable_and_time` (reading an entry: test_continuous_engine, `-n 2`
+over the LLM test files, 2026-12-03), and two earlier full runs lost a worker to SIGABRT while
+compiling; the same entries read back one process at a time load fine. Our reading (not proven): an interleaved write that still decompresses (zstd
+frames carry no checksum by default) reaches XLA's deserializer. So the cache is shared only
+with a size limit, hence the lock, and is off when `filelock` (a test dependency) is missing.
 
 `JAXSERVE_TEST_XLA_CACHE=0` turns it off.
 """
@@ -30,8 +36,21 @@ _MARK = "JAXSERVE_TEST_XLA_CACHE_DIR"  # set by the controller, seen by workers 
 _created: list[str] = []
 
 
+# 4 GiB, far above what a run writes (one engine test: 360 KB), so nothing is evicted: the limit
+# exists to turn the lock on.
+_CACHE_MAX_BYTES = 1 << 32
+
+
+def _cache_can_lock() -> bool:
+    try:
+        import filelock  # noqa: F401  (JAX's cache lock; see the module docstring)
+    except ImportError:
+        return False
+    return True
+
+
 def pytest_configure(config):
-    if os.environ.get("JAXSERVE_TEST_XLA_CACHE", "1") == "0":
+    if os.environ.get("JAXSERVE_TEST_XLA_CACHE", "1") == "0" or not _cache_can_lock():
         return
     cache_dir = os.environ.get(_MARK)
     if cache_dir is None:  # the controller (or a run without xdist): a fresh directory
@@ -39,11 +58,13 @@ def pytest_configure(config):
         _created.append(cache_dir)
         os.environ.update({_MARK: cache_dir, "JAX_COMPILATION_CACHE_DIR": cache_dir,
                            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"})
+                           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+                           "JAX_COMPILATION_CACHE_MAX_SIZE": str(_CACHE_MAX_BYTES)})
     # jax is already imported (this module imports it), so its flags are set directly too.
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
 
 
 def pytest_unconfigure(config):
