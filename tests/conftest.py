@@ -17,9 +17,10 @@ lock, so two workers compiling the same program can write one file at once while
 it. With the cache shared unlocked, an xdist worker died with a segmentation fault inside
 `compilation_cache.get_executable_and_time` (reading an entry: test_continuous_engine, `-n 2`
 over the LLM test files, 2026-12-03), and two earlier full runs lost a worker to SIGABRT while
-compiling; the same entries read back one process at a time load fine. Our reading (not proven): an interleaved write that still decompresses (zstd
-frames carry no checksum by default) reaches XLA's deserializer. So the cache is shared only
-with a size limit, hence the lock, and is off when `filelock` (a test dependency) is missing.
+compiling; the same entries read back one process at a time load fine. Our reading (not proven):
+an interleaved write that still decompresses (zstd frames carry no checksum by default) reaches
+XLA's deserializer. So the cache is shared only with a size limit, hence the lock, and is off
+when `filelock` (a test dependency) is missing.
 
 `JAXSERVE_TEST_XLA_CACHE=0` turns it off.
 """
