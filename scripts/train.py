@@ -159,6 +159,20 @@ def print_verdicts(verdicts: dict, learned: str) -> None:
     print("(paired differences on common streams, 95% Student-t CI over environments)")
 
 
+def print_winner(results: dict, verdicts: dict, learned: str) -> str:
+    """Prints (and returns) which policy wins: the best heuristic by drop-inclusive mean
+    latency, and the learned policy's paired verdict against it."""
+    heur = {n: r for n, r in results.items() if n in verdicts}
+    best = min(heur, key=lambda n: heur[n][VERDICT_METRIC])
+    v = verdicts[best]["verdict"]
+    line = (f"best heuristic: {best} ({heur[best][VERDICT_METRIC]:.2f} s incl. drops; "
+            f"{learned} {results[learned][VERDICT_METRIC]:.2f} s): "
+            + (f"{learned} wins" if v == "better" else f"{best} wins" if v == "worse"
+               else "no significant difference"))
+    print(line)
+    return line
+
+
 AUTOSCALING_SCALARS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas",
                        "mean_latency", "mean_latency_ci95", "slo_violation_rate", "drop_rate",
                        "in_flight", "return")
@@ -269,6 +283,8 @@ def run(args, argv) -> int:
             columns = SCALARS
             verdicts = paired_verdicts(results, args.algo)
             print_verdicts(verdicts, args.algo)
+            if verdicts:
+                doc["winner"] = print_winner(results, verdicts, args.algo)
             doc["verdict_metric"] = VERDICT_METRIC
             doc["verdicts"] = verdicts
         doc["results"] = {n: {k: r[k] for k in columns}

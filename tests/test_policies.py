@@ -26,7 +26,8 @@ from jaxserve.policies import routing as R
 from jaxserve.policies import smdp
 
 ROUTING = ("random", "round_robin", "weighted_round_robin", "jsq", "least_work_left", "sed",
-           "power_of_two", "join_idle_queue", "sita", "sed_oracle", "least_work_left_oracle")
+           "power_of_two", "join_idle_queue", "sita", "sita_prompt", "sita_predicted",
+           "sed_oracle", "least_work_left_oracle")
 BATCHING = ("static", "greedy", "tuned_static", "smdp_optimal")
 
 
@@ -234,6 +235,54 @@ def test_sita_fit_and_routing(routing_episode):
     fit2 = P.fit_sita(params.replace(estimate_mode=jnp.int32(A.ESTIMATE_EXACT)))
     assert fit2.mask.shape == (4, 4) and np.all(np.diff(fit2.thresholds) > 0)
     assert np.all(fit2.mask.sum(0) == 1) and np.all(fit2.mask.sum(1) == 1)
+
+
+def test_sita_predictor_recovers_a_planted_threshold():
+    # Planted: the prompt decides the class (100 -> 32 output tokens, 1000 -> 512, no spread)
+    # while the estimate is nearly useless (sigma 3: e^3 = 20x). The fitted predictor must
+    # split exactly on the prompt: every request of a class in its own interval block.
+    tokens = A.class_mixture([0.7, 0.3], [100, 1000], [0.0, 0.0], [32, 512], [0.0, 0.0])
+    env, params = jaxserve.make("Routing-v0", tokens=tokens, estimate_noise=3.0)
+    key = jax.random.PRNGKey(5)
+    for name, uses_est in (("sita_prompt", False), ("sita_predicted", True)):
+        fit = P.get(name, env=env, params=params, key=key).info["fit"]
+        assert fit.predictor.shape == (3,) and (fit.predictor[2] != 0) == uses_est
+        rng = np.random.default_rng(0)
+        est = np.exp(rng.normal(4.0, 3.0, 2000)).clip(1, 1e6)
+        for prompt, cls in ((100.0, 0), (1000.0, 1)):
+            size = R.predict_size(fit.predictor, np.full_like(est, prompt), est)
+            k = (size[:, None] > fit.thresholds[None, :]).sum(1)
+            # Short requests' intervals all lie below every long request's interval.
+            if cls == 0:
+                short_max = k.max()
+            else:
+                assert k.min() > short_max, (name, fit.thresholds)
+        # Log-linear fit of a two-point mix: slope of log output on log prompt ~ 1.2 exactly.
+        assert fit.predictor[1] == pytest.approx(np.log(513 / 33) / np.log(1001 / 101),
+                                                 rel=0.05 if uses_est else 1e-3)
+    # The plain SITA on the noisy estimate cannot separate them that well.
+    fit0 = P.get("sita", env=env, params=params, key=key).info["fit"]
+    assert fit0.predictor is None
+    with pytest.raises(ValueError, match="predictor"):
+        P.fit_sita(params, predictor="oracle")
+    with pytest.raises(ValueError, match="size predictor"):
+        P.get("sita_predicted", fit=fit0)
+
+
+def test_sita_predictor_fits_on_tuning_streams_only():
+    from jaxserve.core.sources import is_tuning_key, tuning_key
+    env, params = jaxserve.make("Routing-v0")
+    ev = jax.random.PRNGKey(11)
+    tk = tuning_key(ev)
+    pol = P.get("sita_predicted", env=env, params=params, key=tk)
+    assert is_tuning_key(tk) and not is_tuning_key(ev)
+    # Evaluation refuses the key the fit drew its sample with.
+    with pytest.raises(ValueError, match="tun"):
+        jaxserve.evaluate(env, params, pol, tk, 2, 8)
+    # A fit given a fresh key marks it, so it cannot become an evaluation key later.
+    k2 = jax.random.PRNGKey(12)
+    P.get("sita_prompt", env=env, params=params, key=k2)
+    assert is_tuning_key(k2)
 
 
 # ----------------------------------------------------------------------------- SMDP (exact)

@@ -7,6 +7,7 @@ import pytest
 import jaxserve
 from jaxserve.core import arrivals as A
 from jaxserve.envs.registry import ROUTING_SCENARIOS
+from jaxserve.evaluation.capacity import service_capacity
 
 
 def test_default_routers_see_a_noisy_prediction_not_the_class():
@@ -36,7 +37,10 @@ def test_registered_scenarios_build_with_equal_static_shapes(name):
     assert env.static == env0.static  # one program trains the whole family
     assert params.arrivals.rates.shape == (2,)  # bursty: a two-phase MMPP
     mean = float(A.mean_rate(params.arrivals))
-    assert mean == pytest.approx(0.6 * 2.163, rel=1e-4)
+    spec = ROUTING_SCENARIOS[name]
+    assert mean == pytest.approx(spec["load"] * spec["capacity"], rel=1e-4)
+    # The recorded capacity is the scenario mix's (a number, since envs cannot import it).
+    assert service_capacity(params) == pytest.approx(spec["capacity"], rel=1e-3)
     assert int(params.estimate_mode) == A.ESTIMATE_NOISY
     obs, state = env.reset(jax.random.PRNGKey(0), params)
     obs, *_ = env.step(jax.random.PRNGKey(1), state, 0, params)
@@ -50,3 +54,26 @@ def test_scenario_overrides_yield_to_explicit_ones_and_unknown_is_an_error():
     assert np.all(np.asarray(p.gpus.queue_cap) == 16) and float(p.slo_s) == 20.0
     with pytest.raises(ValueError, match="scenario"):
         jaxserve.make("Routing-v0", scenario="nope")
+
+
+def test_short_bursts_mix_shifts_with_the_phase_and_the_prompt_says_nothing():
+    env, params = jaxserve.make("Routing-v0", scenario="short_bursts")
+    assert params.tokens.weights.shape == (2, 2)
+    np.testing.assert_allclose(np.asarray(params.tokens.weights), [[0.6, 0.4], [1.0, 0.0]])
+    # Both classes share one prompt law: the prompt carries no size information.
+    assert np.ptp(np.asarray(params.tokens.prompt_median)) == 0
+    assert np.ptp(np.asarray(params.tokens.prompt_sigma)) == 0
+    # Arrivals: 30% of the time in bursts at 3x: a burst holds 0.9 / 1.6 of the arrivals, so
+    # the mix of all arrivals is 0.7 / 1.6 * 40% = 17.5% long.
+    probs = np.asarray(A.arrival_phase_probs(params.arrivals))
+    np.testing.assert_allclose(probs, [0.7 / 1.6, 0.9 / 1.6], rtol=1e-4)
+    mix = np.asarray(A.mixture_weights(params.tokens, probs))
+    assert mix[1] == pytest.approx(0.175, rel=1e-4)
+
+
+def test_win_experiment_trains_scenarios_with_equal_parameter_shapes_together():
+    from agents.experiments.routing_win import _shape_signature
+    sig = {n: _shape_signature(jaxserve.make("Routing-v0", scenario=n)[1])
+           for n in ROUTING_SCENARIOS}
+    # The per-phase class mix adds an axis to tokens.weights: its own training program.
+    assert sig["bursty"] == sig["bursty_short_queues"] != sig["short_bursts"]

@@ -262,4 +262,9 @@ def test_cli_trains_evaluates_and_writes_results(tmp_path, capsys):
     d = v["difference"]["mean_latency_incl_drops"]
     assert d["n"] == 2 and d["low"] <= d["mean"] <= d["high"]
     assert (out / "results.csv").exists() and (out / "checkpoints" / "12").exists()
-    assert "mean latency" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mean latency" in printed
+    # The run says which policy wins: the best heuristic and the verdict against it.
+    assert doc["winner"].startswith("best heuristic: random (") and doc["winner"] in printed
+    assert doc["winner"].endswith({"better": "ppo wins", "worse": "random wins"}.get(
+        v["verdict"], "no significant difference"))

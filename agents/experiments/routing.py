@@ -26,7 +26,7 @@ def routing_heuristics(env, params, key) -> dict:
     for name in policies.names("routing"):
         if "oracle" in name:
             continue  # oracles read true output lengths: references, not baselines
-        kw = {"key": tuning_key(key)} if name == "sita" else {}
+        kw = {"key": tuning_key(key)} if "key" in policies.options(name) else {}
         out[name] = policies.get(name, env=env, params=params, **kw)
     return out
 

@@ -40,7 +40,12 @@ ALGO = "ppo"
 # what 2 CPU cores train in a few minutes; "full" is meant for a GPU.
 WIN_BUDGETS = {"quick": ((0, 1, 2), 393_216), "full": ((0, 1, 2, 3, 4), 2_097_152),
                "tiny": ((0,), 2048)}
-HEURISTICS = ("sita", "sed", "least_work_left", "jsq", "power_of_two", "round_robin")
+# Evaluation of (w) per budget name: (streams, requests per stream, warm-up requests left out).
+# Larger than the shared budget's: evaluation is cheap next to training, and the CIs of a
+# paired difference between close policies need it.
+WIN_EVAL = {"quick": (16, 1024, 64), "full": (32, 2048, 128), "tiny": (2, 64, 8)}
+HEURISTICS = ("sita", "sita_predicted", "sita_prompt", "sed", "least_work_left", "jsq",
+              "power_of_two", "round_robin")
 ORACLES = {"sita, true lengths": "sita", "sed, true lengths": "sed_oracle",
            "least_work_left, true lengths": "least_work_left_oracle"}
 
@@ -116,10 +121,11 @@ def _reading(name: str, lat: dict, best: str, ref: str, d_best: dict, to_fast: d
                if d_best["low"] > 0 else "no difference is resolved (the CI includes 0)")
     learned = next(k for k in to_fast if k.startswith(ALGO))
     lf, hf = np.asarray(to_fast[learned]), np.asarray(to_fast[best])
+    def pct(x):
+        return f"{100 * x:.0f}%" if np.isfinite(x) else "none arrived"
     shares = "; ".join(
-        f"phase {p}: short {100 * lf[p, 0]:.0f}% vs {100 * hf[p, 0]:.0f}%, long "
-        f"{100 * lf[p, -1]:.0f}% vs {100 * hf[p, -1]:.0f}%" for p in range(min(len(lf),
-                                                                               len(hf))))
+        f"phase {p}: short {pct(lf[p, 0])} vs {pct(hf[p, 0])}, long "
+        f"{pct(lf[p, -1])} vs {pct(hf[p, -1])}" for p in range(min(len(lf), len(hf))))
     return (f"Reading ({name}, measured above): PPO {lat[ALGO]:.3g} s against the best "
             f"heuristic, {best}, {lat[best]:.3g} s: paired difference {_interval(d_best)} s, "
             f"so {verdict}. Headroom: the best clairvoyant reference ({ref}, "
@@ -128,15 +134,34 @@ def _reading(name: str, lat: dict, best: str, ref: str, d_best: dict, to_fast: d
             f"GPU, {learned} vs {best}: {shares}.")
 
 
+def _shape_signature(params) -> tuple:
+    """Tree structure and leaf shapes: scenarios with equal signatures train in one program."""
+    leaves, tree = jax.tree.flatten(params)
+    return (str(tree), tuple(np.shape(x) for x in leaves))
+
+
+def train_families(scen: dict, seeds, steps, ctx) -> dict:
+    """`{scenario: [policy per seed]}`: `train_scenarios` once per group of scenarios whose
+    parameters have equal shapes (a class mix per arrival phase has one more axis)."""
+    groups: dict = {}
+    for n, (env, params) in scen.items():
+        groups.setdefault(_shape_signature(params), []).append(n)
+    out = {}
+    for names in groups.values():
+        trained, _ = train_scenarios("Routing-v0", scen[names[0]][0],
+                                     [scen[n][1] for n in names], ALGO, seeds, steps, ctx)
+        out.update(zip(names, trained))
+    return out
+
+
 @experiment("w", "Honest information, headroom, and learned vs best heuristic")
 def routing_win(ctx: Context) -> Section:
     b = ctx.budget
     seeds, steps = WIN_BUDGETS[b.name]
+    eval_envs, eval_steps, warmup = WIN_EVAL[b.name]
     scen = {n: make("Routing-v0", scenario=n) for n in ROUTING_SCENARIOS}
     names = list(scen)
-    env0 = scen[names[0]][0]
-    trained, _ = train_scenarios("Routing-v0", env0, [p for _, p in scen.values()], ALGO,
-                                 seeds, steps, ctx)
+    trained = train_families(scen, seeds, steps, ctx)
     parts = [
         "Every router reads the same noisy output-length prediction (Routing-v0's default, "
         "`estimate_mode=1`, `estimate_noise=1.0`: the prediction is the true length times "
@@ -145,8 +170,8 @@ def routing_win(ctx: Context) -> Section:
         "evaluation key). Clairvoyant references (not realisable) read the true lengths on "
         "the same request streams. Means and paired differences: the crossed seed x stream "
         f"bootstrap (`stats.seed_env_bootstrap`, 95%): {len(seeds)} training seed(s) of "
-        f"{steps} env steps each, {b.eval_envs} evaluation streams of {b.eval_steps} "
-        f"requests (first {b.warmup} excluded), so the intervals count training and "
+        f"{steps} env steps each, {eval_envs} evaluation streams of {eval_steps} "
+        f"requests (first {warmup} excluded), so the intervals count training and "
         "evaluation noise. Drops: every policy's, measured requests refused by a full queue "
         f"(each counted at {float(np.asarray(scen[names[0]][1].drop_penalty_s)):g} s).",
     ]
@@ -156,17 +181,17 @@ def routing_win(ctx: Context) -> Section:
         key = ctx.eval_key(70 + i)
         heur = {n: p for n, p in routing_heuristics(env, params, key).items()
                 if n in HEURISTICS}
-        learned = learned_dict({ALGO: trained[i]})
+        learned = learned_dict({ALGO: trained[name]})
         ctx.log(f"  evaluating (w) {name}")
-        res = evaluate_many(env, params, {**heur, **learned}, key, b.eval_envs, b.eval_steps,
-                            warmup=b.warmup)
+        res = evaluate_many(env, params, {**heur, **learned}, key, eval_envs, eval_steps,
+                            warmup=warmup)
         exact = params.replace(estimate_mode=jnp.int32(A.ESTIMATE_EXACT))
         oracle = {"sita, true lengths": policies.get("sita", env=env, params=exact,
                                                      key=tuning_key(key)),
                   "sed, true lengths": policies.get("sed_oracle"),
                   "least_work_left, true lengths": policies.get("least_work_left_oracle")}
-        res.update(evaluate_many(env, exact, oracle, key, b.eval_envs, b.eval_steps,
-                                 warmup=b.warmup))
+        res.update(evaluate_many(env, exact, oracle, key, eval_envs, eval_steps,
+                                 warmup=warmup))
         order = sorted(heur, key=lambda n: env_mean(res[n]["per_env"][LATENCY]))
         best = order[0]
         rows = []
@@ -197,10 +222,11 @@ def routing_win(ctx: Context) -> Section:
         why = []
         for n in [ALGO + "-s" + str(seeds[0]), best]:
             rec = routing_record(env, params, learned.get(n, heur.get(n)),
-                                 ctx.eval_key(90 + i), b.eval_envs, b.eval_steps)
-            frac = _phase_fractions(rec, fast, b.warmup)
+                                 ctx.eval_key(90 + i), eval_envs, eval_steps)
+            frac = _phase_fractions(rec, fast, warmup)
             for p in range(frac.shape[0]):
-                why.append([n, f"phase {p}"] + [f"{100 * x:.0f}%" for x in frac[p]])
+                why.append([n, f"phase {p}"] + [f"{100 * x:.0f}%" if np.isfinite(x) else
+                                                 "none arrived" for x in frac[p]])
             data[name].setdefault("to_fast", {})[n] = frac.tolist()
         parts += ["Where requests go (share of each true size class sent to a fastest GPU, by "
                   "arrival phase, phase 1 = bursts; fresh streams; the class is a report, not "

@@ -203,7 +203,9 @@ class TokenDist:
     """Distribution of (prompt, output) token lengths.
 
     Attributes:
-      weights: class probabilities (need not be normalised). `(C,)`.
+      weights: class probabilities (need not be normalised). `(C,)`, or `(P, C)`: one row per
+        phase of the arrival process, so the class mix depends on the phase a request arrives
+        in (`with_phase_weights`; samplers then need that phase).
       prompt_median, prompt_sigma: lognormal prompt length per class (tokens, log-space sd).
       output_median, output_sigma: lognormal output length per class.
       max_prompt, max_output: lengths are rounded and clipped to `[1, max]` (tokens).
@@ -259,6 +261,40 @@ def bimodal_tokens(long_frac=0.2, short=(256, 32), long=(1024, 512), sigma=0.3,
                          [short[1], long[1]], [sigma, sigma], max_prompt, max_output)
 
 
+def with_phase_weights(dist: TokenDist, phase_weights) -> TokenDist:
+    """`dist` with a class mix per arrival phase: `phase_weights[p]` (`(P, C)`, rows need not
+    be normalised) are the class probabilities of a request arriving in phase `p` of the
+    arrival process (`ArrivalProcess` with `P` phases; checked by `validate_tokens` and the
+    environments' parameter validation). The classes' lengths are `dist`'s."""
+    w = np.asarray(phase_weights, np.float64)
+    c = np.asarray(dist.prompt_median).shape[-1]
+    if w.ndim != 2 or w.shape[1] != c or dist.table_prompt.shape[-1] > 0:
+        raise ValueError(f"phase_weights must have shape (phases, {c}) (one row per arrival "
+                         f"phase, one column per class of a class mixture), got {w.shape}")
+    return dist.replace(weights=_f32(w))
+
+
+def arrival_phase_probs(proc: ArrivalProcess) -> jax.Array:
+    """Probability that a request arrives in each phase, `(K,)`: `pi_k rates_k / sum`, the
+    stationary phase law weighted by the phase's arrival rate."""
+    w = stationary(proc) * proc.rates
+    return w / w.sum(-1, keepdims=True)
+
+
+def mixture_weights(dist: TokenDist, phase_probs=None):
+    """The class probabilities of the whole mix, `(C,)`, normalised: `weights` itself, or for
+    per-phase weights the rows (each normalised) averaged with `phase_probs` (`(P,)`, e.g.
+    `arrival_phase_probs`; required then)."""
+    w = dist.weights
+    if w.ndim == 1:
+        return w / w.sum()
+    if phase_probs is None:
+        raise ValueError("tokens.weights has one row per arrival phase: the mix needs the "
+                         "phase probabilities (arrival_phase_probs of the arrival process)")
+    rows = w / w.sum(-1, keepdims=True)
+    return (jnp.asarray(phase_probs)[..., :, None] * rows).sum(-2)
+
+
 def empirical_tokens(prompt_tokens, output_tokens) -> TokenDist:
     """Rows `(prompt_tokens[i], output_tokens[i])` drawn uniformly (e.g. from a real trace)."""
     p = np.asarray(prompt_tokens, np.float64)
@@ -289,8 +325,16 @@ def validate_tokens(dist: TokenDist, where: str = "tokens") -> None:
         raise ValueError(f"{where}.max_prompt + {where}.max_output must be <= {MAX_TOKENS} "
                          f"tokens (a request's prompt + output), got {np.asarray(dist.max_prompt)}"
                          f" + {np.asarray(dist.max_output)}")
-    if not np.asarray(dist.weights).sum() > 0:
-        raise ValueError(f"{where}.weights must have a positive entry")
+    w = np.asarray(dist.weights, np.float64)
+    c = np.asarray(dist.prompt_median).shape[-1]
+    if w.ndim not in (1, 2) or w.shape[-1] != c:
+        raise ValueError(f"{where}.weights must have shape ({c},) or (phases, {c}) (one column "
+                         f"per class), got {w.shape}")
+    if w.ndim == 2 and np.asarray(dist.table_prompt).shape[-1] > 0:
+        raise ValueError(f"{where}.weights: per-phase weights need a class mixture, not an "
+                         f"empirical table")
+    if not np.all(w.sum(-1) > 0):
+        raise ValueError(f"{where}.weights must have a positive entry (in every phase's row)")
     for f in ("prompt_median", "output_median", "max_prompt", "max_output"):
         if np.any(np.asarray(getattr(dist, f)) < 1):
             raise ValueError(f"{where}.{f} must be >= 1 token")
@@ -307,29 +351,38 @@ def uniforms(key: jax.Array, n: int) -> jax.Array:
     return rng.uniforms(key, n)
 
 
-def tokens_from_uniforms(u: jax.Array, dist: TokenDist):
+def tokens_from_uniforms(u: jax.Array, dist: TokenDist, phase=None):
     """(prompt, output) token lengths from three uniforms `u` (class or row, two normals).
 
-    Float32 integers in `[1, max]`; the law of `sample_tokens`.
+    Float32 integers in `[1, max]`; the law of `sample_tokens`. `phase` (int32, the arrival
+    phase of the request) selects the class mix when `dist.weights` has one row per phase,
+    and is then required (a ValueError at trace time otherwise); it is ignored otherwise.
     """
     if dist.table_prompt.shape[-1] > 0:
         m = dist.table_prompt.shape[-1]
         i = jnp.minimum((u[0] * m).astype(jnp.int32), m - 1)
         return dist.table_prompt[i], dist.table_output[i]
-    cdf = jnp.cumsum(dist.weights)
+    w = dist.weights
+    if w.ndim == 2:
+        if phase is None:
+            raise ValueError("tokens.weights has one row per arrival phase: sampling needs the "
+                             "request's arrival phase")
+        w = w[jnp.clip(phase, 0, w.shape[0] - 1)]
+    cdf = jnp.cumsum(w)
     # The default "scan" method: "compare_all" measured ~20% slower per Routing-v0 step at
     # 256 envs on CPU (same-process A/B, docs/benchmarks.md), though it runs fewer thunks.
     c = jnp.minimum(jnp.searchsorted(cdf, u[0] * cdf[-1], side="right"),
-                    dist.weights.shape[-1] - 1)
+                    w.shape[-1] - 1)
     zp, zo = jax.scipy.special.ndtri(u[1]), jax.scipy.special.ndtri(u[2])
     p = jnp.round(dist.prompt_median[c] * jnp.exp(dist.prompt_sigma[c] * zp))
     o = jnp.round(dist.output_median[c] * jnp.exp(dist.output_sigma[c] * zo))
     return jnp.clip(p, 1.0, dist.max_prompt), jnp.clip(o, 1.0, dist.max_output)
 
 
-def sample_tokens(key: jax.Array, dist: TokenDist):
-    """One request's (prompt, output) token lengths, float32 integers in `[1, max]`."""
-    return tokens_from_uniforms(uniforms(key, 3), dist)
+def sample_tokens(key: jax.Array, dist: TokenDist, phase=None):
+    """One request's (prompt, output) token lengths, float32 integers in `[1, max]` (`phase`:
+    see `tokens_from_uniforms`)."""
+    return tokens_from_uniforms(uniforms(key, 3), dist, phase)
 
 
 def size_class(output, size_edges):

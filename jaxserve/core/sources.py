@@ -74,7 +74,7 @@ def sample_stream(key, params, n: int) -> TraceArrays:
     def draw(phase, k):
         k_gap, k_tok = jax.random.split(k)
         gap, phase = A.sample_gap(k_gap, phase, params.arrivals)
-        p, o = A.sample_tokens(k_tok, params.tokens)
+        p, o = A.sample_tokens(k_tok, params.tokens, phase)
         return phase, (gap, p, o)
 
     _, (gap, p, o) = jax.lax.scan(draw, phase, jax.random.split(k_seq, n))
@@ -82,9 +82,23 @@ def sample_stream(key, params, n: int) -> TraceArrays:
 
 
 @partial(jax.jit, static_argnames=("n",))
-def sample_tokens_n(key, tokens: A.TokenDist, n: int):
-    """`n` i.i.d. (prompt, output) token lengths from `tokens`, `(n,)` float32 each (jitted)."""
-    return jax.vmap(lambda k: A.sample_tokens(k, tokens))(jax.random.split(key, n))
+def sample_tokens_n(key, tokens: A.TokenDist, n: int, arrivals: A.ArrivalProcess | None = None):
+    """`n` i.i.d. (prompt, output) token lengths from `tokens`, `(n,)` float32 each (jitted).
+
+    With a class mix per arrival phase, each request's phase is drawn from
+    `arrivals.arrival_phase_probs(arrivals)` (`arrivals` required then): the mix of all
+    arrivals in the long run."""
+    if tokens.weights.ndim == 1:
+        return jax.vmap(lambda k: A.sample_tokens(k, tokens))(jax.random.split(key, n))
+    if arrivals is None:
+        raise ValueError("tokens.weights has one row per arrival phase: sampling the mix "
+                         "needs the arrival process (arrivals=)")
+    logits = jnp.log(jnp.maximum(A.arrival_phase_probs(arrivals), 1e-30))
+
+    def one(k):
+        k_ph, k_tok = jax.random.split(k)
+        return A.sample_tokens(k_tok, tokens, jax.random.categorical(k_ph, logits))
+    return jax.vmap(one)(jax.random.split(key, n))
 
 
 def params_trace(params) -> Trace | None:

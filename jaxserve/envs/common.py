@@ -214,6 +214,10 @@ def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | N
     if np.asarray(params.trace.length) == 0:
         A.validate_arrivals(params.arrivals, where="params.arrivals")
         A.validate_tokens(params.tokens, where="params.tokens")
+        w = np.asarray(params.tokens.weights)
+        if w.ndim == 2 and w.shape[0] != params.arrivals.num_phases:
+            raise ValueError(f"params.tokens.weights has {w.shape[0]} phase rows; the arrival "
+                             f"process has {params.arrivals.num_phases} phases")
     for f, dtype in SCALAR_FIELDS.items():
         raw = numeric_array(getattr(params, f), f"params.{f}")
         if dtype == jnp.int32 and raw.dtype.kind not in "iu":
@@ -243,13 +247,16 @@ def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | N
                          f"tokens, got {values}")
 
 
-def draw_request(u: jax.Array, params: ServingParams, arrival, req_id, tokens=None) -> Request:
+def draw_request(u: jax.Array, params: ServingParams, arrival, req_id, tokens=None,
+                 phase=None) -> Request:
     """A request arriving at `arrival` (s), from four uniforms `u`.
 
-    Tokens come from `params.tokens` (`u[0:3]`) unless given as a `(prompt, output)` pair
-    (e.g. from a trace); `u[3]` draws the output estimate.
+    Tokens come from `params.tokens` (`u[0:3]`; in arrival phase `phase` when its class mix
+    depends on the phase) unless given as a `(prompt, output)` pair (e.g. from a trace);
+    `u[3]` draws the output estimate.
     """
-    p, o = A.tokens_from_uniforms(u[:3], params.tokens) if tokens is None else tokens
+    p, o = (A.tokens_from_uniforms(u[:3], params.tokens, phase) if tokens is None
+            else tokens)
     est, cls = A.estimate_from_uniform(u[3], o, params.estimate_mode, params.estimate_noise,
                                        params.size_edges, params.size_values)
     return Request(arrival=jnp.asarray(arrival, jnp.float32), prompt=p, output=o, estimate=est,
@@ -288,7 +295,7 @@ def next_arrival(key: jax.Array, params: ServingParams, phase, trace_pos, req_id
         gap = -jnp.log(u[4]) / params.arrivals.rates[0]
     else:
         gap, phase = A.sample_gap(jax.random.fold_in(key, 1), phase, params.arrivals)
-    return gap, draw_request(u, params, 0.0, req_id), phase, jnp.bool_(False)
+    return gap, draw_request(u, params, 0.0, req_id, phase=phase), phase, jnp.bool_(False)
 
 
 def first_phase(key: jax.Array, params: ServingParams, salt: int | None = None) -> jax.Array:

@@ -34,7 +34,7 @@ def service_capacity(params, num_samples: int = 512, key=None) -> float:
     """Rough cluster capacity (req/s): sum over GPUs of `B / E[T(full batch)]`."""
     key = jax.random.PRNGKey(0) if key is None else key
     b_max = int(np.asarray(params.gpus.max_batch).max())
-    p, o = sample_tokens_n(key, params.tokens, num_samples * b_max)
+    p, o = sample_tokens_n(key, params.tokens, num_samples * b_max, params.arrivals)
     p = np.asarray(p, np.float64).reshape(num_samples, b_max)
     o = np.asarray(o, np.float64).reshape(num_samples, b_max)
     return float(full_batch_rate(params.gpus, p, o).sum())
@@ -44,7 +44,7 @@ def p99_lower_bound(params, num_samples: int = 4096, key=None) -> float:
     """A lower bound of any policy's p99 latency (s): the p99, over the workload, of a request's
     service time alone on the fastest GPU for it (no waiting, no batch-mates)."""
     key = jax.random.PRNGKey(1) if key is None else key
-    p, o = sample_tokens_n(key, params.tokens, num_samples)
+    p, o = sample_tokens_n(key, params.tokens, num_samples, params.arrivals)
     p = np.asarray(p, np.float64)[:, None]
     o = np.asarray(o, np.float64)[:, None]
     t = service_time(host_profile(params.gpus), 1, p, p * p, o)  # (num_samples, num_gpus)

@@ -60,13 +60,14 @@ def _argmin_open(cost, state, params) -> jax.Array:
 def workload_means(params):
     """Mean prompt and output tokens of the workload (`params.tokens`), as float32 scalars.
 
-    Lognormal class means `median * exp(sigma^2 / 2)` weighted by class probability (the clip
+    Lognormal class means `median * exp(sigma^2 / 2)` weighted by class probability (with a
+    class mix per arrival phase, the mix of all arrivals, `arrivals.mixture_weights`; the clip
     to `max_*` is ignored), or the table means for an empirical distribution.
     """
     t = params.tokens
     if t.table_prompt.shape[-1] > 0:
         return t.table_prompt.mean(), t.table_output.mean()
-    w = t.weights / t.weights.sum()
+    w = A.mixture_weights(t, A.arrival_phase_probs(params.arrivals))
     p = (w * t.prompt_median * jnp.exp(0.5 * t.prompt_sigma ** 2)).sum()
     o = (w * t.output_median * jnp.exp(0.5 * t.output_sigma ** 2)).sum()
     return p.astype(jnp.float32), o.astype(jnp.float32)
@@ -203,12 +204,15 @@ class SitaFit(NamedTuple):
       mask: `(K, num_gpus)` bool, the GPU group serving each interval (a partition of the GPUs).
       utilisation: `(num_gpus,)` predicted utilisation at the workload's mean rate.
       max_rho_per_rate: the largest group utilisation per unit arrival rate (1/(req/s)).
+      predictor: None (the thresholds apply to the output estimate) or `(3,)` coefficients of
+        `fit_size_predictor` (they apply to `predict_size(predictor, prompt, estimate)`).
     """
 
     thresholds: np.ndarray
     mask: np.ndarray
     utilisation: np.ndarray
     max_rho_per_rate: float
+    predictor: np.ndarray | None = None
 
 
 def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, output=None):
@@ -226,7 +230,8 @@ def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, outp
     key = tuning_key() if key is None else mark_tuning_key(key)
     if prompt is None:
         k_tok, key = jax.random.split(key)
-        prompt, output = sample_tokens_n(k_tok, params.tokens, int(num_samples))
+        prompt, output = sample_tokens_n(k_tok, params.tokens, int(num_samples),
+                                         params.arrivals)
     prompt = jnp.asarray(prompt, jnp.float32)
     output = jnp.asarray(output, jnp.float32)
     if prompt.ndim != 1 or prompt.shape != output.shape or prompt.shape[0] == 0:
@@ -245,7 +250,8 @@ def _estimates(key, output, params):
 
 
 def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None,
-             max_intervals: int = 32, batches_per_interval: int = 64) -> SitaFit:
+             max_intervals: int = 32, batches_per_interval: int = 64,
+             predictor: str | None = None) -> SitaFit:
     """Fits SITA thresholds and GPU groups to a workload so that load is balanced.
 
     Method (host-side, on a workload sample):
@@ -270,10 +276,23 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
     At run time the policy sends a request to its interval's group and, within the group, to
     the GPU with the least work left.
 
+    `predictor` chooses the size SITA splits on (steps 2-4 read it in place of the estimate):
+    None, the output estimate; `"prompt"` or `"predicted"`, the output length predicted from
+    the prompt alone or from prompt and estimate (`fit_size_predictor`, least squares on the
+    same tuning sample). The thresholds are then predicted output lengths (tokens).
+
     Returns:
       `SitaFit`.
     """
+    if predictor is not None and predictor not in SIZE_PREDICTORS:
+        raise ValueError(f"fit_sita: predictor must be None or one of {SIZE_PREDICTORS}, got "
+                         f"{predictor!r}")
     prompt, output, est = sample_workload(params, key, num_samples, prompt, output)
+    coef = None
+    if predictor is not None:
+        coef = fit_size_predictor(prompt, output, est, use_estimate=predictor == "predicted",
+                                  where=f"fit_sita(predictor={predictor!r})")
+        est = np.asarray(predict_size(coef, prompt, est), np.float64)
     bs = np.maximum(np.asarray(params.gpus.max_batch).astype(int), 1)
     num_gpus = bs.shape[0]
     uniq = np.unique(est)
@@ -334,7 +353,39 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
         if a1 < m:
             thresholds.append(cuts[a1 - 1])
     return SitaFit(thresholds=np.asarray(thresholds, np.float64), mask=mask, utilisation=util,
-                   max_rho_per_rate=float(r_star))
+                   max_rho_per_rate=float(r_star), predictor=coef)
+
+
+SIZE_PREDICTORS = ("prompt", "predicted")
+
+
+def fit_size_predictor(prompt, output, estimate, use_estimate: bool = True,
+                       where: str = "fit_size_predictor") -> np.ndarray:
+    """Least-squares predictor of log output length from what a router sees, `(3,)` float64.
+
+    Fits `log1p(output) ~ c0 + c1 * log1p(prompt) + c2 * log1p(estimate)` on a workload
+    sample (`sample_workload`, tuning streams); `use_estimate=False` fixes `c2 = 0` (prompt
+    only). The fitted coefficients are what `predict_size` applies at run time.
+
+    Raises:
+      ValueError: the sample has fewer than 3 rows (the message starts with `where`).
+    """
+    p, o, e = (np.log1p(np.asarray(x, np.float64)) for x in (prompt, output, estimate))
+    if p.shape[0] < 3:
+        raise ValueError(f"{where}: the workload sample needs at least 3 requests")
+    cols = [np.ones_like(p), p] + ([e] if use_estimate else [])
+    coef, *_ = np.linalg.lstsq(np.stack(cols, axis=1), o, rcond=None)
+    return np.concatenate([coef, np.zeros(3 - coef.shape[0])])
+
+
+def predict_size(coef, prompt, estimate):
+    """Predicted output length (tokens, >= 1) from `fit_size_predictor`'s coefficients:
+    `expm1(c0 + c1 * log1p(prompt) + c2 * log1p(estimate))`. Works on numpy or jax arrays."""
+    xp = jnp if isinstance(prompt, jax.Array) or isinstance(estimate, jax.Array) else np
+    c = xp.asarray(coef, xp.float32) if xp is jnp else np.asarray(coef, np.float64)
+    z = c[0] + c[1] * xp.log1p(prompt) + c[2] * xp.log1p(estimate)
+    # Clipped so a wild estimate cannot overflow float32 (e^80 ~ 5e34).
+    return xp.maximum(xp.expm1(xp.clip(z, -80.0, 80.0)), 1.0)
 
 
 def _partition_dp(cost, m, n, objective):
@@ -366,13 +417,18 @@ def _partition_dp(cost, m, n, objective):
 
 
 def make_sita(fit: SitaFit):
-    """The SITA policy of a fit: interval by thresholds on the estimate, then least work left
-    within the interval's GPU group (full queues skipped unless the whole group is full)."""
+    """The SITA policy of a fit: interval by thresholds on the estimate (or, with a fitted
+    `predictor`, on the output length it predicts from prompt and estimate), then least work
+    left within the interval's GPU group (full queues skipped unless the whole group is full)."""
     thresholds = jnp.asarray(fit.thresholds, jnp.float32)
     mask = jnp.asarray(fit.mask, bool)
+    coef = fit.predictor
 
     def sita(key, obs, state, params):
-        k = jnp.sum(state.pending.estimate > thresholds).astype(jnp.int32)
+        size = state.pending.estimate
+        if coef is not None:
+            size = predict_size(coef, state.pending.prompt, size)
+        k = jnp.sum(size > thresholds).astype(jnp.int32)
         allowed = mask[k]
         full = _full(state, params)
         open_ = allowed & ~full
@@ -426,3 +482,27 @@ def _sita_factory(env=None, params=None, fit: SitaFit | None = None, key=None,
             raise ValueError("policy 'sita' needs params= (to fit it) or fit=")
         fit = fit_sita(params, key=key, num_samples=num_samples, prompt=prompt, output=output)
     return Policy(name="sita", kind="routing", fn=make_sita(fit), info={"fit": fit})
+
+
+def _sita_predictor_factory(name: str, predictor: str):
+    def factory(env=None, params=None, fit: SitaFit | None = None, key=None,
+                num_samples: int = 4096, prompt=None, output=None):
+        if fit is None:
+            if params is None:
+                raise ValueError(f"policy {name!r} needs params= (to fit it) or fit=")
+            fit = fit_sita(params, key=key, num_samples=num_samples, prompt=prompt,
+                           output=output, predictor=predictor)
+        elif fit.predictor is None:
+            raise ValueError(f"policy {name!r} needs a fit with a size predictor "
+                             f"(fit_sita(..., predictor={predictor!r}))")
+        return Policy(name=name, kind="routing", fn=make_sita(fit), info={"fit": fit})
+    factory.__doc__ = (f"SITA splitting on the output length predicted from "
+                       f"{'the prompt' if predictor == 'prompt' else 'prompt and estimate'} "
+                       f"(`fit_sita(..., predictor={predictor!r})`), fitted to `params` on "
+                       f"tuning streams unless `fit` is given.")
+    return factory
+
+
+register("sita_prompt", "routing", _sita_predictor_factory("sita_prompt", "prompt"))
+register("sita_predicted", "routing", _sita_predictor_factory("sita_predicted", "predicted"))
+
