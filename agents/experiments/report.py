@@ -45,6 +45,47 @@ drop requests. Latency is where routing shows, and it shows most when request si
 """
 
 
+# Routers' information and the heuristic set changed at these commits (issue 25): a section
+# written before one of them is flagged in the preamble until it is regenerated.
+INFORMATION_CHANGES = (
+    ("f3d97b3", "Routing-v0's routers see a noisy output estimate by default (`estimate_mode=1`,"
+                " sigma 1.0), not the true size class"),
+    ("0658cc1", "the heuristic set includes `sita_predicted` and `sita_prompt` (SITA on the "
+                "length predicted from the prompt and the estimate, fitted on tuning streams), "
+                "the strongest honest heuristic in (w)"),
+)
+_ROUTER_ROW = re.compile(r"\b(sita|jsq|round_robin)\b", re.I)
+_WRITTEN_AT = re.compile(r"\*Written by `[^`]*` at commit `(?P<commit>[0-9a-f]+)`")
+
+
+def _is_ancestor(old: str, new: str) -> bool | None:
+    """Whether commit `old` is an ancestor of (or equal to) `new`; None when git cannot tell."""
+    r = subprocess.run(["git", "merge-base", "--is-ancestor", old, new], capture_output=True)
+    return {0: True, 1: False}.get(r.returncode)
+
+
+def stale_note(blocks: dict[str, str]) -> str:
+    """A preamble paragraph naming each routing section (one naming SITA, JSQ or round robin)
+    written before an `INFORMATION_CHANGES` commit (read from its provenance line), or "" when
+    none is, or when git cannot tell (a checkout without history)."""
+    lines = []
+    for change, what in INFORMATION_CHANGES:
+        old = []
+        for key in sorted(blocks):
+            if not _ROUTER_ROW.search(blocks[key]):  # not a routing table: neither change applies
+                continue
+            m = _WRITTEN_AT.search(blocks[key])
+            if m and _is_ancestor(change, m.group("commit")) is False:
+                old.append(f"({key})")
+        if old:
+            lines.append(f"sections {', '.join(old)} predate commit `{change}`, since which {what}")
+    if not lines:
+        return ""
+    return ("**Out-of-date sections.** " + "; ".join(lines) + ". Regenerate them with "
+            "`python scripts/reproduce.py --quick --only <keys>` before reading a verdict from "
+            "them.\n")
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -149,6 +190,9 @@ def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
              f"{jax.default_backend()} ({jax.device_count()} device(s), {cpu}); wall time "
              f"**{wall_s / 60:.1f} min**; {scope}. On a shared CPU the wall times are noisy.",
              "", STUDY_NOTE]
+    note = stale_note(blocks)
+    if note:
+        lines += [note]
     page = "\n".join(lines) + "".join("\n" + blocks[k] for k in sorted(blocks))
     md_path.write_text(page)
     json_path.write_text(json.dumps({k: data[k] for k in sorted(data)}, indent=1,
