@@ -497,10 +497,13 @@ class PrefixTables:
     max_depth: int = struct.field(pytree_node=False, default=1)
 
 
-def prefix_tables(parent, depth, block_tokens: int) -> PrefixTables:
+def prefix_tables(parent, depth, block_tokens: int, num_nodes: int | None = None,
+                  max_depth: int | None = None) -> PrefixTables:
     """`PrefixTables` from a tree's host arrays (e.g. `traces.prefix.PrefixTree`'s `parent`
     and `depth`); raises ValueError naming the field unless `parent[k] < k` and the depths
-    are consistent. An empty tree gets one dummy node (no request refers to it)."""
+    are consistent. `num_nodes` and `max_depth` (at least the tree's) pad the tables with
+    unused root nodes and raise the walk's bound, so trees of different sizes share one
+    compiled program. An empty tree gets one dummy node (no request refers to it)."""
     parent = np.asarray(parent, np.int64).reshape(-1)
     depth = np.asarray(depth, np.int64).reshape(-1)
     if parent.shape != depth.shape:
@@ -514,11 +517,19 @@ def prefix_tables(parent, depth, block_tokens: int) -> PrefixTables:
         raise ValueError("depth must be 1 under the root and parent's depth + 1 below it")
     if int(block_tokens) < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-    if parent.shape[0] == 0:
-        parent, depth = np.array([-1]), np.array([1])
+    size = max(parent.shape[0], 1) if num_nodes is None else int(num_nodes)
+    if size < max(parent.shape[0], 1):
+        raise ValueError(f"num_nodes ({size}) must be >= the tree's nodes ({parent.shape[0]})")
+    deepest = int(depth.max()) if depth.size else 1
+    max_depth = deepest if max_depth is None else int(max_depth)
+    if max_depth < deepest:
+        raise ValueError(f"max_depth ({max_depth}) must be >= the tree's depth ({deepest})")
+    pad = size - parent.shape[0]
+    parent = np.concatenate([parent, np.full(pad, -1, np.int64)])
+    depth = np.concatenate([depth, np.ones(pad, np.int64)])
     return PrefixTables(parent=jnp.asarray(parent, jnp.int32),
                         depth=jnp.asarray(depth, jnp.int32), block_tokens=int(block_tokens),
-                        max_depth=int(depth.max()))
+                        max_depth=max_depth)
 
 
 @struct.dataclass

@@ -302,7 +302,9 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
 
 
 def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buffer: int = 8,
-                  max_seqs: int | None = None, audit: bool = False) -> dict[str, np.ndarray]:
+                  max_seqs: int | None = None, audit: bool = False,
+                  prefix_blocks: int | None = None, tree_nodes: int | None = None,
+                  tree_depth: int | None = None) -> dict[str, np.ndarray]:
     """Replays a trace with prefix identity (`traces.prefix.PrefixTrace`) on continuous-
     batching replicas with automatic prefix caching (docs/prefix_caching.md), routing request
     `i` to `actions[i]`, and drains.
@@ -316,6 +318,9 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
       queue_buffer: waiting slots per replica (>= every `queue_cap`).
       max_seqs: running slots (default: the largest `max_seqs`).
       audit: check the block pool at every boundary (`continuous.prefix_audit`; slow).
+      prefix_blocks, tree_nodes, tree_depth: static sizes (default: the largest `kv_blocks`,
+        the tree's nodes and depth); larger values let differently sized cases share one
+        compiled program (see `continuous.prefix_tables`).
 
     Returns:
       `token_log`'s dict plus `cached_tokens` (tokens cached at the first admission, vLLM's
@@ -355,9 +360,14 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
     max_seqs = seqs if max_seqs is None else int(max_seqs)
     if max_seqs < seqs:
         raise ValueError(f"max_seqs ({max_seqs}) must be >= every replica's max_seqs ({seqs})")
-    tables = CB.prefix_tables(tree.parent, tree.depth, tree.block_tokens)
+    tables = CB.prefix_tables(tree.parent, tree.depth, tree.block_tokens, tree_nodes,
+                              tree_depth)
     gaps = np.append(np.diff(tr.arrival_s), np.inf).astype(np.float32)
-    blocks = int(np.asarray(prof.kv_blocks).max()) if caching else None
+    kv_max = int(np.asarray(prof.kv_blocks).max())
+    if prefix_blocks is not None and prefix_blocks < kv_max:
+        raise ValueError(f"prefix_blocks ({prefix_blocks}) must be >= every kv_blocks "
+                         f"({kv_max})")
+    blocks = (kv_max if prefix_blocks is None else int(prefix_blocks)) if caching else None
     rep, log, dropped, never, fails = replay_prefix_arrays(
         prof, tables, jnp.asarray(gaps), jnp.asarray(tr.prompt_tokens, jnp.float32),
         jnp.asarray(tr.output_tokens, jnp.float32), jnp.asarray(node, jnp.int32),
