@@ -64,7 +64,7 @@ def both(arrival, prompt, output, replica, profiles, prefix, caching=True):
     return got, want
 
 
-def assert_equal_to_reference(got, want, profiles):
+def assert_equal_to_reference(got, want, profiles, prompt):
     for k in ("dropped", "first_token", "finish", "preemptions"):
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     first = [c[0] if c else 0 for c in want["cached_tokens"]]
@@ -80,6 +80,17 @@ def assert_equal_to_reference(got, want, profiles):
         assert (got["fresh"][r], got["cached_unreferenced"][r], got["held"][r]) == (
             fresh, unref, held), r
     assert got["audit_failures"] == 0
+    # The steps' info totals are the replicas' counters; hits are whole blocks.
+    info = got["info"]
+    for k in ("hit_tokens", "evictions", "shared_preemptions", "lookup_tokens",
+              "lookup_blocks", "hit_blocks"):
+        assert info["prefix_" + k] == got[k].sum(), k
+    assert info["prefix_hit_tokens"] == got["cached_tokens_total"].sum()
+    assert info["prefix_hit_blocks"] * B == info["prefix_hit_tokens"]
+    assert info["prefix_lookup_blocks"] * B <= info["prefix_lookup_tokens"]
+    # Admissions look up L = p + g tokens: p at the first, more after a preemption.
+    lookup, first = info["prefix_lookup_tokens"], np.asarray(prompt)[~got["dropped"]].sum()
+    assert lookup == first if got["preemptions"].sum() == 0 else lookup > first
 
 
 # ---- hand cases (tests/test_reference_prefix.py's, with their hand-computed numbers) -----
@@ -117,7 +128,7 @@ def test_hand_cases_equal_reference(name):
                                                    np.asarray(output), prefix)
     profiles = [hand_profile(**kw)]
     got, want = both(arrival, prompt, output, replica, profiles, prefix)
-    assert_equal_to_reference(got, want, profiles)
+    assert_equal_to_reference(got, want, profiles, prompt)
     if "finish" in expect:
         assert got["finish"][:n].tolist() == expect["finish"]
     assert got["cached_tokens"][:n].tolist() == expect["cached"]
@@ -160,7 +171,7 @@ SEEDS = range(8)
 def test_random_shared_prefix_workloads_equal_reference(seed):
     arrival, prompt, output, replica, profiles, prefix = random_case(seed, n=N)
     got, want = both(arrival, prompt, output, replica, profiles, prefix)
-    assert_equal_to_reference(got, want, profiles)
+    assert_equal_to_reference(got, want, profiles, prompt)
 
 
 def test_random_workloads_exercise_every_rule():
@@ -196,7 +207,7 @@ def test_coarse_hash_blocks_equal_reference():
                         **SIZES)
     ref_lists = [kv_prefix(pt, i, B) for i in range(N)]
     want = simulate_prefix(arrival, prompt, output, replica, profiles, ref_lists, audit=True)
-    assert_equal_to_reference(got, want, profiles)
+    assert_equal_to_reference(got, want, profiles, prompt)
     assert want["hit_tokens"].sum() > 0 and want["evictions"].sum() > 0
 
 
@@ -233,7 +244,7 @@ def test_vmap_over_workloads_equals_single_runs():
     static = dict(num_replicas=2, queue_buffer=16, max_seqs=4, blocks=64)
 
     def run(c):
-        rep, log, dropped, _, _ = replay_prefix_arrays(
+        rep, log, dropped, _, _tot = replay_prefix_arrays(
             c["prof"], c["tables"], c["gaps"], c["prompt"], c["output"], c["node"],
             c["replica"], **static)
         return (log, dropped, rep.pc.hit_tokens, rep.pc.evictions, rep.iterations)

@@ -562,6 +562,13 @@ class PrefixCache:
       hit_tokens, evictions, shared_preemptions: `(R,)` episode counters: cached tokens over
         admissions, identified blocks popped for reuse, victims holding a block another
         running request holds. int32.
+      lookup_tokens, lookup_blocks, hit_blocks: `(R,)` episode counters over admissions:
+        tokens `L` of the admitted requests, their full blocks `floor(L / b)`, and the
+        blocks found cached (`H`); hit rates are `hit_tokens / lookup_tokens` and
+        `hit_blocks / lookup_blocks`. int32.
+
+    Counters (`stamp`, `born`) grow by one per block freed or cached, so an episode may
+    free or cache up to 2^31 blocks per replica before they wrap.
     """
 
     ref: jax.Array
@@ -583,6 +590,9 @@ class PrefixCache:
     hit_tokens: jax.Array
     evictions: jax.Array
     shared_preemptions: jax.Array
+    lookup_tokens: jax.Array
+    lookup_blocks: jax.Array
+    hit_blocks: jax.Array
 
 
 def empty_prefix_cache(num_replicas: int, max_seqs: int, queue_slots: int,
@@ -600,7 +610,7 @@ def empty_prefix_cache(num_replicas: int, max_seqs: int, queue_slots: int,
         s_blocks=jnp.zeros((r, s, m), jnp.int32), s_nblk=zs, s_ncached=zs,
         s_node=zs - 1, s_nshared=zs, q_node=jnp.full((r, w), -1, jnp.int32),
         q_nshared=jnp.zeros((r, w), jnp.int32), hit_tokens=zr, evictions=zr,
-        shared_preemptions=zr)
+        shared_preemptions=zr, lookup_tokens=zr, lookup_blocks=zr, hit_blocks=zr)
 
 
 def shared_blocks(tables: PrefixTables, node, prompt, block_size) -> jax.Array:
@@ -687,9 +697,9 @@ def _cache_full(pc: PrefixCache, slot, full, owner, code) -> PrefixCache:
     x = jnp.where(on, row, m)
     put = lambda a, v: a.at[x].set(v, mode="drop")  # noqa: E731
     return pc.replace(cached=put(pc.cached, True), owner=put(pc.owner, owner),
-                      code=put(pc.code, code), born=put(pc.born, pc.born_ctr + j),
-                      born_ctr=pc.born_ctr + m, s_ncached=pc.s_ncached.at[slot].set(
-                          jnp.maximum(nc, full)))
+                      code=put(pc.code, code), born=put(pc.born, pc.born_ctr + j - nc),
+                      born_ctr=pc.born_ctr + jnp.maximum(full - nc, 0),
+                      s_ncached=pc.s_ncached.at[slot].set(jnp.maximum(nc, full)))
 
 
 def _lookup(pc: PrefixCache, owner, code, cap):
@@ -781,7 +791,10 @@ def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: Prefix
                             s_ncached=pc.s_ncached.at[slot].set(h),
                             s_node=pc.s_node.at[slot].set(w["node"][j]),
                             s_nshared=pc.s_nshared.at[slot].set(w["nshared"][j]),
-                            hit_tokens=pc.hit_tokens + c_tok)
+                            hit_tokens=pc.hit_tokens + c_tok,
+                            lookup_tokens=pc.lookup_tokens + ln,
+                            lookup_blocks=pc.lookup_blocks + ln // b,
+                            hit_blocks=pc.hit_blocks + h)
             pc = _take(pc, exists, slot, new)
             pc = _cache_full(pc, slot, (c_tok + n) // b, owner, code)
             return (j + 1, k - n, stop, w_n.at[j].set(n), w_comp.at[j].set(c_tok), pc)
@@ -1127,6 +1140,7 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     ex0 = zero_extras()
     if audit:
         ex0 = {**ex0, "audit_failures": jnp.int32(0)}
+    pc0 = rep.pc
     carry = (rep, StepMetrics.zeros(), ex0, log, *_due(rep, horizon))
     # Under vmap the environments' iteration counts between two arrivals differ (how many
     # decode iterations fit in the gap), so the loop compacts its lanes.
@@ -1142,7 +1156,25 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
                   in_system_time=m.in_system_time + in_system(rep) * h,
                   elapsed=jnp.where(finite, h, jnp.maximum(rep.t_end.max(), 0.0)))
     ex = {**ex, "preemptions": (rep.preemptions.sum() - pre0).astype(jnp.int32)}
+    if prefix:
+        ex = {**ex, **prefix_extras(pc0, rep.pc)}
     return rep, m, ex, log
+
+
+PREFIX_EXTRAS = ("prefix_hit_tokens", "prefix_lookup_tokens", "prefix_hit_blocks",
+                 "prefix_lookup_blocks", "prefix_evictions", "prefix_shared_preemptions")
+
+
+def prefix_extras(before: PrefixCache, after: PrefixCache) -> dict[str, jax.Array]:
+    """Prefix-cache counters of a window, summed over replicas (int32), reported by `advance`
+    next to `zero_extras()` when caching: cached tokens at admissions (= prefill tokens
+    saved) and the admitted requests' tokens (token hit rate = their ratio), cached and full
+    blocks (block hit rate), evictions, and preemptions of block-sharing requests."""
+    d = lambda f: (getattr(after, f) - getattr(before, f)).sum().astype(jnp.int32)  # noqa
+    return {"prefix_hit_tokens": d("hit_tokens"), "prefix_lookup_tokens": d("lookup_tokens"),
+            "prefix_hit_blocks": d("hit_blocks"), "prefix_lookup_blocks": d("lookup_blocks"),
+            "prefix_evictions": d("evictions"),
+            "prefix_shared_preemptions": d("shared_preemptions")}
 
 
 def rebase(rep: Replicas, dt: jax.Array) -> Replicas:

@@ -273,8 +273,9 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
 
     Returns:
       (final `Replicas`, `TokenLog` (with cached tokens when caching), dropped `(n,)`,
-      never_fit `(n,)`, audit failures (boundaries where `prefix_audit` failed; 0 unless
-      `audit`)).
+      never_fit `(n,)`, totals over the steps' info of the keys `continuous.PREFIX_EXTRAS`
+      plus `audit_failures` (boundaries where `prefix_audit` failed; 0 unless `audit`); all
+      0 without caching).
     """
     from jaxserve.core import continuous as CB
     from jaxserve.core import queues as Q
@@ -284,8 +285,10 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
     log = CB.empty_log(n, prefix=blocks is not None)
     tab = tables if blocks is not None else None
 
+    keys = CB.PREFIX_EXTRAS + ("audit_failures",)
+
     def step(carry, x):
-        rep, log, fails = carry
+        rep, log, tot = carry
         i, gap, p, o, nd, r = x
         req = Q.Request(arrival=jnp.float32(0.0), prompt=p, output=o, estimate=o,
                         size_class=jnp.int32(0), req_id=i)
@@ -293,12 +296,13 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
         rep, _, ex, log = CB.advance(rep, prof, gap, jnp.float32(1.0), log, tables=tab,
                                      audit=audit and blocks is not None)
         rep = CB.rebase(rep, jnp.where(jnp.isfinite(gap), gap, 0.0))
-        fails = fails + ex.get("audit_failures", jnp.int32(0))
-        return (rep, log, fails), (dropped, never)
+        tot = {k: tot[k] + ex.get(k, jnp.int32(0)) for k in keys}
+        return (rep, log, tot), (dropped, never)
 
     xs = (jnp.arange(n, dtype=jnp.int32), gaps, prompt, output, node, replica)
-    (rep, log, fails), (dropped, never) = jax.lax.scan(step, (rep, log, jnp.int32(0)), xs)
-    return rep, log, dropped, never, fails
+    tot0 = {k: jnp.int32(0) for k in keys}
+    (rep, log, tot), (dropped, never) = jax.lax.scan(step, (rep, log, tot0), xs)
+    return rep, log, dropped, never, tot
 
 
 def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buffer: int = 8,
@@ -325,9 +329,11 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
     Returns:
       `token_log`'s dict plus `cached_tokens` (tokens cached at the first admission, vLLM's
       `num_cached_tokens`; 0 if dropped), `cached_tokens_total` (over all admissions), and
-      per replica `hit_tokens`, `evictions`, `shared_preemptions`, `iterations`,
-      `replica_preemptions`, `fresh`, `cached_unreferenced`, `held` (blocks after draining),
-      and `audit_failures` (int). The per-replica cache counters are 0 without caching.
+      per replica `hit_tokens`, `evictions`, `shared_preemptions`, `lookup_tokens`,
+      `lookup_blocks`, `hit_blocks`, `iterations`, `replica_preemptions`, `fresh`,
+      `cached_unreferenced`, `held` (blocks after draining); `info`: the steps' info totals
+      of `continuous.PREFIX_EXTRAS` (ints); and `audit_failures` (int). The cache counters
+      are 0 without caching.
 
     Raises:
       ValueError: invalid trace, profiles, actions, sizes or block sizes (naming the field).
@@ -368,7 +374,7 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
         raise ValueError(f"prefix_blocks ({prefix_blocks}) must be >= every kv_blocks "
                          f"({kv_max})")
     blocks = (kv_max if prefix_blocks is None else int(prefix_blocks)) if caching else None
-    rep, log, dropped, never, fails = replay_prefix_arrays(
+    rep, log, dropped, never, tot = replay_prefix_arrays(
         prof, tables, jnp.asarray(gaps), jnp.asarray(tr.prompt_tokens, jnp.float32),
         jnp.asarray(tr.output_tokens, jnp.float32), jnp.asarray(node, jnp.int32),
         jnp.asarray(acts, jnp.int32), num_replicas=r_n, queue_buffer=int(queue_buffer),
@@ -380,19 +386,24 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
         out["cached_tokens"] = np.maximum(np.asarray(log.cached_first), 0).astype(np.int64)
         out["cached_tokens_total"] = np.asarray(log.cached_total, np.int64)
         pc = rep.pc
-        for k in ("hit_tokens", "evictions", "shared_preemptions"):
+        for k in CACHE_COUNTERS:
             out[k] = np.asarray(getattr(pc, k), np.int64)
         for k, v in CB.block_accounting(rep, prof).items():
             out[k] = np.asarray(v, np.int64)
     else:
         out["cached_tokens"] = np.zeros(n, np.int64)
         out["cached_tokens_total"] = np.zeros(n, np.int64)
-        for k in ("hit_tokens", "evictions", "shared_preemptions"):
+        for k in CACHE_COUNTERS:
             out[k] = zero_r.copy()
         used = np.asarray(CB.kv_used(rep, prof), np.int64)
         out["fresh"], out["cached_unreferenced"] = np.asarray(prof.kv_blocks) - used, zero_r
         out["held"] = used
     out["iterations"] = np.asarray(rep.iterations, np.int64)
     out["replica_preemptions"] = np.asarray(rep.preemptions, np.int64)
-    out["audit_failures"] = int(fails)
+    out["info"] = {k: int(tot[k]) for k in CB.PREFIX_EXTRAS}
+    out["audit_failures"] = int(tot["audit_failures"])
     return out
+
+
+CACHE_COUNTERS = ("hit_tokens", "evictions", "shared_preemptions", "lookup_tokens",
+                  "lookup_blocks", "hit_blocks")
