@@ -578,7 +578,8 @@ def prefix_bench(counts, steps, repeats):
     arrival, rebase) by the continuous engine with and without prefix caching, vmapped over
     environments that each replay the same shared-prefix stream under their own random
     routing, and the engine state's bytes per environment. 4 replicas of 64 blocks x 16
-    tokens, 8 running and 16 waiting slots."""
+    tokens, 8 running and 16 waiting slots. Rows: no caching (decode-run skip on, the
+    default, and off) and caching (skip always off)."""
     from jaxserve.core import continuous as CB
     from jaxserve.core.replica import ReplicaProfile, stack_replicas
     from jaxserve.evaluation.replay import replay_prefix_arrays
@@ -594,7 +595,8 @@ def prefix_bench(counts, steps, repeats):
     out = []
     for n in counts:
         routes = jnp.asarray(rng.integers(0, r_n, (n, steps)), jnp.int32)
-        for caching in (False, True):
+        # Without caching, with and without the decode-run skip (always off with caching).
+        for caching, skip in ((False, True), (False, False), (True, False)):
             blocks = 64 if caching else None
 
             @jax.jit
@@ -602,7 +604,7 @@ def prefix_bench(counts, steps, repeats):
                 def one(r):
                     rep, log, dropped, _, tot = replay_prefix_arrays(
                         prof, tables, *xs, r, num_replicas=r_n, queue_buffer=16,
-                        max_seqs=8, blocks=blocks)
+                        max_seqs=8, blocks=blocks, decode_runs=skip)
                     return rep.iterations.sum(), dropped.sum(), tot["prefix_hit_tokens"]
                 return jax.vmap(one)(routes)
 
@@ -613,14 +615,16 @@ def prefix_bench(counts, steps, repeats):
             best = _best(lambda: compiled(routes), repeats)
             state = CB.empty_replicas(r_n, 16, 8, True, blocks)
             nbytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))
-            row = {"num_envs": n, "steps": steps, "caching": caching, "compile_s": compile_s,
+            row = {"num_envs": n, "steps": steps, "caching": caching, "decode_runs": skip,
+                   "compile_s": compile_s,
                    "run_s": best, "env_steps_per_s": n * steps / best,
                    "state_bytes_per_env": nbytes,
                    "state_mib_4096_envs": nbytes * 4096 / 2 ** 20,
                    "hit_tokens_per_env": float(np.asarray(res[2]).mean()),
                    "dropped_per_env": float(np.asarray(res[1]).mean())}
             out.append(row)
-            print(f"prefix caching={caching!s:5s} envs={n:6d} compile {compile_s:6.1f}s "
+            print(f"prefix caching={caching!s:5s} decode-skip={skip!s:5s} envs={n:6d} "
+                  f"compile {compile_s:6.1f}s "
                   f"{row['env_steps_per_s']:11,.0f} env-steps/s  {nbytes:,} B/env "
                   f"({row['state_mib_4096_envs']:.1f} MiB for 4096 envs)  "
                   f"hit tokens/env {row['hit_tokens_per_env']:.0f}", flush=True)

@@ -261,15 +261,16 @@ def replay_windows(env, params, wins: TraceArrays,
 # ------------------------------------------------------------------ prefix-caching replays
 
 @partial(jax.jit, static_argnames=("num_replicas", "queue_buffer", "max_seqs", "blocks",
-                                   "audit"))
+                                   "audit", "decode_runs"))
 def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
                          num_replicas: int, queue_buffer: int, max_seqs: int,
-                         blocks: int | None, audit: bool = False):
+                         blocks: int | None, audit: bool = False, decode_runs: bool = True):
     """Routes request `i` (arriving `gaps[i]` s after the previous one; the last gap `inf`
     drains) to `replica[i]` on continuous-batching replicas, with prefix caching when
     `blocks` is set: the engine loop of LLMRouting-v0's step (route, advance to the next
     arrival, rebase) on its own, so it can carry each request's prefix node. Pure and
-    jittable; vmaps over workloads (every array argument).
+    jittable; vmaps over workloads (every array argument). `decode_runs=False` turns the
+    plain engine's decode-run skip off too (benchmarks; it is always off with caching).
 
     Returns:
       (final `Replicas`, `TokenLog` (with cached tokens when caching), dropped `(n,)`,
@@ -294,6 +295,7 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
                         size_class=jnp.int32(0), req_id=i)
         rep, dropped, never = CB.route(rep, prof, req, r, node=nd, tables=tab)
         rep, _, ex, log = CB.advance(rep, prof, gap, jnp.float32(1.0), log, tables=tab,
+                                     decode_runs=decode_runs,
                                      audit=audit and blocks is not None)
         rep = CB.rebase(rep, jnp.where(jnp.isfinite(gap), gap, 0.0))
         tot = {k: tot[k] + ex.get(k, jnp.int32(0)) for k in keys}
