@@ -714,6 +714,55 @@ def _lookup(pc: PrefixCache, owner, code, cap):
     return h, first
 
 
+def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: PrefixTables,
+                       exists):
+    """The running pass of one replica when no preemption occurs, vectorised.
+
+    With `n_i` the budget taken in admission order and `e_i` the new blocks of slot `i`,
+    the sequential pass is never short when `sum e_i <= free` (before slot `i` the free
+    queue still holds `free - sum_{j<i} e_j >= e_i`). Then slot `i` takes the free queue's
+    blocks of ranks `[sum_{j<i} e_j, sum_{j<=i} e_j)` (caching held blocks does not change
+    the queue), and the slots' newly full blocks are cached in slot-major order (the order
+    of `born` among copies of one identity).
+
+    Returns (whether it applies, the pool after the pass, `n` per slot).
+    """
+    s_n = run.arrival.shape[-1]
+    m = pc.ref.shape[-1]
+    b = prof.block_size
+    idx = jnp.arange(s_n, dtype=jnp.int32)
+    valid = idx < run.count
+    rem = jnp.where(valid, run.prompt + run.gen - run.comp, 0)
+    n = jnp.clip(prof.max_tokens - (jnp.cumsum(rem) - rem), 0, rem)
+    extra = jnp.where(n > 0, _cdiv(run.comp + n, b) - pc.s_nblk, 0)
+    ends = jnp.cumsum(extra)
+    fits = ends[-1] <= _free_blocks(pc, exists)
+    order = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG))
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    nb = pc.s_nblk[:, None]
+    on = (j >= nb) & (j < nb + extra[:, None])  # (S, M)
+    picked = order[jnp.clip((ends - extra)[:, None] + j - nb, 0, m - 1)]
+    x = jnp.where(on, picked, m).ravel()
+    evicted = (on & pc.cached[picked]).sum()
+    blocks = jnp.where(on, picked, pc.s_blocks)
+    pc = pc.replace(ref=pc.ref.at[x].set(1, mode="drop"),
+                    cached=pc.cached.at[x].set(False, mode="drop"), s_blocks=blocks,
+                    s_nblk=pc.s_nblk + extra, evictions=pc.evictions + evicted)
+    owner, code = jax.vmap(lambda nd, ns, r: _identities(tables, nd, ns, r, b, m))(
+        pc.s_node, pc.s_nshared, run.req_id)
+    full = jnp.where(n > 0, (run.comp + n) // b, 0)
+    nc = pc.s_ncached[:, None]
+    new = (j >= nc) & (j < full[:, None]) & ~pc.cached[blocks]
+    rank = (jnp.cumsum(new.ravel()) - 1).reshape(new.shape)
+    xs = jnp.where(new, blocks, m).ravel()
+    put = lambda a, v: a.at[xs].set(v.ravel(), mode="drop")  # noqa: E731
+    pc = pc.replace(cached=put(pc.cached, jnp.ones_like(new)), owner=put(pc.owner, owner),
+                    code=put(pc.code, code), born=put(pc.born, pc.born_ctr + rank),
+                    born_ctr=pc.born_ctr + new.sum(),
+                    s_ncached=jnp.where(n > 0, jnp.maximum(pc.s_ncached, full), pc.s_ncached))
+    return fits, pc, n
+
+
 def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: PrefixTables, go):
     """One replica's scheduling pass with prefix caching (docs/prefix_caching.md rule 7.3),
     sequential: the running pass (preempting from the back while the free queue is short),
@@ -757,10 +806,16 @@ def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: Prefix
 
         return jax.lax.cond(short, preempt, schedule, pc)
 
-    i0 = jnp.int32(0)
+    # When the running requests' new blocks all fit the free queue nothing is preempted and
+    # the pass is vectorised (`_running_pass_fits`); the loop then runs no trip.
+    fits, pc_fit, n_fit = _running_pass_fits(pc, run, prof, tables, exists)
+    fast = fits & go
+    pc = jax.tree.map(lambda a, b: jnp.where(fast, a, b), pc_fit, pc)
+    i0 = jnp.where(fast, run.count, 0).astype(jnp.int32)
+    k0 = prof.max_tokens - jnp.where(fast, n_fit.sum(), 0)
     _, keep, k, pre, _, n_run, pc = jax.lax.while_loop(
-        run_cond, run_body, (i0, run.count, prof.max_tokens, jnp.bool_(False),
-                             jnp.bool_(False), jnp.zeros((s_n,), jnp.int32), pc))
+        run_cond, run_body, (i0, run.count, k0, jnp.bool_(False),
+                             jnp.bool_(False), jnp.where(fast, n_fit, 0), pc))
     wm = watermark_blocks(prof)
     chunk = prof.chunked_prefill
 
@@ -803,7 +858,7 @@ def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: Prefix
 
     z = jnp.zeros((s_n,), jnp.int32)
     a, _, _, w_n, w_comp, pc = jax.lax.while_loop(
-        adm_cond, adm_body, (i0, k, jnp.bool_(False), z, z, pc))
+        adm_cond, adm_body, (jnp.int32(0), k, jnp.bool_(False), z, z, pc))
     admit = jnp.arange(s_n) < a
     keep = jnp.where(go, keep, run.count)
     return pc, n_run, keep, admit, w_n, w_comp
@@ -1048,11 +1103,15 @@ def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dic
     if rep.pc is not None:
         # Finished requests free their blocks in scheduling (slot) order (rule 6), then the
         # slots' block tables follow the compaction.
-        def release(j, pc):
-            return jax.vmap(lambda p, d: jax.lax.cond(d, _release, lambda p, _: p, p, j))(
-                pc, done[:, j])
+        def release(c):  # the next finished slot of every replica that has one
+            pc, left = c
+            j = jnp.argmax(left, -1).astype(jnp.int32)
+            some = left.any(-1)
+            pc = jax.vmap(lambda p, d, jj: jax.lax.cond(d, _release, lambda p, _: p, p, jj))(
+                pc, some, j)
+            return pc, left & (idx != j[:, None])
 
-        pc = jax.lax.fori_loop(0, s_n, release, rep.pc)
+        pc, _ = jax.lax.while_loop(lambda c: c[1].any(), release, (rep.pc, done))
         slot_fields = {f: jnp.take_along_axis(getattr(pc, f), src, -1)
                        for f in ("s_nblk", "s_ncached", "s_node", "s_nshared")}
         slot_fields["s_blocks"] = jnp.take_along_axis(pc.s_blocks, src[:, :, None], 1)
