@@ -55,9 +55,9 @@ def pad(arrival, prompt, output, prefix, replica=None):
 
 def both(arrival, prompt, output, replica, profiles, prefix, caching=True):
     """(engine result, reference result) of one case."""
-    got = replay_prefix([ReplicaProfile(**p) for p in profiles],
-                        prefix_trace(arrival, prompt, output, prefix), replica,
-                        caching=caching, audit=caching, **SIZES)
+    got = jaxserve.replay_prefix([ReplicaProfile(**p) for p in profiles],
+                                 prefix_trace(arrival, prompt, output, prefix), replica,
+                                 caching=caching, audit=caching, **SIZES)
     want = simulate_prefix(np.asarray(arrival, float), np.asarray(prompt),
                            np.asarray(output), replica, profiles, prefix, caching=caching,
                            audit=True)
@@ -146,16 +146,18 @@ def test_decode_blocks_evict_cached_blocks_without_a_skip():
     prof = stack_replicas([ReplicaProfile(**hand_profile(kv_blocks=6))])
     tables = CB.prefix_tables(np.array([-1, 0]), np.array([1, 2]), B)
     rep = CB.empty_replicas(1, 16, 4, True, prefix_blocks=6)
-    adv = jax.jit(CB.advance, static_argnames=("decode_runs", "audit"))
+    adv = jax.jit(lambda rep, h: CB.advance(rep, prof, h, 1.0, tables=tables, decode_runs=True,
+                                            audit=True))
+    route = jax.jit(lambda rep, r, node: CB.route(rep, prof, r, 0, node=node, tables=tables))
     req = lambda i, p, o: Q.Request(  # noqa: E731
         arrival=jnp.float32(0.0), prompt=jnp.float32(p), output=jnp.float32(o),
         estimate=jnp.float32(o), size_class=jnp.int32(0), req_id=jnp.int32(i))
-    rep, _, _ = CB.route(rep, prof, req(0, 8, 1), 0, node=1, tables=tables)
-    rep, _, _, _ = adv(rep, prof, 2.0, 1.0, tables=tables)
+    rep, _, _ = route(rep, req(0, 8, 1), 1)
+    rep, _, _, _ = adv(rep, 2.0)
     rep = CB.rebase(rep, 2.0)
     assert CB.block_accounting(rep, prof)["cached_unreferenced"].tolist() == [2]
-    rep, _, _ = CB.route(rep, prof, req(1, 4, 19), 0, node=-1, tables=tables)
-    rep, _, ex, _ = adv(rep, prof, jnp.inf, 1.0, tables=tables, decode_runs=True, audit=True)
+    rep, _, _ = route(rep, req(1, 4, 19), -1)
+    rep, _, ex, _ = adv(rep, jnp.inf)
     assert int(ex["boundaries"]) >= 18 and int(ex["audit_failures"]) == 0
     assert rep.pc.evictions.tolist() == [2]
     with pytest.raises(ValueError, match="tables"):

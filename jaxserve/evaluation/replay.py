@@ -8,6 +8,11 @@ routing policy (`policy=`, the shared `policy(key, obs, state, params)` signatur
 `replay_windows` runs many short windows of a trace (`traces.windows`) as episodes, all in
 parallel, and returns per-window totals. Both run on the episode driver
 (`evaluation.episodes`).
+
+`replay_prefix` replays a trace with prefix identity (`traces.prefix.PrefixTrace`) on
+continuous-batching replicas with automatic prefix caching (docs/prefix_caching.md) and
+returns, besides the schedule, the cached tokens of every request; it drives the engine
+directly (LLMRouting-v0 does not carry prefix identity yet).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core import continuous as CB
+from jaxserve.core import queues as Q
+from jaxserve.core.replica import stack_replicas
 from jaxserve.core.sources import TraceArrays, trace_arrays
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
@@ -278,9 +286,6 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
       plus `audit_failures` (boundaries where `prefix_audit` failed; 0 unless `audit`); all
       0 without caching).
     """
-    from jaxserve.core import continuous as CB
-    from jaxserve.core import queues as Q
-
     n = gaps.shape[0]
     rep = CB.empty_replicas(num_replicas, queue_buffer, max_seqs, True, blocks)
     log = CB.empty_log(n, prefix=blocks is not None)
@@ -340,9 +345,6 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
     Raises:
       ValueError: invalid trace, profiles, actions, sizes or block sizes (naming the field).
     """
-    from jaxserve.core import continuous as CB
-    from jaxserve.core.replica import stack_replicas
-
     tr = validate_trace(ptrace.trace)
     n = len(tr)
     prof = stack_replicas(profiles)
