@@ -11,6 +11,8 @@ held = kv_blocks` at every boundary). All cases are padded to one trace length a
 static sizes so they share a compiled program.
 """
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,3 +276,46 @@ def test_invalid_configuration_is_refused():
         CB.prefix_tables(np.array([0]), np.array([1]), B)
     with pytest.raises(ValueError, match="depth"):
         CB.prefix_tables(np.array([-1, 0]), np.array([1, 3]), B)
+
+
+MOONCAKE = Path("/work/shared/traces/mooncake_2025")
+
+
+@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake traces not present")
+def test_real_mooncake_prefixes_equal_reference():
+    """The first 40 real conversation requests (512-token hash blocks over 16-token KV
+    blocks: 32 KV blocks per tree node) on one replica of 1200 blocks, as
+    `tests/test_traces_mooncake.py` runs the reference: equal preemptions, drops, cached
+    tokens, hits, evictions and shared preemptions; times equal to 1e-4 s (their span is
+    ~576 s, where a float32 ulp is 6.1e-5 s, and `delta = 2^-20` s per token is finer than
+    that, so the engine's float32 clock rounds where the float64 reference does not)."""
+    from jaxserve.traces.mooncake import load_mooncake
+    from jaxserve.traces.prefix import path_nodes
+
+    mt = load_mooncake(MOONCAKE / "conversation_trace.jsonl.gz")
+    n = 40
+    prof = dict(c0=0.5, alpha=2.0 ** -12, alpha2=0.0, beta=0.0, gamma=0.0, delta=2.0 ** -20,
+                kv_blocks=1200, block_size=16, max_seqs=8, max_tokens=4096,
+                chunked_prefill=True, watermark=0.0, queue_cap=64)
+    arrival = np.ceil(mt.trace.arrival_s[:n] * 4) / 4
+    prompt = mt.trace.prompt_tokens[:n]
+    output = np.minimum(mt.trace.output_tokens[:n], 64)
+    # The 40 requests' sub-tree (same paths), so the tables stay small.
+    tree, node = build_prefix_tree([path_nodes(mt.tree, int(mt.node[i])) for i in range(n)],
+                                   mt.tree.block_tokens)
+    pt = PrefixTrace(trace=Trace(arrival, prompt, output), node=node,
+                     full_blocks=prompt // 512, tree=tree)
+    got = replay_prefix([ReplicaProfile(**prof)], pt, np.zeros(n, int), queue_buffer=64)
+    want = simulate_prefix(arrival, prompt, output, np.zeros(n, int), [prof],
+                           [kv_prefix(mt, i, 16) for i in range(n)])
+    np.testing.assert_array_equal(got["dropped"], want["dropped"])
+    np.testing.assert_array_equal(got["preemptions"], want["preemptions"])
+    ok = ~want["dropped"]
+    for k in ("first_token", "finish"):
+        np.testing.assert_allclose(got[k][ok], want[k][ok], rtol=0, atol=1e-4, err_msg=k)
+    np.testing.assert_array_equal(got["cached_tokens"],
+                                  [c[0] if c else 0 for c in want["cached_tokens"]])
+    for k in ("hit_tokens", "evictions", "shared_preemptions"):
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert want["hit_tokens"][0] > 0 and want["evictions"][0] > 0
+    assert want["shared_preemptions"][0] > 0
