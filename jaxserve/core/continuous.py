@@ -23,6 +23,9 @@ queued before it is scheduled.
 
 Blocks: a running request holds `ceil(C / b)` blocks (`C` its computed tokens); waiting requests
 hold none. So the KV state is a function of the running slots and needs no separate accounting.
+With automatic prefix caching (`Replicas.pc`, docs/prefix_caching.md) the engine instead keeps
+a block pool with reference counts, identities and an LRU free queue, and schedules with
+`_schedule_prefix`; without it nothing of that path is traced.
 
 Static shapes: `max_seqs` running slots per replica (the largest `max_seqs` of the cluster) and a
 waiting ring buffer of `queue_buffer + max_seqs` slots: fresh waiting requests are at most
@@ -164,6 +167,9 @@ def empty_replicas(num_replicas: int, queue_buffer: int, max_seqs: int,
     (`PrefixCache`, docs/prefix_caching.md); it needs `with_ids` (private block identities
     are keyed by request id).
     """
+    if prefix_blocks is not None and not with_ids:
+        raise ValueError("prefix_blocks needs with_ids=True (private blocks are keyed by "
+                         "request id)")
     r, s = int(num_replicas), int(max_seqs)
     w = int(queue_buffer) + s
     zi = jnp.zeros((r, s), jnp.int32)
