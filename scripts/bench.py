@@ -24,6 +24,8 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --profile --profile-env LLMRouting-v0 --num-envs 256 --num-steps 20 \
       --warmup 40 --repeats 2     # LLMRouting-v0: decode runs on/off, no engine, boundaries
   python -m scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
+  python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
+      # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
 """
 
 from __future__ import annotations
@@ -553,6 +555,82 @@ def trace_routing(counts, steps, top=25):
     return out
 
 
+def prefix_workload(n: int, rng, block_tokens: int = 16):
+    """A shared-prefix request stream for the prefix-cache bench: each request takes one of 4
+    one-block system prompts (popularity 1/k), walks 0-4 more shared blocks among 3 children
+    per node, adds 1-15 private prompt tokens and 1-64 output tokens; Poisson arrivals at
+    8 req/s. Returns (gaps, prompt, output, node, tree) with `block_tokens`-token blocks."""
+    from jaxserve.traces.prefix import build_prefix_tree
+    pop = 1.0 / np.arange(1, 5)
+    lists, prompt = [], np.zeros(n, np.int64)
+    for i in range(n):
+        path = [int(rng.choice(4, p=pop / pop.sum()))]
+        path += [100 + 10 * d + int(rng.integers(0, 3)) for d in range(int(rng.integers(0, 5)))]
+        lists.append(path)
+        prompt[i] = block_tokens * len(path) + int(rng.integers(1, 16))
+    tree, node = build_prefix_tree(lists, block_tokens)
+    gaps = rng.exponential(1 / 8.0, n)
+    return gaps, prompt, rng.integers(1, 65, n), node, tree
+
+
+def prefix_bench(counts, steps, repeats):
+    """Requests routed per second (one request = one env step: route, advance to the next
+    arrival, rebase) by the continuous engine with and without prefix caching, vmapped over
+    environments that each replay the same shared-prefix stream under their own random
+    routing, and the engine state's bytes per environment. 4 replicas of 64 blocks x 16
+    tokens, 8 running and 16 waiting slots. Rows: no caching (decode-run skip on, the
+    default, and off) and caching (skip always off)."""
+    from jaxserve.core import continuous as CB
+    from jaxserve.core.replica import ReplicaProfile, stack_replicas
+    from jaxserve.evaluation.replay import replay_prefix_arrays
+
+    rng = np.random.default_rng(0)
+    r_n = 4
+    prof = stack_replicas([ReplicaProfile(c0=0.01, alpha=2e-5, kv_blocks=64, block_size=16,
+                                          max_seqs=8, max_tokens=256, queue_cap=16)] * r_n)
+    gaps, prompt, output, node, tree = prefix_workload(steps, rng)
+    tables = CB.prefix_tables(tree.parent, tree.depth, 16)
+    xs = (jnp.asarray(gaps, jnp.float32), jnp.asarray(prompt, jnp.float32),
+          jnp.asarray(output, jnp.float32), jnp.asarray(node, jnp.int32))
+    out = []
+    for n in counts:
+        routes = jnp.asarray(rng.integers(0, r_n, (n, steps)), jnp.int32)
+        # Without caching, with and without the decode-run skip (always off with caching).
+        for caching, skip in ((False, True), (False, False), (True, False)):
+            blocks = 64 if caching else None
+
+            @jax.jit
+            def run(routes):
+                def one(r):
+                    rep, log, dropped, _, tot = replay_prefix_arrays(
+                        prof, tables, *xs, r, num_replicas=r_n, queue_buffer=16,
+                        max_seqs=8, blocks=blocks, decode_runs=skip)
+                    return rep.iterations.sum(), dropped.sum(), tot["prefix_hit_tokens"]
+                return jax.vmap(one)(routes)
+
+            t0 = time.perf_counter()
+            compiled = run.lower(routes).compile()
+            compile_s = time.perf_counter() - t0
+            res = jax.block_until_ready(compiled(routes))
+            best = _best(lambda: compiled(routes), repeats)
+            state = CB.empty_replicas(r_n, 16, 8, True, blocks)
+            nbytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))
+            row = {"num_envs": n, "steps": steps, "caching": caching, "decode_runs": skip,
+                   "compile_s": compile_s,
+                   "run_s": best, "env_steps_per_s": n * steps / best,
+                   "state_bytes_per_env": nbytes,
+                   "state_mib_4096_envs": nbytes * 4096 / 2 ** 20,
+                   "hit_tokens_per_env": float(np.asarray(res[2]).mean()),
+                   "dropped_per_env": float(np.asarray(res[1]).mean())}
+            out.append(row)
+            print(f"prefix caching={caching!s:5s} decode-skip={skip!s:5s} envs={n:6d} "
+                  f"compile {compile_s:6.1f}s "
+                  f"{row['env_steps_per_s']:11,.0f} env-steps/s  {nbytes:,} B/env "
+                  f"({row['state_mib_4096_envs']:.1f} MiB for 4096 envs)  "
+                  f"hit tokens/env {row['hit_tokens_per_env']:.0f}", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
@@ -571,6 +649,8 @@ def main(argv=None):
                                                                     "LLMRouting-v0"),
                     help="the environment --profile times (LLMRouting-v0: decode runs on/off, "
                          "no engine, boundaries per step)")
+    ap.add_argument("--prefix", action="store_true",
+                    help="only the continuous engine with/without prefix caching")
     ap.add_argument("--trace", action="store_true",
                     help="only trace Routing-v0's step per XLA op (jax.profiler)")
     ap.add_argument("--top", type=int, default=25, help="ops listed per env count (--trace)")
@@ -589,6 +669,12 @@ def main(argv=None):
            "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
            "command": " ".join(["python -m scripts.bench", *(sys.argv[1:] if argv is None
                                                              else argv)]), "results": {}}
+    if args.prefix:
+        res["prefix"] = prefix_bench(counts, steps, repeats)
+        res["load_average_end"] = os.getloadavg()
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     if args.profile or args.trace:
         if args.profile and args.profile_env == "LLMRouting-v0":
             res["profile"] = profile_llm(counts, steps, repeats, warmup)
