@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita",
-                     "sita_prompt", "sita_predicted")
+                     "sita_prompt", "sita_predicted", "sita_tuned")
 BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
 AUTOSCALING_BASELINES = ("hpa", "knative", "ray_serve", "scheduled")  # plus "fixed-<n>" for every n
 BASELINES = {"routing": ROUTING_BASELINES, "batching": BATCHING_BASELINES,

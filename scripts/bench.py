@@ -21,7 +21,11 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --quick                       # small sizes, a smoke test
   python -m scripts.bench --num-envs 16384,65536,262144 --ppo   # on a GPU
   python -m scripts.bench --profile --num-envs 256,4096  # Routing-v0 step variants
+  python -m scripts.bench --profile --profile-env LLMRouting-v0 --num-envs 256 --num-steps 20 \
+      --warmup 40 --repeats 2     # LLMRouting-v0: decode runs on/off, no engine, boundaries
   python -m scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
+  python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
+      # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
 """
 
 from __future__ import annotations
@@ -246,8 +250,8 @@ def cartpole_ppo_settings(env_name: str) -> dict:
 
 def environments():
     """(name, env, params, kind, steps divisor, warm-up): a step of the slow environments
-    (many arrivals per Autoscaling interval; the continuous engine) gets a shorter scan, and
-    LLMRouting-v0 is timed from reset only."""
+    (many arrivals per Autoscaling interval; the continuous engine) gets a shorter scan.
+    LLMRouting-v0 runs at its registered load and KV-bound (`llm_kv_bound_env`)."""
     routing, rparams = routing_env()
     return [
         (ROUTING, routing, rparams, "routing", 1, True),
@@ -256,8 +260,11 @@ def environments():
         # One step is a 15 s control interval (~18 arrivals at the default diurnal load).
         ("Autoscaling-v0 (8 replicas)", *jaxserve.make("Autoscaling-v0"), "autoscaling", 10,
          True),
-        ("LLMRouting-v0 (4 OPT-13B replicas)", *jaxserve.make("LLMRouting-v0"), None, 25,
-         False),
+        ("LLMRouting-v0 (4 OPT-13B replicas)", *jaxserve.make("LLMRouting-v0"), None, 5, True),
+        ("LLMRouting-v0 KV-bound (4 A100-40GB, 150 blocks)", *llm_kv_bound_env(), None, 5,
+         True),
+        ("LLMAutoscaling-v0 (4 OPT-13B replicas)", *jaxserve.make("LLMAutoscaling-v0"), None,
+         10, True),
         (BREAKOUT, *gymnax.make("Breakout-MinAtar"), None, 1, True),
     ]
 
@@ -343,6 +350,98 @@ def profile_routing(counts, steps, repeats):
                       f"{us:7.2f} us/env-step ({us_cpu:6.2f} CPU us)", flush=True)
     finally:
         lanes.engine_path, C.advance_static, R.routing_observation = None, real_advance, real_obs
+        jax.clear_caches()
+    return out
+
+
+def llm_kv_bound_env():
+    """LLMRouting-v0 at its registered load (16 req/s) on four OPT-13B A100-40GB replicas
+    with 150 KV blocks each (a quarter of the card's 633): KV-bound, preemption-heavy."""
+    from jaxserve.core.replica import replica_profile
+
+    return jaxserve.make("LLMRouting-v0",
+                         replicas=[replica_profile("opt13b-a100-40g", kv_blocks=150)] * 4)
+
+
+def llm_step_counts(env, params, num_envs, num_steps, warmup_steps):
+    """Per env-step engine work of a vmapped LLM environment (random actions), after
+    `warmup_steps`: boundary passes (`info["boundaries"]`) per step, their mean and the mean
+    over steps of the max over environments (what the vmapped loop pays), iterations per step
+    (from the replicas' counters) and preemptions per step."""
+    keys = jax.random.split(jax.random.PRNGKey(0), num_envs)
+    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
+
+    def iterations(state):
+        return getattr(state, "cluster", None).iterations.sum(-1)
+
+    @jax.jit
+    def roll(keys, states, steps_key):
+        def one(key, state):
+            def step(state, k):
+                k_a, k_s = jax.random.split(k)
+                a = env.action_space(params).sample(k_a)
+                _, state, _, _, _, info = env.step(k_s, state, a, params)
+                return state, (info["boundaries"], info["preemptions"])
+            return jax.lax.scan(step, state, jax.random.split(key, num_steps))
+        return jax.vmap(one)(jax.vmap(lambda k: jax.random.fold_in(k, steps_key))(keys),
+                             states)
+
+    for i in range(-(-warmup_steps // num_steps)):
+        states, _ = roll(keys, states, i + 1)
+    it0 = iterations(states)
+    states, (b, pre) = roll(keys, states, 10 ** 6)
+    b, pre = np.asarray(b), np.asarray(pre)
+    it = np.asarray(iterations(states) - it0)  # an auto-reset zeroes the counters: >= 0 rare
+    return {"boundaries_per_step": float(b.mean()),
+            "boundaries_vmapped_max_per_step": float(b.max(0).mean()),
+            "iterations_per_step": float(np.maximum(it, 0).sum() / b.size),
+            "preemptions_per_step": float(pre.mean())}
+
+
+def profile_llm(counts, steps, repeats, warmup):
+    """Where a vmapped LLMRouting-v0 step spends its time, at the registered load and KV-bound
+    (`llm_kv_bound_env`): the step as shipped (closed-form decode runs), the same running
+    every iteration's boundary (`advance(decode_runs=False)`), and with the engine replaced by
+    nothing (`advance` returning its input: everything else), each from reset and after
+    `warmup` steps, with boundary passes, iterations and preemptions per step
+    (`llm_step_counts`). Microseconds per env-step, wall-clock and CPU."""
+    from jaxserve.core import continuous as CB
+    from jaxserve.core.metrics import StepMetrics
+
+    real_advance = CB.advance
+
+    def every_boundary(*a, **kw):
+        return real_advance(*a, **{**kw, "decode_runs": False})
+
+    def no_engine(rep, prof, horizon, slo_s, log=None, decode_runs=True):
+        return rep, StepMetrics.zeros(), CB.zero_extras(), log
+
+    loads = {"registered load": jaxserve.make("LLMRouting-v0"), "KV-bound": llm_kv_bound_env()}
+    variants = {"decode runs (default)": real_advance, "every boundary": every_boundary,
+                "no engine": no_engine}
+    out = {}
+    try:
+        for n in counts:
+            for load, (env, params) in loads.items():
+                for name, advance in variants.items():
+                    CB.advance = advance
+                    jax.clear_caches()
+                    r = time_env(env, params, n, steps, warmup, repeats)
+                    if advance is not no_engine:
+                        r.update(llm_step_counts(env, params, n, steps, warmup))
+                    key = f"LLMRouting-v0 {load}, {name} @ {n}"
+                    out[key] = {**r, "us_per_env_step_reset": 1e6 / r["reset_steps_per_s"],
+                                "us_per_env_step_warm": 1e6 / r["warm_steps_per_s"]}
+                    extra = (f" boundaries/step {r['boundaries_per_step']:6.2f} (vmapped max "
+                             f"{r['boundaries_vmapped_max_per_step']:6.2f}) iterations/step "
+                             f"{r['iterations_per_step']:6.2f} preemptions/step "
+                             f"{r['preemptions_per_step']:5.2f}" if "boundaries_per_step" in r
+                             else "")
+                    print(f"profile {key:58s} compile {r['compile_s']:5.1f}s "
+                          f"{1e6 / r['reset_steps_per_s']:8.1f} us/env-step from reset, "
+                          f"{1e6 / r['warm_steps_per_s']:8.1f} warmed{extra}", flush=True)
+    finally:
+        CB.advance = real_advance
         jax.clear_caches()
     return out
 
@@ -456,6 +555,82 @@ def trace_routing(counts, steps, top=25):
     return out
 
 
+def prefix_workload(n: int, rng, block_tokens: int = 16):
+    """A shared-prefix request stream for the prefix-cache bench: each request takes one of 4
+    one-block system prompts (popularity 1/k), walks 0-4 more shared blocks among 3 children
+    per node, adds 1-15 private prompt tokens and 1-64 output tokens; Poisson arrivals at
+    8 req/s. Returns (gaps, prompt, output, node, tree) with `block_tokens`-token blocks."""
+    from jaxserve.traces.prefix import build_prefix_tree
+    pop = 1.0 / np.arange(1, 5)
+    lists, prompt = [], np.zeros(n, np.int64)
+    for i in range(n):
+        path = [int(rng.choice(4, p=pop / pop.sum()))]
+        path += [100 + 10 * d + int(rng.integers(0, 3)) for d in range(int(rng.integers(0, 5)))]
+        lists.append(path)
+        prompt[i] = block_tokens * len(path) + int(rng.integers(1, 16))
+    tree, node = build_prefix_tree(lists, block_tokens)
+    gaps = rng.exponential(1 / 8.0, n)
+    return gaps, prompt, rng.integers(1, 65, n), node, tree
+
+
+def prefix_bench(counts, steps, repeats):
+    """Requests routed per second (one request = one env step: route, advance to the next
+    arrival, rebase) by the continuous engine with and without prefix caching, vmapped over
+    environments that each replay the same shared-prefix stream under their own random
+    routing, and the engine state's bytes per environment. 4 replicas of 64 blocks x 16
+    tokens, 8 running and 16 waiting slots. Rows: no caching (decode-run skip on, the
+    default, and off) and caching (skip always off)."""
+    from jaxserve.core import continuous as CB
+    from jaxserve.core.replica import ReplicaProfile, stack_replicas
+    from jaxserve.evaluation.replay import replay_prefix_arrays
+
+    rng = np.random.default_rng(0)
+    r_n = 4
+    prof = stack_replicas([ReplicaProfile(c0=0.01, alpha=2e-5, kv_blocks=64, block_size=16,
+                                          max_seqs=8, max_tokens=256, queue_cap=16)] * r_n)
+    gaps, prompt, output, node, tree = prefix_workload(steps, rng)
+    tables = CB.prefix_tables(tree.parent, tree.depth, 16)
+    xs = (jnp.asarray(gaps, jnp.float32), jnp.asarray(prompt, jnp.float32),
+          jnp.asarray(output, jnp.float32), jnp.asarray(node, jnp.int32))
+    out = []
+    for n in counts:
+        routes = jnp.asarray(rng.integers(0, r_n, (n, steps)), jnp.int32)
+        # Without caching, with and without the decode-run skip (always off with caching).
+        for caching, skip in ((False, True), (False, False), (True, False)):
+            blocks = 64 if caching else None
+
+            @jax.jit
+            def run(routes):
+                def one(r):
+                    rep, log, dropped, _, tot = replay_prefix_arrays(
+                        prof, tables, *xs, r, num_replicas=r_n, queue_buffer=16,
+                        max_seqs=8, blocks=blocks, decode_runs=skip)
+                    return rep.iterations.sum(), dropped.sum(), tot["prefix_hit_tokens"]
+                return jax.vmap(one)(routes)
+
+            t0 = time.perf_counter()
+            compiled = run.lower(routes).compile()
+            compile_s = time.perf_counter() - t0
+            res = jax.block_until_ready(compiled(routes))
+            best = _best(lambda: compiled(routes), repeats)
+            state = CB.empty_replicas(r_n, 16, 8, True, blocks)
+            nbytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))
+            row = {"num_envs": n, "steps": steps, "caching": caching, "decode_runs": skip,
+                   "compile_s": compile_s,
+                   "run_s": best, "env_steps_per_s": n * steps / best,
+                   "state_bytes_per_env": nbytes,
+                   "state_mib_4096_envs": nbytes * 4096 / 2 ** 20,
+                   "hit_tokens_per_env": float(np.asarray(res[2]).mean()),
+                   "dropped_per_env": float(np.asarray(res[1]).mean())}
+            out.append(row)
+            print(f"prefix caching={caching!s:5s} decode-skip={skip!s:5s} envs={n:6d} "
+                  f"compile {compile_s:6.1f}s "
+                  f"{row['env_steps_per_s']:11,.0f} env-steps/s  {nbytes:,} B/env "
+                  f"({row['state_mib_4096_envs']:.1f} MiB for 4096 envs)  "
+                  f"hit tokens/env {row['hit_tokens_per_env']:.0f}", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
@@ -469,7 +644,13 @@ def main(argv=None):
     ap.add_argument("--ppo-steps", type=int, default=None,
                     help="PPO env steps (default 262,144; 16,384 with --quick)")
     ap.add_argument("--profile", action="store_true",
-                    help="only time Routing-v0 step variants (engine paths, no engine)")
+                    help="only time step variants of --profile-env (engine paths, no engine)")
+    ap.add_argument("--profile-env", default="Routing-v0", choices=("Routing-v0",
+                                                                    "LLMRouting-v0"),
+                    help="the environment --profile times (LLMRouting-v0: decode runs on/off, "
+                         "no engine, boundaries per step)")
+    ap.add_argument("--prefix", action="store_true",
+                    help="only the continuous engine with/without prefix caching")
     ap.add_argument("--trace", action="store_true",
                     help="only trace Routing-v0's step per XLA op (jax.profiler)")
     ap.add_argument("--top", type=int, default=25, help="ops listed per env count (--trace)")
@@ -488,8 +669,16 @@ def main(argv=None):
            "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
            "command": " ".join(["python -m scripts.bench", *(sys.argv[1:] if argv is None
                                                              else argv)]), "results": {}}
+    if args.prefix:
+        res["prefix"] = prefix_bench(counts, steps, repeats)
+        res["load_average_end"] = os.getloadavg()
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     if args.profile or args.trace:
-        if args.profile:
+        if args.profile and args.profile_env == "LLMRouting-v0":
+            res["profile"] = profile_llm(counts, steps, repeats, warmup)
+        elif args.profile:
             res["profile"] = profile_routing(counts, steps, repeats)
         if args.trace:
             res["trace"] = trace_routing(counts, steps, args.top)

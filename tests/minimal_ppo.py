@@ -61,10 +61,16 @@ class Transition(NamedTuple):
     obs: jax.Array
 
 
-def make_train(config: dict, env, env_params):
+def make_train(config: dict, env, env_params, diagnostics=None):
     """PureJaxRL's `make_train`: returns `(train, network)`, `train(rng) -> (network params,
     (mean step reward, fraction of steps ending an episode) per update)`. The environment is
-    wrapped in `LegacyStepAPIWrapper`."""
+    wrapped in `LegacyStepAPIWrapper`.
+
+    `diagnostics`, if given, is `f(traj, adv, targets, logits, values) -> dict of arrays`,
+    evaluated after each update's rollout on that rollout (`Transition` fields `(NUM_STEPS,
+    NUM_ENVS, ...)`, the GAE advantages and value targets, and the updated network's logits
+    and values on `traj.obs`); its dicts are then a third per-update output. It only reads:
+    training is the same with or without it."""
     cfg = dict(CONFIG, **config)
     num_updates = cfg["TOTAL_TIMESTEPS"] // cfg["NUM_STEPS"] // cfg["NUM_ENVS"]
     minibatch = cfg["NUM_ENVS"] * cfg["NUM_STEPS"] // cfg["NUM_MINIBATCHES"]
@@ -148,7 +154,10 @@ def make_train(config: dict, env, env_params):
                 return (ts, rng), None
 
             (ts, rng), _ = jax.lax.scan(epoch, (ts, rng), None, cfg["UPDATE_EPOCHS"])
-            return (ts, env_state, last_obs, rng), (traj.reward.mean(), traj.done.mean())
+            out = (traj.reward.mean(), traj.done.mean())
+            if diagnostics is not None:
+                out = out + (diagnostics(traj, adv, targets, *network.apply(ts.params, traj.obs)),)
+            return (ts, env_state, last_obs, rng), out
 
         runner = (ts, env_state, obs, rng)
         (ts, *_), rewards = jax.lax.scan(update, runner, None, num_updates)

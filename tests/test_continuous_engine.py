@@ -348,3 +348,195 @@ def test_ttft_tpot_goodput():
     s = slo_attainment(res, out, slo_ttft=0.75, slo_tpot=0.5)
     np.testing.assert_array_equal(s["met"], [True, False, False, False])
     assert s["attainment"] == 0.25 and s["span_s"] == 4.25 and s["goodput"] == 1 / 4.25
+
+
+def drain_case(seed=0):
+    """One replica (max_seqs 4, max_tokens 256, chunked prefill, ~30 ms iterations with
+    coefficients that are not dyadic) draining 60 requests that all arrive at t = 0: one
+    decision window of > 2,000 iterations with no arrival in between (issue 21's clock case).
+    No `delta`: decode iterations of a full batch all last the same, so a float32 running sum
+    rounds the same way at every addition within a binade and its error grows linearly."""
+    rng = np.random.default_rng(seed)
+    prof = ReplicaProfile(c0=0.0291, alpha=3.1e-5, alpha2=1.3e-8, beta=1.7e-3, gamma=2.3e-5,
+                          delta=0.0, kv_blocks=2000, block_size=16, max_seqs=4,
+                          max_tokens=256, chunked_prefill=True, watermark=0.01, queue_cap=64)
+    n = 60
+    arrival = np.zeros(n)
+    prompt = rng.integers(1, 400, size=n)
+    output = rng.integers(100, 200, size=n)
+    return prof, arrival, prompt, output
+
+
+def test_clock_precision_over_a_long_drain():
+    """First-token and finish times within 1e-4 s + 2e-6 x t of the float64 reference over a
+    drain of > 2,000 iterations. A float32 running sum of these iteration times ends ~9.7e-4 s
+    off at 72 s (4.4x the tolerance; each addition rounds by up to half an ulp of the clock,
+    3.8e-6 s at 64 s, here with a bias); the compensated clock keeps only the rounding of each
+    iteration time (float32, relative ~6e-8) and of the stored sum."""
+    prof, arrival, prompt, output = drain_case()
+    got, want = run_both([prof], arrival, prompt, output, np.zeros(len(arrival), int),
+                         queue_buffer=64, max_seqs=4)
+    assert want["iterations"][0] >= 2000 and want["finish"].max() > 60.0
+    assert not want["dropped"].any()
+    for key in ("first_token", "finish"):
+        err = np.abs(got[key] - want[key])
+        assert np.all(err <= 1e-4 + 2e-6 * want[key]), (key, err.max())
+
+
+def drain_engine(profiles, prompt, output, replica, decode_runs=True, queue_buffer=16,
+                 max_seqs=4):
+    """Routes requests that all arrive at t = 0, then drains the replicas with one `advance`.
+
+    Returns (per-request first-token and finish times as numpy arrays, replicas, extras)."""
+    from jaxserve.core import queues as Q
+
+    prof = stack_replicas(profiles)
+    n = len(prompt)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    reqs = Q.Request(arrival=f32(np.zeros(n)), prompt=f32(prompt), output=f32(output),
+                     estimate=f32(output), size_class=jnp.zeros(n, jnp.int32),
+                     req_id=jnp.arange(n, dtype=jnp.int32))
+
+    @jax.jit
+    def go(reqs, replica):
+        rep = CB.empty_replicas(len(profiles), queue_buffer, max_seqs)
+
+        def push(rep, x):
+            req, r = x
+            rep, _, _ = CB.route(rep, prof, req, r)
+            return rep, None
+
+        rep, _ = jax.lax.scan(push, rep, (reqs, replica))
+        rep, _, ex, log = CB.advance(rep, prof, jnp.inf, jnp.inf, CB.empty_log(n), decode_runs)
+        return rep, ex, log
+
+    rep, ex, log = go(reqs, jnp.asarray(replica, jnp.int32))
+    return (np.asarray(log.ttft, np.float64), np.asarray(log.e2e, np.float64),
+            np.asarray(log.preemptions)), rep, ex
+
+
+def test_decode_runs_are_skipped_exactly():
+    """Long outputs on the dyadic grid: most iterations are pure decodes, skipped in closed
+    form (far fewer boundary passes than iterations), and every first-token time, finish
+    time, preemption count and per-replica counter equals the reference and the engine that
+    runs every boundary. Replica 0's cache is tight enough that some runs end at the KV
+    limit (preemptions); here 33 boundary passes against 149 without the skip."""
+    rng = np.random.default_rng(7)
+    n = 24
+    prompt = rng.integers(1, 24, size=n)
+    output = rng.integers(20, 60, size=n)
+    replica = rng.integers(0, 2, size=n)
+    profiles = [dyadic_replica(rng, True, 0.0, kv_blocks=kv, queue_cap=16) for kv in (48, 96)]
+    want = ref.simulate(np.zeros(n), prompt, output, replica, as_dicts(profiles))
+    (ttft, e2e, pre), rep, ex = drain_engine(profiles, prompt, output, replica)
+    (ttft0, e2e0, pre0), rep0, ex0 = drain_engine(profiles, prompt, output, replica,
+                                                  decode_runs=False)
+    for got_t, got_e, got_p in ((ttft, e2e, pre), (ttft0, e2e0, pre0)):
+        np.testing.assert_array_equal(got_t, want["first_token"])
+        np.testing.assert_array_equal(got_e, want["finish"])
+        np.testing.assert_array_equal(got_p, want["preemptions"])
+    assert want["replica_preemptions"][0] > 0  # a run ended at the KV limit
+    for r in (rep, rep0):
+        np.testing.assert_array_equal(r.iterations, want["iterations"])
+        np.testing.assert_array_equal(r.preemptions, want["replica_preemptions"])
+        np.testing.assert_array_equal(r.kv_peak, want["kv_peak"])
+        np.testing.assert_allclose(r.busy, want["busy"], rtol=1e-6)
+        np.testing.assert_allclose(r.kv_block_s, want["kv_block_s"], rtol=1e-6)
+    # Every iteration is one boundary pass without the skip (plus the final pass, which ends
+    # the last iterations and schedules nothing); with it, far fewer.
+    assert int(ex0["boundaries"]) >= want["iterations"].max()
+    assert int(ex["boundaries"]) < want["iterations"].max() // 3, (ex["boundaries"],
+                                                                 want["iterations"])
+
+
+def _one_replica_state(prof, running, waiting, max_seqs=4):
+    """A replica at an iteration boundary with `running` [(prompt, output, gen)] decoding
+    (every sampled token but the last computed) and `waiting` [(prompt, output)] fresh."""
+    from jaxserve.core import queues as Q
+
+    p1 = stack_replicas([prof])
+    rep = CB.empty_replicas(1, 8, max_seqs)
+    for i, (p, o) in enumerate(waiting):
+        req = Q.Request(arrival=jnp.float32(0.0), prompt=jnp.float32(p), output=jnp.float32(o),
+                        estimate=jnp.float32(o), size_class=jnp.int32(0), req_id=jnp.int32(i))
+        rep, dropped, _ = CB.route(rep, p1, req, jnp.int32(0))
+        assert not bool(dropped)
+    k = len(running)
+    pad = lambda v: jnp.asarray([list(v) + [0] * (max_seqs - k)], jnp.int32)  # noqa: E731
+    p, o, g = (pad(c) for c in zip(*running))
+    run = rep.run.replace(prompt=p, output=o, gen=g, comp=p + g - 1,
+                          count=jnp.asarray([k], jnp.int32))
+    return rep.replace(run=run), p1
+
+
+def _skipped(rep, prof, horizon=np.inf):
+    zero = jnp.zeros((1,), jnp.float32)
+    out, *_ = CB._decode_run(rep, prof, jnp.asarray([True]), zero, zero,
+                             jnp.float32(horizon))
+    return int(out.iterations[0])
+
+
+def test_decode_run_stops_where_the_schedule_changes():
+    """The skipped run's length: up to (not including) the first completion, the KV limit and
+    the horizon; none when the waiting head could be admitted or a decode must preempt."""
+    prof = ReplicaProfile(c0=0.5, alpha=0.0625, kv_blocks=64, block_size=4, max_seqs=4,
+                          max_tokens=64, chunked_prefill=True, watermark=0.0, queue_cap=4)
+    # Two decodes with 9 and 5 tokens left: the first completion ends iteration 5.
+    rep, p1 = _one_replica_state(prof, [(6, 10, 1), (3, 8, 3)], [])
+    assert _skipped(rep, p1) == 4
+    # Iterations last 0.5 + 2 * 0.0625 = 0.625 s: 3 end by 2.0 s.
+    assert _skipped(rep, p1, horizon=2.0) == 3
+    # A run ending exactly at the horizon (3 x 0.625 s): its last end is processed and nothing
+    # starts at the horizon (MODEL.md event order), as when every boundary runs.
+    for runs in (True, False):
+        out, _, ex, _ = CB.advance(rep, p1, jnp.float32(1.875), jnp.float32(jnp.inf), None,
+                                   runs)
+        assert int(out.iterations[0]) == 3 and not bool(out.in_iter[0])
+        assert float(out.t_end[0]) == 1.875 and int(out.run.gen[0, 0]) == 4
+    # Admission possible (a free seat, budget and blocks): no skip.
+    rep_w, p1 = _one_replica_state(prof, [(6, 10, 1), (3, 8, 3)], [(4, 2)])
+    assert _skipped(rep_w, p1) == 0
+    # The same head cannot be admitted when the seats are full: the run is skipped.
+    full = [(6, 10, 1), (3, 8, 3), (2, 9, 1), (2, 9, 1)]
+    rep_f, p1 = _one_replica_state(prof, full, [(4, 2)])
+    assert _skipped(rep_f, p1) == 4
+    # KV-bound: 5 blocks of 4 tokens, ceil(6/4) + ceil(5/4) = 4 held. The first request
+    # needs a third block to compute token 9 (its 3rd iteration), the second at its 4th, which
+    # would preempt: 3 iterations are skipped.
+    tight = prof.replace(kv_blocks=5)
+    rep_k, p1 = _one_replica_state(tight, [(6, 10, 1), (3, 8, 3)], [])
+    assert _skipped(rep_k, p1) == 3
+    # A preemption due at the first boundary (4 blocks, all held; C = 8 needs a new one).
+    rep_p, p1 = _one_replica_state(prof.replace(kv_blocks=4), [(6, 10, 3), (3, 8, 3)], [])
+    assert _skipped(rep_p, p1) == 0
+
+
+def test_decode_runs_vmap_equals_loop():
+    """vmap over replica sets (different caches, hence different runs) equals each alone."""
+    rng = np.random.default_rng(8)
+    n = 16
+    prompt, output = rng.integers(1, 24, size=n), rng.integers(10, 40, size=n)
+    replica = np.zeros(n, int)
+    lanes = [dyadic_replica(np.random.default_rng(s), True, 0.0, kv_blocks=kv, queue_cap=16)
+             for s, kv in ((1, 12), (2, 20), (3, 64))]
+    singles = [drain_engine([p], prompt, output, replica)[0] for p in lanes]
+    from jaxserve.core import queues as Q
+
+    profs = jax.tree.map(lambda *x: jnp.stack(x), *[stack_replicas([p]) for p in lanes])
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    reqs = Q.Request(arrival=f32(np.zeros(n)), prompt=f32(prompt), output=f32(output),
+                     estimate=f32(output), size_class=jnp.zeros(n, jnp.int32),
+                     req_id=jnp.arange(n, dtype=jnp.int32))
+
+    def one(prof):
+        rep = CB.empty_replicas(1, 16, 4)
+        rep, _ = jax.lax.scan(lambda r, q: (CB.route(r, prof, q, jnp.int32(0))[0], None),
+                              rep, reqs)
+        _, _, _, log = CB.advance(rep, prof, jnp.inf, jnp.inf, CB.empty_log(n))
+        return log
+
+    logs = jax.jit(jax.vmap(one))(profs)
+    for i, (ttft, e2e, pre) in enumerate(singles):
+        np.testing.assert_array_equal(np.asarray(logs.ttft[i], np.float64), ttft)
+        np.testing.assert_array_equal(np.asarray(logs.e2e[i], np.float64), e2e)
+        np.testing.assert_array_equal(np.asarray(logs.preemptions[i]), pre)

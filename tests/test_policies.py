@@ -20,14 +20,17 @@ from jaxserve import policies as P
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core.service import single_request_time
-from jaxserve.evaluation.tuning import tune_static
+from jaxserve.core.sources import tuning_key
+from jaxserve.evaluation.tuning import OVERFLOW_GRID, tune_sita, tune_static
 from jaxserve.core.types import GPUProfile
 from jaxserve.policies import routing as R
 from jaxserve.policies import smdp
 
 ROUTING = ("random", "round_robin", "weighted_round_robin", "jsq", "least_work_left", "sed",
            "power_of_two", "join_idle_queue", "sita", "sita_prompt", "sita_predicted",
-           "sed_oracle", "least_work_left_oracle")
+           "sita_tuned", "sed_oracle", "least_work_left_oracle")
+# sita_tuned's simulated tuning, small: the tests check its rule, not its choice.
+SMALL_TUNING = {"num_envs": 2, "num_steps": 64, "warmup": 8}
 BATCHING = ("static", "greedy", "tuned_static", "smdp_optimal")
 
 
@@ -87,7 +90,12 @@ def routing_episode():
                                 tokens=A.bimodal_tokens(long_frac=0.3, sigma=0.3),
                                 estimate_mode=A.ESTIMATE_CLASS)  # SITA's partition test
     # The oracles read true lengths by design (tests/test_honest_eval.py covers them).
-    pols = {n: P.get(n, env=env, params=params) for n in ROUTING if not n.endswith("_oracle")}
+    pols = {n: P.get(n, env=env, params=params,
+                     **(SMALL_TUNING if "num_envs" in P.options(n) else {}))
+            for n in ROUTING if not n.endswith("_oracle")}
+    # sita_tuned's rule with a spill threshold of 0 s too (the tuning may well choose inf).
+    pols["spill_0"] = P.Policy("spill_0", "routing",
+                               R.make_sita_overflow(pols["sita_tuned"].info["fit"], 0.0))
     names = tuple(pols)
 
     @jax.jit
@@ -237,13 +245,69 @@ def test_sita_fit_and_routing(routing_episode):
     assert np.all(fit2.mask.sum(0) == 1) and np.all(fit2.mask.sum(1) == 1)
 
 
+def _sita_overflow_reference(fit, overflow_s, rec):
+    """sita_tuned's rule in numpy on the recorded states (see `R.make_sita_overflow`)."""
+    prompt, est = rec["request"].reshape(-1, 3)[:, 0], rec["estimate"]
+    size = R.predict_size(fit.predictor, prompt, est)
+    allowed = fit.mask[(size[:, None] > fit.thresholds[None, :]).sum(1)]
+    full = rec["full"]
+    open_ = allowed & ~full
+    use = np.where(open_.any(1, keepdims=True), open_, allowed)
+    g = np.where(use, rec["work"], np.inf).argmin(1)
+    delay = rec["work"] + rec["own"]
+    best = np.where(full & ~full.all(1, keepdims=True), np.inf, delay).argmin(1)
+    rows = np.arange(g.shape[0])
+    spill = delay[rows, g] > delay[rows, best] + overflow_s
+    return np.where(spill, best, g), spill
+
+
+def test_sita_tuned_rule(routing_episode):
+    _, _, pols, rec, acts = routing_episode
+    info = pols["sita_tuned"].info
+    fit = info["fit"]
+    assert fit.predictor is not None and info["orientation"] in ("slow_first", "fast_first")
+    table = info["table"]
+    # Two orientations x the default grid, best first, the chosen one at the top.
+    assert len(table) == 2 * len(OVERFLOW_GRID)
+    assert [r["mean_latency_incl_drops"] for r in table] == sorted(
+        r["mean_latency_incl_drops"] for r in table)
+    assert (table[0]["fit"], table[0]["overflow_s"]) == (info["orientation"], info["overflow_s"])
+    for name, theta in (("sita_tuned", info["overflow_s"]), ("spill_0", 0.0)):
+        want, spill = _sita_overflow_reference(fit, theta, rec)
+        np.testing.assert_array_equal(acts[name], want)
+    assert spill.any() and not spill.all()  # threshold 0 spills sometimes, not always
+    # An infinite threshold never spills: the rule is SITA on the fit.
+    want, spill = _sita_overflow_reference(fit, np.inf, rec)
+    assert not spill.any()
+
+
+def test_sita_orientations():
+    env, params = jaxserve.make("Routing-v0", estimate_mode=A.ESTIMATE_EXACT)
+    speed = np.asarray(R.gpu_speeds(params))
+    fits = {o: P.fit_sita(params, predictor="predicted", order=o)
+            for o in ("slow_first", "fast_first")}
+    # The shortest interval's group: the slowest GPUs in one, the fastest in the other.
+    short = {o: speed[f.mask[0]].mean() for o, f in fits.items()}
+    assert short["slow_first"] < short["fast_first"]
+    with pytest.raises(ValueError, match="order"):
+        P.fit_sita(params, order="sideways")
+    with pytest.raises(ValueError, match="grid"):
+        tune_sita(env, params, grid=[-1.0], **SMALL_TUNING)
+    with pytest.raises(ValueError, match="Routing-v0"):
+        tune_sita(*jaxserve.make("Batching-v0"), **SMALL_TUNING)
+    with pytest.raises(ValueError, match="needs env"):
+        P.get("sita_tuned", params=params)
+
+
 def test_sita_predictor_recovers_a_planted_threshold():
     # Planted: the prompt decides the class (100 -> 32 output tokens, 1000 -> 512, no spread)
     # while the estimate is nearly useless (sigma 3: e^3 = 20x). The fitted predictor must
     # split exactly on the prompt: every request of a class in its own interval block.
     tokens = A.class_mixture([0.7, 0.3], [100, 1000], [0.0, 0.0], [32, 512], [0.0, 0.0])
     env, params = jaxserve.make("Routing-v0", tokens=tokens, estimate_noise=3.0)
-    key = jax.random.PRNGKey(5)
+    # A derived tuning key: fitting marks its key, and evaluation refuses marked keys for the
+    # rest of the process (PRNGKey(5) itself is an evaluation key in other test files).
+    key = tuning_key(jax.random.PRNGKey(5))
     for name, uses_est in (("sita_prompt", False), ("sita_predicted", True)):
         fit = P.get(name, env=env, params=params, key=key).info["fit"]
         assert fit.predictor.shape == (3,) and (fit.predictor[2] != 0) == uses_est

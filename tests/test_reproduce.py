@@ -188,7 +188,7 @@ def test_stale_note_flags_routing_sections_written_before_an_information_change(
     (a shallow checkout cannot tell ancestry: then the note is empty and the test skips)."""
     from agents.experiments.report import _is_ancestor, stale_note
 
-    before, after = "8a9a35b", "30e57b9"  # (a)'s and (w)'s provenance commits on the page
+    before, after = "8a9a35b", "1447f4e"  # (a)'s and (w)'s provenance commits on the page
     if _is_ancestor("f3d97b3", after) is not True or _is_ancestor("f3d97b3", before) is not False:
         pytest.skip("no git history to read ancestry from")
     line = "*Written by `python scripts/reproduce.py --quick` at commit `{}`, budget `quick`.*"
@@ -199,4 +199,5 @@ def test_stale_note_flags_routing_sections_written_before_an_information_change(
     # Only (a) is listed, once per change: (b) names no router, (w) is newer than both.
     assert "sections (a) predate commit `f3d97b3`" in note
     assert "sections (a) predate commit `0658cc1`" in note
+    assert "sections (a) predate commit `eafe997`" in note
     assert stale_note({"w": blocks["w"]}) == ""

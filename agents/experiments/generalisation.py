@@ -92,7 +92,7 @@ def generalisation(ctx: Context) -> Section:
     t = train_mixes(ctx)[MIX]
     env, params = t["env"], t["params"]
     key = ctx.eval_key(40)
-    heur = t.get("heuristics") or routing_heuristics(env, params, ctx.eval_key(10))
+    heur = t.get("heuristics") or routing_heuristics(env, params, ctx.eval_key(10), ctx.budget)
     pols = {**heur, **learned_dict(t["learned"])}
     load = training_load(params)
     rate = float(np.asarray(params.arrivals.rates)[0])

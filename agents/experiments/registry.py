@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import traceback
 from typing import Callable, Sequence
+
+import jax
 
 from agents.experiments.common import Context, Section
 
@@ -69,4 +72,8 @@ def run_experiments(ctx: Context, keys: Sequence[str] | None = None) -> list[Sec
         sec.key = e.key
         ctx.log(f"experiment ({e.key}) done in {sec.wall_s:.0f} s")
         sections.append(sec)
+        # XLA:CPU keeps every compiled program's code in its own memory maps; one process
+        # running every experiment could reach vm.max_map_count (docs/troubleshooting.md).
+        jax.clear_caches()
+        gc.collect()
     return sections

@@ -53,6 +53,8 @@ INFORMATION_CHANGES = (
     ("0658cc1", "the heuristic set includes `sita_predicted` and `sita_prompt` (SITA on the "
                 "length predicted from the prompt and the estimate, fitted on tuning streams), "
                 "the strongest honest heuristic in (w)"),
+    ("eafe997", "the heuristic set includes `sita_tuned` (`sita_predicted` with its orientation "
+                "and a spill threshold chosen by simulation on tuning streams)"),
 )
 _ROUTER_ROW = re.compile(r"\b(sita|jsq|round_robin)\b", re.I)
 _WRITTEN_AT = re.compile(r"\*Written by `[^`]*` at commit `(?P<commit>[0-9a-f]+)`")

@@ -20,13 +20,19 @@ from jaxserve.evaluation.capacity import service_capacity
 STUDY_BASELINES = ("round_robin", "jsq", "random")
 
 
-def routing_heuristics(env, params, key) -> dict:
-    """Every registered non-oracle routing policy, SITA fitted on `tuning_key(key)`."""
+def routing_heuristics(env, params, key, budget=None) -> dict:
+    """Every registered non-oracle routing policy, SITA fitted (and `sita_tuned` simulated) on
+    `tuning_key(key)`; the simulation runs `budget.tune_envs` x `budget.tune_steps` requests
+    (default: the policy's own)."""
     out = {}
     for name in policies.names("routing"):
         if "oracle" in name:
             continue  # oracles read true output lengths: references, not baselines
-        kw = {"key": tuning_key(key)} if "key" in policies.options(name) else {}
+        opts = policies.options(name)
+        kw = {"key": tuning_key(key)} if "key" in opts else {}
+        if budget is not None and "num_envs" in opts:
+            kw.update(num_envs=budget.tune_envs, num_steps=budget.tune_steps,
+                      warmup=min(budget.warmup, budget.tune_steps // 8))
         out[name] = policies.get(name, env=env, params=params, **kw)
     return out
 
@@ -166,7 +172,7 @@ def mixes(ctx: Context) -> Section:
     for j, (m, t) in enumerate(trained.items()):
         env, params = t["env"], t["params"]
         key = ctx.eval_key(10 + j)
-        heur = routing_heuristics(env, params, key)
+        heur = routing_heuristics(env, params, key, ctx.budget)
         pols = {**heur, **learned_dict(t["learned"])}
         ctx.log(f"  evaluating (c) {m}")
         res = _eval(ctx, env, params, pols, key)
@@ -244,7 +250,7 @@ def class_mix(ctx: Context) -> Section:
         if "results" not in t:
             ctx.log(f"  evaluating (e) {m} (experiment c did not run)")
             key = ctx.eval_key(10 + list(trained).index(m))
-            t["heuristics"] = routing_heuristics(t["env"], t["params"], key)
+            t["heuristics"] = routing_heuristics(t["env"], t["params"], key, ctx.budget)
             t["results"] = _eval(ctx, t["env"], t["params"],
                                  {**t["heuristics"], **learned_dict(t["learned"])}, key)
         res = t["results"]

@@ -19,6 +19,8 @@ long requests (true class) in each phase of the arrival process.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +46,9 @@ WIN_BUDGETS = {"quick": ((0, 1, 2), 393_216), "full": ((0, 1, 2, 3, 4), 2_097_15
 # Larger than the shared budget's: evaluation is cheap next to training, and the CIs of a
 # paired difference between close policies need it.
 WIN_EVAL = {"quick": (16, 1024, 64), "full": (32, 2048, 128), "tiny": (2, 64, 8)}
-HEURISTICS = ("sita", "sita_predicted", "sita_prompt", "sed", "least_work_left", "jsq",
+# Tuning streams of `sita_tuned` per budget name: (streams, requests per stream, warm-up).
+WIN_TUNE = {"quick": (8, 1024, 64), "full": (16, 2048, 128), "tiny": (2, 64, 8)}
+HEURISTICS = ("sita_tuned", "sita", "sita_predicted", "sita_prompt", "sed", "least_work_left", "jsq",
               "power_of_two", "round_robin")
 ORACLES = {"sita, true lengths": "sita", "sed, true lengths": "sed_oracle",
            "least_work_left, true lengths": "least_work_left_oracle"}
@@ -179,7 +183,9 @@ def routing_win(ctx: Context) -> Section:
     for i, name in enumerate(names):
         env, params = scen[name]
         key = ctx.eval_key(70 + i)
-        heur = {n: p for n, p in routing_heuristics(env, params, key).items()
+        t_envs, t_steps, t_warm = WIN_TUNE[b.name]
+        tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
+        heur = {n: p for n, p in routing_heuristics(env, params, key, tune).items()
                 if n in HEURISTICS}
         learned = learned_dict({ALGO: trained[name]})
         ctx.log(f"  evaluating (w) {name}")

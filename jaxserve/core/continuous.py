@@ -12,7 +12,10 @@ step. Each scheduling decision is computed in closed form with prefix sums over 
 (see `_schedule`), so a boundary costs O(max_seqs^2) vector work and no inner loop.
 
 Clock: stored times are relative to the current decision instant (time 0); `rebase` moves the
-origin forward, so float32 times stay as precise as the spans between nearby events.
+origin forward, so float32 times stay as precise as the spans between nearby events. Within one
+decision window a replica may run thousands of iterations; its clock is the unevaluated float32
+pair `t_end + t_lo` (compensated summation: `_add_time`), so it does not drift by an ulp per
+iteration the way a plain float32 running sum does.
 
 Event order at equal timestamps (MODEL.md): iteration ends at `t <= horizon` are processed;
 the next iteration is scheduled only at `t < horizon`, so arrivals at the boundary instant are
@@ -20,6 +23,9 @@ queued before it is scheduled.
 
 Blocks: a running request holds `ceil(C / b)` blocks (`C` its computed tokens); waiting requests
 hold none. So the KV state is a function of the running slots and needs no separate accounting.
+With automatic prefix caching (`Replicas.pc`, docs/prefix_caching.md) the engine instead keeps
+a block pool with reference counts, identities and an LRU free queue, and schedules with
+`_schedule_prefix`; without it nothing of that path is traced.
 
 Static shapes: `max_seqs` running slots per replica (the largest `max_seqs` of the cluster) and a
 waiting ring buffer of `queue_buffer + max_seqs` slots: fresh waiting requests are at most
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxserve.core import queues as Q
@@ -88,6 +95,10 @@ class Replicas:
       busy, kv_block_s: per-replica busy seconds and KV block-seconds this episode. float32.
       kv_peak, iterations, preemptions: per-replica peak blocks, iterations run and
         preemptions this episode. int32.
+      t_lo: low-order part of `t_end` (s): the clock is `t_end + t_lo` with
+        `|t_lo| <= ulp(t_end) / 2` (compensated summation). float32.
+      pc: the prefix cache (`PrefixCache`), or None without prefix caching. Its presence is
+        static (part of the pytree's structure) and selects the engine's prefix-caching path.
     """
 
     queues: Q.Queues
@@ -105,6 +116,8 @@ class Replicas:
     kv_peak: jax.Array
     iterations: jax.Array
     preemptions: jax.Array
+    t_lo: jax.Array
+    pc: "PrefixCache | None" = None
 
     @property
     def num_replicas(self) -> int:
@@ -123,21 +136,40 @@ class TokenLog:
       ttft: first token minus arrival (s); NaN until the first token (so NaN if dropped).
       e2e: finish minus arrival (s); NaN until finished.
       preemptions: times the request was preempted (final when it finishes). int32.
+      cached_first: tokens found in the prefix cache at the request's first admission
+        (vLLM's `num_cached_tokens`), -1 until admitted; None without prefix caching. int32.
+      cached_total: cached tokens summed over all its admissions (readmissions after a
+        preemption included); None without prefix caching. int32.
     """
 
     ttft: jax.Array
     e2e: jax.Array
     preemptions: jax.Array
+    cached_first: jax.Array | None = None
+    cached_total: jax.Array | None = None
 
 
-def empty_log(length: int) -> TokenLog:
+def empty_log(length: int, prefix: bool = False) -> TokenLog:
+    """A log of `length` requests; `prefix` adds the cached-token fields."""
     nan = jnp.full((length,), jnp.nan, jnp.float32)
-    return TokenLog(ttft=nan, e2e=nan, preemptions=jnp.zeros((length,), jnp.int32))
+    log = TokenLog(ttft=nan, e2e=nan, preemptions=jnp.zeros((length,), jnp.int32))
+    if prefix:
+        log = log.replace(cached_first=jnp.full((length,), -1, jnp.int32),
+                          cached_total=jnp.zeros((length,), jnp.int32))
+    return log
 
 
 def empty_replicas(num_replicas: int, queue_buffer: int, max_seqs: int,
-                   with_ids: bool = True) -> Replicas:
-    """An idle cluster: empty queues of `queue_buffer + max_seqs` slots, no running request."""
+                   with_ids: bool = True, prefix_blocks: int | None = None) -> Replicas:
+    """An idle cluster: empty queues of `queue_buffer + max_seqs` slots, no running request.
+
+    `prefix_blocks` (the largest `kv_blocks` of the cluster) turns prefix caching on
+    (`PrefixCache`, docs/prefix_caching.md); it needs `with_ids` (private block identities
+    are keyed by request id).
+    """
+    if prefix_blocks is not None and not with_ids:
+        raise ValueError("prefix_blocks needs with_ids=True (private blocks are keyed by "
+                         "request id)")
     r, s = int(num_replicas), int(max_seqs)
     w = int(queue_buffer) + s
     zi = jnp.zeros((r, s), jnp.int32)
@@ -149,7 +181,23 @@ def empty_replicas(num_replicas: int, queue_buffer: int, max_seqs: int,
                     q_pre=jnp.zeros((r, w), jnp.int32), q_preempted=z, run=run,
                     in_iter=jnp.zeros((r,), jnp.bool_), t_start=zf, t_end=zf,
                     stalled=jnp.zeros((r,), jnp.bool_), iter_blocks=z, busy=zf, kv_block_s=zf,
-                    kv_peak=z, iterations=z, preemptions=z)
+                    kv_peak=z, iterations=z, preemptions=z, t_lo=zf,
+                    pc=None if prefix_blocks is None else empty_prefix_cache(
+                        r, s, w, int(prefix_blocks)))
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(s, e)` with `s = fl(a + b)` and `s + e = a + b` exactly (Knuth's TwoSum)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _add_time(hi: jax.Array, lo: jax.Array, dt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The clock `hi + lo` (s) plus `dt` (s), as a new normalised float32 pair: one float32
+    rounding of the pair's sum instead of one per addition."""
+    s, e = _two_sum(hi, dt)
+    return _two_sum(s, e + lo)
 
 
 def _cdiv(a, b):
@@ -183,7 +231,10 @@ def never_fits(prof: ReplicaProfile, prompt, output) -> jax.Array:
 
 
 def kv_used(rep: Replicas, prof: ReplicaProfile) -> jax.Array:
-    """KV blocks each replica holds: `sum ceil(C / b)` over running requests. `(R,)` int32."""
+    """KV blocks each replica holds: `sum ceil(C / b)` over running requests, or with prefix
+    caching the distinct blocks running requests hold (shared ones once). `(R,)` int32."""
+    if rep.pc is not None:
+        return (rep.pc.ref > 0).sum(-1).astype(jnp.int32)
     valid = jnp.arange(rep.max_seqs)[None, :] < rep.run.count[:, None]
     return jnp.where(valid, _cdiv(rep.run.comp, prof.block_size[:, None]), 0).sum(-1)
 
@@ -194,12 +245,16 @@ def in_system(rep: Replicas) -> jax.Array:
 
 
 def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Array,
-          enabled: jax.Array | bool = True):
+          enabled: jax.Array | bool = True, node: jax.Array | None = None,
+          tables: "PrefixTables | None" = None):
     """Queues an arriving request at `replica`, or drops it.
 
     Dropped when the replica's queue already holds `queue_cap` fresh waiting requests, or when
     the request could never fit (`never_fits`). An arrival wakes a stalled replica. Where
     `enabled` is False nothing changes (see `queues.push`) and the request counts as dropped.
+    With prefix caching (`rep.pc`), the request's prefix identity is its deepest node `node`
+    of the trace's prefix tree `tables` (-1 or None: no shared block); the queue slot keeps
+    the node and the number of shared full KV blocks (`shared_blocks`).
 
     Returns:
       (replicas, dropped, never_fit): bool scalars; `never_fit` implies `dropped`.
@@ -213,6 +268,15 @@ def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Arra
     put = lambda a: a.at[replica, slot].set(jnp.where(accepted, 0, a[replica, slot]))  # noqa
     rep = rep.replace(queues=queues, q_gen=put(rep.q_gen), q_pre=put(rep.q_pre),
                       stalled=rep.stalled.at[replica].set(rep.stalled[replica] & ~accepted))
+    if rep.pc is not None:
+        node = jnp.int32(-1) if node is None else jnp.asarray(node, jnp.int32)
+        nsh = (jnp.int32(0) if tables is None
+               else shared_blocks(tables, node, req.prompt, p1.block_size))
+        pc = rep.pc
+        at = lambda a, v: a.at[replica, slot].set(  # noqa: E731
+            jnp.where(accepted, v, a[replica, slot]))
+        rep = rep.replace(pc=pc.replace(q_node=at(pc.q_node, node),
+                                        q_nshared=at(pc.q_nshared, nsh)))
     return rep, ~accepted, never
 
 
@@ -252,8 +316,9 @@ def _shift_queues(q: Q.Queues, dt: jax.Array) -> Q.Queues:
     return q.replace(arrival=q.arrival - dt)
 
 
-def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) -> Replicas:
-    """Runs the scheduler of every replica where `go`, starting an iteration at `t[r]`.
+def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+              t_lo: jax.Array) -> Replicas:
+    """Runs the scheduler of every replica where `go`, starting an iteration at `t + t_lo`.
 
     Running pass in closed form. Let `n_i = clip(K - sum_{j<i} (L_j - C_j), 0, L_i - C_i)`
     (the budget taken in admission order), `need_i` the extra blocks `n_i` tokens take, `D_i`
@@ -318,7 +383,36 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
           & (free_j - w_blocks >= watermark_blocks(prof)[:, None])
           & ~preempted[:, None] & go[:, None])
     admit = _cumsum((~ok).astype(jnp.int32)) == 0
+    return _apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, w_n)
+
+
+def _apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+                    t_lo: jax.Array, n_run: jax.Array, keep: jax.Array, admit: jax.Array,
+                    w_n: jax.Array, w_comp: jax.Array | None = None,
+                    blocks: jax.Array | None = None) -> Replicas:
+    """Carries out a scheduling decision where `go` and starts the iterations at `t + t_lo`.
+
+    The decision: `n_run` `(R, S)` tokens scheduled per running slot, `keep` `(R,)` running
+    requests left after preemption (slots `[keep, count)` are the victims), `admit` `(R, S)`
+    the admitted prefix of the waiting queue's first `S` requests with `w_n` tokens each and
+    `w_comp` tokens already computed (cache hits; 0 without prefix caching). `blocks` `(R,)`
+    overrides the KV blocks held during the iteration (distinct blocks with prefix caching).
+    Victims go back to the queue's front, admitted requests join the running slots after the
+    survivors, and the iteration time is `docs/contract_continuous.md`'s formula.
+    """
+    run, q = rep.run, rep.queues
+    r_n, s_n = run.arrival.shape
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    b = prof.block_size[:, None]
+    s = (n_run > 0).sum(-1)
+    npre = jnp.where(go, run.count - keep, 0)
     a = admit.sum(-1).astype(jnp.int32)
+    w_valid, win = Q.front(q, s_n)
+    w_slots = (q.head[:, None] + idx) % q.capacity
+    w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
+    w_pre = jnp.take_along_axis(rep.q_pre, w_slots, -1)
+    if w_comp is None:
+        w_comp = jnp.zeros_like(w_gen)
 
     # Victims [keep, count) back to the front of the queue, in admission order.
     v_idx = jnp.minimum(keep[:, None] + idx, s_n - 1)
@@ -347,7 +441,7 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
         req_id=put(run.req_id, win.req_id if win.req_id is not None
                    else jnp.zeros_like(w_gen)),
         gen=put(run.gen, w_gen), comp=put(jnp.where(idx < count1[:, None], run.comp, 0),
-                                          jnp.zeros_like(w_gen)),
+                                          w_comp),
         pre=put(run.pre, w_pre), sched=put(jnp.where(go[:, None], n_run, run.sched), w_n),
         count=count1 + a)
 
@@ -364,9 +458,11 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
                  + prof.alpha2 * jnp.where(prefill, n_f * (comp_f + n_f), 0.0).sum(-1)
                  + prof.beta * (num_dec > 0) + prof.gamma * num_dec
                  + prof.delta * jnp.where(decoding, len2.astype(jnp.float32), 0.0).sum(-1))
-    valid2 = idx < r2.count[:, None]
-    blocks = jnp.where(valid2, _cdiv(r2.comp + r2.sched, b), 0).sum(-1)
+    if blocks is None:
+        valid2 = idx < r2.count[:, None]
+        blocks = jnp.where(valid2, _cdiv(r2.comp + r2.sched, b), 0).sum(-1)
     started = go & ((s + a) > 0)
+    end_hi, end_lo = _add_time(t, t_lo, iter_time)
     sel = lambda new, old: jnp.where(go.reshape(go.shape + (1,) * (new.ndim - 1)),  # noqa
                                      new, old)
     return rep.replace(
@@ -375,11 +471,591 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array) 
         run=jax.tree.map(sel, new_run, run),
         in_iter=rep.in_iter | started,
         t_start=jnp.where(started, t, rep.t_start),
-        t_end=jnp.where(started, t + iter_time, rep.t_end),
+        t_end=jnp.where(started, end_hi, rep.t_end),
+        t_lo=jnp.where(started, end_lo, rep.t_lo),
         stalled=rep.stalled | (go & ~started),
         iter_blocks=jnp.where(started, blocks, rep.iter_blocks),
         kv_peak=jnp.where(started, jnp.maximum(rep.kv_peak, blocks), rep.kv_peak),
         preemptions=rep.preemptions + npre)
+
+
+# ----------------------------------------------------------------------------------------
+# Automatic prefix caching (docs/prefix_caching.md; design in its "JAX representation").
+
+_BIG = jnp.iinfo(jnp.int32).max
+
+
+@struct.dataclass
+class PrefixTables:
+    """The trace's prefix tree as the engine reads it (a param: constant over an episode).
+
+    Attributes:
+      parent: `(num_nodes,)` parent node of each tree node, -1 under the root. int32.
+      depth: `(num_nodes,)` hash blocks from the root to the node (>= 1). int32.
+      block_tokens: tokens per hash block of the tree (Mooncake: 512); every replica's
+        `block_size` divides it. Static.
+      max_depth: the tree's largest depth, the bound of the parent walk. Static.
+    """
+
+    parent: jax.Array
+    depth: jax.Array
+    block_tokens: int = struct.field(pytree_node=False, default=16)
+    max_depth: int = struct.field(pytree_node=False, default=1)
+
+
+def prefix_tables(parent, depth, block_tokens: int, num_nodes: int | None = None,
+                  max_depth: int | None = None) -> PrefixTables:
+    """`PrefixTables` from a tree's host arrays (e.g. `traces.prefix.PrefixTree`'s `parent`
+    and `depth`); raises ValueError naming the field unless `parent[k] < k` and the depths
+    are consistent. `num_nodes` and `max_depth` (at least the tree's) pad the tables with
+    unused root nodes and raise the walk's bound, so trees of different sizes share one
+    compiled program. An empty tree gets one dummy node (no request refers to it)."""
+    parent = np.asarray(parent, np.int64).reshape(-1)
+    depth = np.asarray(depth, np.int64).reshape(-1)
+    if parent.shape != depth.shape:
+        raise ValueError(f"parent and depth must have one entry per node, got {parent.shape} "
+                         f"and {depth.shape}")
+    k = np.arange(parent.shape[0])
+    if np.any((parent < -1) | (parent >= k)):
+        raise ValueError("parent must satisfy -1 <= parent[k] < k")
+    want = np.where(parent >= 0, depth[np.maximum(parent, 0)] + 1, 1) if len(k) else depth
+    if np.any(depth != want):
+        raise ValueError("depth must be 1 under the root and parent's depth + 1 below it")
+    if int(block_tokens) < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    size = max(parent.shape[0], 1) if num_nodes is None else int(num_nodes)
+    if size < max(parent.shape[0], 1):
+        raise ValueError(f"num_nodes ({size}) must be >= the tree's nodes ({parent.shape[0]})")
+    deepest = int(depth.max()) if depth.size else 1
+    max_depth = deepest if max_depth is None else int(max_depth)
+    if max_depth < deepest:
+        raise ValueError(f"max_depth ({max_depth}) must be >= the tree's depth ({deepest})")
+    pad = size - parent.shape[0]
+    parent = np.concatenate([parent, np.full(pad, -1, np.int64)])
+    depth = np.concatenate([depth, np.ones(pad, np.int64)])
+    return PrefixTables(parent=jnp.asarray(parent, jnp.int32),
+                        depth=jnp.asarray(depth, jnp.int32), block_tokens=int(block_tokens),
+                        max_depth=max_depth)
+
+
+@struct.dataclass
+class PrefixCache:
+    """Physical KV blocks and their identities, per replica (leading axis `R`).
+
+    `M` (the last axis of the block arrays) is the cluster's largest `kv_blocks`; block `x`
+    of replica `r` exists when `x < kv_blocks[r]`. A block is *held* (`ref >= 1`), *cached
+    unreferenced* (`ref = 0`, identified) or *fresh* (`ref = 0`, no identity); the free queue
+    is every existing block with `ref = 0`, ordered by `stamp` (smallest = head).
+
+    Attributes:
+      ref: `(R, M)` running requests holding the block. int32.
+      cached: `(R, M)` whether the block carries an identity. bool.
+      owner, code: `(R, M)` its identity: `(-1, node * per + offset)` for a shared block
+        (node of the prefix tree, offset of the KV block inside the hash block, `per =
+        block_tokens / block_size`), `(req_id, j)` for block `j` of request `req_id`'s
+        private part. int32.
+      born: `(R, M)` insertion counter when the identity was set: a lookup takes the
+        smallest among copies of one identity (vLLM's first inserted). int32.
+      stamp: `(R, M)` free-queue key of unreferenced blocks. int32.
+      head_ctr, tail_ctr, born_ctr: `(R,)` next stamps at the head (decreasing) and the
+        tail (increasing), next insertion counter. int32.
+      s_blocks: `(R, S, M)` physical block of each running slot's KV block `j`. int32.
+      s_nblk, s_ncached: `(R, S)` blocks the slot holds, and how many of them (leading)
+        carry its identities. int32.
+      s_node, s_nshared: `(R, S)` the slot's request: deepest tree node (-1: none) and
+        number of shared full KV blocks. int32.
+      q_node, q_nshared: `(R, W)` the same for every waiting-queue slot. int32.
+      hit_tokens, evictions, shared_preemptions: `(R,)` episode counters: cached tokens over
+        admissions, identified blocks popped for reuse, victims holding a block another
+        running request holds. int32.
+      lookup_tokens, lookup_blocks, hit_blocks: `(R,)` episode counters over admissions:
+        tokens `L` of the admitted requests, their full blocks `floor(L / b)`, and the
+        blocks found cached (`H`); hit rates are `hit_tokens / lookup_tokens` and
+        `hit_blocks / lookup_blocks`. int32.
+
+    Counters (`stamp`, `born`) grow by one per block freed or cached, so an episode may
+    free or cache up to 2^31 blocks per replica before they wrap.
+    """
+
+    ref: jax.Array
+    cached: jax.Array
+    owner: jax.Array
+    code: jax.Array
+    born: jax.Array
+    stamp: jax.Array
+    head_ctr: jax.Array
+    tail_ctr: jax.Array
+    born_ctr: jax.Array
+    s_blocks: jax.Array
+    s_nblk: jax.Array
+    s_ncached: jax.Array
+    s_node: jax.Array
+    s_nshared: jax.Array
+    q_node: jax.Array
+    q_nshared: jax.Array
+    hit_tokens: jax.Array
+    evictions: jax.Array
+    shared_preemptions: jax.Array
+    lookup_tokens: jax.Array
+    lookup_blocks: jax.Array
+    hit_blocks: jax.Array
+
+
+def empty_prefix_cache(num_replicas: int, max_seqs: int, queue_slots: int,
+                       blocks: int) -> PrefixCache:
+    """All `blocks` blocks fresh, in the free queue in index order; nothing running."""
+    r, s, w, m = int(num_replicas), int(max_seqs), int(queue_slots), int(blocks)
+    if m < 1:
+        raise ValueError(f"prefix_blocks must be >= 1, got {m}")
+    zm = jnp.zeros((r, m), jnp.int32)
+    zs, zr = jnp.zeros((r, s), jnp.int32), jnp.zeros((r,), jnp.int32)
+    return PrefixCache(
+        ref=zm, cached=jnp.zeros((r, m), jnp.bool_), owner=zm, code=zm, born=zm,
+        stamp=jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (r, m)),
+        head_ctr=zr - 1, tail_ctr=zr + m, born_ctr=zr,
+        s_blocks=jnp.zeros((r, s, m), jnp.int32), s_nblk=zs, s_ncached=zs,
+        s_node=zs - 1, s_nshared=zs, q_node=jnp.full((r, w), -1, jnp.int32),
+        q_nshared=jnp.zeros((r, w), jnp.int32), hit_tokens=zr, evictions=zr,
+        shared_preemptions=zr, lookup_tokens=zr, lookup_blocks=zr, hit_blocks=zr)
+
+
+def shared_blocks(tables: PrefixTables, node, prompt, block_size) -> jax.Array:
+    """Full KV blocks of a prompt that lie on its tree path: `min(floor(p / b), depth(node)
+    * block_tokens / b)` (0 for `node = -1`), docs/prefix_caching.md section 9. int32."""
+    node = jnp.asarray(node, jnp.int32)
+    depth = jnp.where(node >= 0, tables.depth[jnp.maximum(node, 0)], 0)
+    b = jnp.asarray(block_size, jnp.int32)
+    p = jnp.asarray(prompt).astype(jnp.int32)
+    return jnp.minimum(p // b, depth * (tables.block_tokens // b))
+
+
+def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int):
+    """Identities `(owner, code)` of a request's KV blocks `0..width-1` (see `PrefixCache`):
+    the path's nodes come from a parent walk of at most `max_depth` steps."""
+    dmax = tables.max_depth
+
+    def walk(_, c):
+        cur, path = c
+        on = cur >= 0
+        at = jnp.maximum(cur, 0)
+        path = path.at[jnp.where(on, tables.depth[at] - 1, dmax)].set(cur, mode="drop")
+        return jnp.where(on, tables.parent[at], -1), path
+
+    _, path = jax.lax.fori_loop(0, dmax, walk, (node, jnp.full((dmax,), -1, jnp.int32)))
+    per = tables.block_tokens // b
+    j = jnp.arange(width, dtype=jnp.int32)
+    shared = j < nshared
+    code = jnp.where(shared, path[jnp.minimum(j // per, dmax - 1)] * per + j % per, j)
+    return jnp.where(shared, -1, req_id), code
+
+
+# The block-pool operations below act on one replica (`PrefixCache` leaves without the
+# leading axis, `exists` `(M,)`); `_schedule_prefix` vmaps them over replicas.
+
+def _free_blocks(pc, exists):
+    return ((pc.ref == 0) & exists).sum()
+
+
+def _release(pc: PrefixCache, slot) -> PrefixCache:
+    """Frees slot `slot`'s blocks (rule 6): every `ref - 1`; of the blocks reaching 0, fresh
+    ones go to the free queue's head and cached ones to its tail, both tail block first."""
+    m = pc.ref.shape[-1]
+    j = jnp.arange(m, dtype=jnp.int32)
+    on = j < pc.s_nblk[slot]
+    x = jnp.where(on, pc.s_blocks[slot], m)
+    ref = pc.ref.at[x].add(-1, mode="drop")
+    xc = jnp.minimum(x, m - 1)
+    freed = on & (ref[xc] == 0)
+    fresh, kept = freed & ~pc.cached[xc], freed & pc.cached[xc]
+    cf, ck = jnp.cumsum(fresh), jnp.cumsum(kept)
+    nf, nk = cf[-1], ck[-1]
+    st = jnp.where(fresh, pc.head_ctr + 1 - cf, pc.tail_ctr + nk - ck)
+    return pc.replace(ref=ref, stamp=pc.stamp.at[jnp.where(freed, x, m)].set(st, mode="drop"),
+                      head_ctr=pc.head_ctr - nf, tail_ctr=pc.tail_ctr + nk,
+                      s_nblk=pc.s_nblk.at[slot].set(0), s_ncached=pc.s_ncached.at[slot].set(0))
+
+
+def _take(pc: PrefixCache, exists, slot, n) -> PrefixCache:
+    """Gives slot `slot` `n` blocks from the free queue's head (rule 5), appended after its
+    `s_nblk` blocks; an identified block popped loses its identity (an eviction)."""
+    m = pc.ref.shape[-1]
+    order = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG))
+    j = jnp.arange(m, dtype=jnp.int32)
+    nb = pc.s_nblk[slot]
+    on = (j >= nb) & (j < nb + n)
+    picked = order[jnp.clip(j - nb, 0, m - 1)]
+    x = jnp.where(on, picked, m)
+    evicted = (on & pc.cached[picked]).sum()
+    return pc.replace(
+        ref=pc.ref.at[x].set(1, mode="drop"), cached=pc.cached.at[x].set(False, mode="drop"),
+        s_blocks=pc.s_blocks.at[slot].set(jnp.where(on, picked, pc.s_blocks[slot])),
+        s_nblk=pc.s_nblk.at[slot].add(n), evictions=pc.evictions + evicted)
+
+
+def _cache_full(pc: PrefixCache, slot, full, owner, code) -> PrefixCache:
+    """Gives slot `slot`'s blocks `[s_ncached, full)` their identities (rule 2: cached when
+    the tokens that fill them are scheduled)."""
+    m = pc.ref.shape[-1]
+    j = jnp.arange(m, dtype=jnp.int32)
+    nc = pc.s_ncached[slot]
+    row = pc.s_blocks[slot]
+    on = (j >= nc) & (j < full) & ~pc.cached[row]
+    x = jnp.where(on, row, m)
+    put = lambda a, v: a.at[x].set(v, mode="drop")  # noqa: E731
+    return pc.replace(cached=put(pc.cached, True), owner=put(pc.owner, owner),
+                      code=put(pc.code, code), born=put(pc.born, pc.born_ctr + j - nc),
+                      born_ctr=pc.born_ctr + jnp.maximum(full - nc, 0),
+                      s_ncached=pc.s_ncached.at[slot].set(jnp.maximum(nc, full)))
+
+
+def _lookup(pc: PrefixCache, owner, code, cap):
+    """Longest cached prefix of a request's blocks (rule 3), at most `cap` blocks: `(H, the
+    first inserted cached copy of each block j < H)`."""
+    match = (pc.cached[None, :] & (pc.owner[None, :] == owner[:, None])
+             & (pc.code[None, :] == code[:, None]))  # (J, M)
+    first = jnp.argmin(jnp.where(match, pc.born[None, :], _BIG), -1).astype(jnp.int32)
+    j = jnp.arange(owner.shape[0], dtype=jnp.int32)
+    hit = match.any(-1) & (j < cap)
+    h = jnp.argmin(jnp.concatenate([hit, jnp.zeros((1,), jnp.bool_)])).astype(jnp.int32)
+    return h, first
+
+
+def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: PrefixTables,
+                       exists):
+    """The running pass of one replica when no preemption occurs, vectorised.
+
+    With `n_i` the budget taken in admission order and `e_i` the new blocks of slot `i`,
+    the sequential pass is never short when `sum e_i <= free` (before slot `i` the free
+    queue still holds `free - sum_{j<i} e_j >= e_i`). Then slot `i` takes the free queue's
+    blocks of ranks `[sum_{j<i} e_j, sum_{j<=i} e_j)` (caching held blocks does not change
+    the queue), and the slots' newly full blocks are cached in slot-major order (the order
+    of `born` among copies of one identity).
+
+    Returns (whether it applies, the pool after the pass, `n` per slot).
+    """
+    s_n = run.arrival.shape[-1]
+    m = pc.ref.shape[-1]
+    b = prof.block_size
+    idx = jnp.arange(s_n, dtype=jnp.int32)
+    valid = idx < run.count
+    rem = jnp.where(valid, run.prompt + run.gen - run.comp, 0)
+    n = jnp.clip(prof.max_tokens - (jnp.cumsum(rem) - rem), 0, rem)
+    extra = jnp.where(n > 0, _cdiv(run.comp + n, b) - pc.s_nblk, 0)
+    ends = jnp.cumsum(extra)
+    fits = ends[-1] <= _free_blocks(pc, exists)
+    order = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG))
+    j = jnp.arange(m, dtype=jnp.int32)[None, :]
+    nb = pc.s_nblk[:, None]
+    on = (j >= nb) & (j < nb + extra[:, None])  # (S, M)
+    picked = order[jnp.clip((ends - extra)[:, None] + j - nb, 0, m - 1)]
+    x = jnp.where(on, picked, m).ravel()
+    evicted = (on & pc.cached[picked]).sum()
+    blocks = jnp.where(on, picked, pc.s_blocks)
+    pc = pc.replace(ref=pc.ref.at[x].set(1, mode="drop"),
+                    cached=pc.cached.at[x].set(False, mode="drop"), s_blocks=blocks,
+                    s_nblk=pc.s_nblk + extra, evictions=pc.evictions + evicted)
+    owner, code = jax.vmap(lambda nd, ns, r: _identities(tables, nd, ns, r, b, m))(
+        pc.s_node, pc.s_nshared, run.req_id)
+    full = jnp.where(n > 0, (run.comp + n) // b, 0)
+    nc = pc.s_ncached[:, None]
+    new = (j >= nc) & (j < full[:, None]) & ~pc.cached[blocks]
+    rank = (jnp.cumsum(new.ravel()) - 1).reshape(new.shape)
+    xs = jnp.where(new, blocks, m).ravel()
+    put = lambda a, v: a.at[xs].set(v.ravel(), mode="drop")  # noqa: E731
+    pc = pc.replace(cached=put(pc.cached, jnp.ones_like(new)), owner=put(pc.owner, owner),
+                    code=put(pc.code, code), born=put(pc.born, pc.born_ctr + rank),
+                    born_ctr=pc.born_ctr + new.sum(),
+                    s_ncached=jnp.where(n > 0, jnp.maximum(pc.s_ncached, full), pc.s_ncached))
+    return fits, pc, n
+
+
+def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: PrefixTables, go):
+    """One replica's scheduling pass with prefix caching (docs/prefix_caching.md rule 7.3),
+    sequential: the running pass (preempting from the back while the free queue is short),
+    then, if nothing was preempted, FCFS admission with a cache lookup per head.
+
+    `run`: the replica's `Running` slots; `w`: its first `S` waiting requests (dict of `(S,)`
+    arrays `valid, len, node, nshared, req_id`). Returns `(pc, n_run, keep, admit, w_n,
+    w_comp)` (see `_apply_schedule`) with the admitted requests' blocks in slots
+    `keep + m`.
+    """
+    s_n = run.arrival.shape[-1]
+    m = pc.ref.shape[-1]
+    b = prof.block_size
+    exists = jnp.arange(m) < prof.kv_blocks
+    length = run.prompt + run.gen
+
+    def run_cond(c):
+        i, cnt, k, pre, stop, _, _ = c
+        return go & (i < cnt) & (k > 0) & ~stop
+
+    def run_body(c):
+        i, cnt, k, pre, stop, n_run, pc = c
+        n = jnp.minimum(length[i] - run.comp[i], k)
+        extra = _cdiv(run.comp[i] + n, b) - pc.s_nblk[i]
+        short = _free_blocks(pc, exists) < extra
+
+        def preempt(pc):
+            v = cnt - 1
+            row = pc.s_blocks[v]
+            held = (jnp.arange(m) < pc.s_nblk[v]) & (pc.ref[row] > 1)
+            pc = _release(pc, v).replace(
+                shared_preemptions=pc.shared_preemptions + held.any().astype(jnp.int32))
+            return (i, v, k, True, v == i, n_run, pc)
+
+        def schedule(pc):
+            owner, code = _identities(tables, pc.s_node[i], pc.s_nshared[i], run.req_id[i],
+                                      b, m)
+            pc = _take(pc, exists, i, extra)
+            pc = _cache_full(pc, i, (run.comp[i] + n) // b, owner, code)
+            return (i + 1, cnt, k - n, pre, stop, n_run.at[i].set(n), pc)
+
+        return jax.lax.cond(short, preempt, schedule, pc)
+
+    # When the running requests' new blocks all fit the free queue nothing is preempted and
+    # the pass is vectorised (`_running_pass_fits`); the loop then runs no trip.
+    fits, pc_fit, n_fit = _running_pass_fits(pc, run, prof, tables, exists)
+    fast = fits & go
+    pc = jax.tree.map(lambda a, b: jnp.where(fast, a, b), pc_fit, pc)
+    i0 = jnp.where(fast, run.count, 0).astype(jnp.int32)
+    k0 = prof.max_tokens - jnp.where(fast, n_fit.sum(), 0)
+    _, keep, k, pre, _, n_run, pc = jax.lax.while_loop(
+        run_cond, run_body, (i0, run.count, k0, jnp.bool_(False),
+                             jnp.bool_(False), jnp.where(fast, n_fit, 0), pc))
+    wm = watermark_blocks(prof)
+    chunk = prof.chunked_prefill
+
+    def adm_cond(c):
+        j, k, stop, _, _, _ = c
+        return (go & ~pre & ~stop & (j < s_n) & (keep + j < prof.max_seqs) & (k > 0)
+                & w["valid"][jnp.minimum(j, s_n - 1)])
+
+    def adm_body(c):
+        j, k, stop, w_n, w_comp, pc = c
+        slot = keep + j
+        ln = w["len"][j]
+        owner, code = _identities(tables, w["node"][j], w["nshared"][j], w["req_id"][j], b, m)
+        h, first = _lookup(pc, owner, code, (ln - 1) // b)
+        c_tok = h * b
+        rest = ln - c_tok
+        n = jnp.where(chunk, jnp.minimum(rest, k), rest)
+        jj = jnp.arange(m, dtype=jnp.int32)
+        hits = jj < h
+        new = _cdiv(c_tok + n, b) - h
+        need = new + (hits & (pc.ref[first] == 0)).sum()
+        ok = (chunk | (rest <= k)) & (_free_blocks(pc, exists) - need >= wm)
+
+        def admit(pc):
+            pc = pc.replace(ref=pc.ref.at[jnp.where(hits, first, m)].add(1, mode="drop"),
+                            s_blocks=pc.s_blocks.at[slot].set(jnp.where(hits, first, 0)),
+                            s_nblk=pc.s_nblk.at[slot].set(h),
+                            s_ncached=pc.s_ncached.at[slot].set(h),
+                            s_node=pc.s_node.at[slot].set(w["node"][j]),
+                            s_nshared=pc.s_nshared.at[slot].set(w["nshared"][j]),
+                            hit_tokens=pc.hit_tokens + c_tok,
+                            lookup_tokens=pc.lookup_tokens + ln,
+                            lookup_blocks=pc.lookup_blocks + ln // b,
+                            hit_blocks=pc.hit_blocks + h)
+            pc = _take(pc, exists, slot, new)
+            pc = _cache_full(pc, slot, (c_tok + n) // b, owner, code)
+            return (j + 1, k - n, stop, w_n.at[j].set(n), w_comp.at[j].set(c_tok), pc)
+
+        return jax.lax.cond(ok, admit, lambda pc: (j, k, True, w_n, w_comp, pc), pc)
+
+    z = jnp.zeros((s_n,), jnp.int32)
+    a, _, _, w_n, w_comp, pc = jax.lax.while_loop(
+        adm_cond, adm_body, (jnp.int32(0), k, jnp.bool_(False), z, z, pc))
+    admit = jnp.arange(s_n) < a
+    keep = jnp.where(go, keep, run.count)
+    return pc, n_run, keep, admit, w_n, w_comp
+
+
+def _schedule_prefix(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables,
+                     go: jax.Array, t: jax.Array, t_lo: jax.Array,
+                     log: TokenLog | None) -> tuple[Replicas, TokenLog | None]:
+    """`_schedule` with prefix caching: the decision of `_prefix_decide` for every replica,
+    carried out by `_apply_schedule`; the waiting requests' prefix ids follow them between
+    queue and running slots, and the log records each admission's cached tokens."""
+    pc, run, q = rep.pc, rep.run, rep.queues
+    s_n = run.arrival.shape[-1]
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    w_valid, win = Q.front(q, s_n)
+    w_slots = (q.head[:, None] + idx) % q.capacity
+    gat = lambda a: jnp.take_along_axis(a, w_slots, -1)  # noqa: E731
+    w = {"valid": w_valid, "len": win.prompt.astype(jnp.int32) + gat(rep.q_gen),
+         "node": gat(pc.q_node), "nshared": gat(pc.q_nshared), "req_id": win.req_id}
+    pc, n_run, keep, admit, w_n, w_comp = jax.vmap(
+        _prefix_decide, in_axes=(0, 0, 0, 0, None, 0))(pc, run, w, prof, tables, go)
+    held = ((pc.ref > 0) & (jnp.arange(pc.ref.shape[-1])[None, :]
+                            < prof.kv_blocks[:, None])).sum(-1)
+    # Victims' prefix ids go to the queue's front (as `_apply_schedule` moves the requests).
+    npre = jnp.where(go, run.count - keep, 0)
+    new_head = (q.head - npre) % q.capacity
+    v_idx = jnp.minimum(keep[:, None] + idx, s_n - 1)
+    pc = pc.replace(
+        q_node=_front_fill(pc.q_node, new_head, npre, jnp.take_along_axis(pc.s_node, v_idx, -1)),
+        q_nshared=_front_fill(pc.q_nshared, new_head, npre,
+                              jnp.take_along_axis(pc.s_nshared, v_idx, -1)))
+    rep = _apply_schedule(rep.replace(pc=pc), prof, go, t, t_lo, n_run, keep, admit, w_n,
+                          w_comp, blocks=held)
+    if log is not None and log.cached_first is not None and log.ttft.shape[0] > 0:
+        size = log.ttft.shape[0]
+        ids = jnp.where(admit, win.req_id, size).ravel()
+        cur = log.cached_first[jnp.minimum(ids, size - 1)]
+        log = log.replace(
+            cached_first=log.cached_first.at[ids].set(
+                jnp.where(cur < 0, w_comp.ravel(), cur), mode="drop"),
+            cached_total=log.cached_total.at[ids].add(w_comp.ravel(), mode="drop"))
+    return rep, log
+
+
+def prefix_audit(rep: Replicas, prof: ReplicaProfile) -> jax.Array:
+    """Per replica, whether the block pool is consistent (tests; `advance(audit=True)` checks
+    it at every boundary): each block's `ref` equals the running slots holding it, no slot
+    holds a block twice, a running slot holds `ceil((C + scheduled) / b)` blocks whose
+    leading `s_ncached` are identified, blocks beyond `kv_blocks` are untouched, and
+    `fresh + cached_unreferenced + held = kv_blocks`. `(R,)` bool."""
+    pc, run = rep.pc, rep.run
+    r_n, s_n, m = pc.s_blocks.shape
+    j = jnp.arange(m, dtype=jnp.int32)
+    valid = jnp.arange(s_n)[None, :] < run.count[:, None]
+    on = valid[:, :, None] & (j[None, None, :] < pc.s_nblk[:, :, None])  # (R, S, M)
+    x = jnp.where(on, pc.s_blocks, m)
+    count = jax.vmap(lambda xs: jnp.zeros((m,), jnp.int32).at[xs.ravel()].add(1, mode="drop"))(x)
+    exists = j[None, :] < prof.kv_blocks[:, None]
+    dup = ((x[:, :, :, None] == x[:, :, None, :]) & on[:, :, :, None]
+           & (j[:, None] != j[None, :])[None, None]).any((-1, -2, -3))
+    held_ok = jnp.where(valid, pc.s_nblk == _cdiv(run.comp + run.sched,
+                                                   prof.block_size[:, None]), True).all(-1)
+    xc = jnp.minimum(x, m - 1)
+    ident_ok = (~on | (j[None, None, :] >= pc.s_ncached[:, :, None])
+                | jnp.take_along_axis(pc.cached, xc.reshape(r_n, -1), -1).reshape(x.shape)
+                ).all((-1, -2))
+    free = (pc.ref == 0) & exists
+    fresh = (free & ~pc.cached).sum(-1)
+    unref = (free & pc.cached).sum(-1)
+    held = ((pc.ref > 0) & exists).sum(-1)
+    return ((count == pc.ref).all(-1) & ~dup & held_ok & ident_ok
+            & ~(~exists & ((pc.ref != 0) | pc.cached)).any(-1)
+            & (fresh + unref + held == prof.kv_blocks))
+
+
+def block_accounting(rep: Replicas, prof: ReplicaProfile) -> dict[str, jax.Array]:
+    """Per replica `(R,)` int32: `fresh`, `cached_unreferenced` and `held` blocks (they sum to
+    `kv_blocks`; docs/prefix_caching.md section 4)."""
+    pc = rep.pc
+    exists = jnp.arange(pc.ref.shape[-1])[None, :] < prof.kv_blocks[:, None]
+    free = (pc.ref == 0) & exists
+    return {"fresh": (free & ~pc.cached).sum(-1).astype(jnp.int32),
+            "cached_unreferenced": (free & pc.cached).sum(-1).astype(jnp.int32),
+            "held": ((pc.ref > 0) & exists).sum(-1).astype(jnp.int32)}
+
+
+# Longest run of decode iterations skipped at one boundary (a binary search of
+# log2(RUN_CAP + 1) halvings finds its length); longer runs take several boundaries.
+RUN_CAP = 2 ** 14 - 1
+
+
+def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+                t_lo: jax.Array, horizon: jax.Array):
+    """Skips, in closed form, the run of pure-decode iterations whose schedule is fixed.
+
+    At a boundary where every running request decodes (`g >= 1`, `C = L - 1`) and all fit
+    the token budget, and the waiting head cannot be admitted, the next iterations schedule
+    the same `n` requests one token each until a request completes, KV blocks run short
+    (preemption), or the decision horizon comes: nothing frees blocks or budget before a
+    completion, the queue's head does not change, and the free blocks only fall, so
+    admission keeps failing. Iteration `j` of the run lasts `T_j = A + B j` with
+    `A = c0 + beta + (alpha + gamma) n + delta sum L`, `B = delta n`, so `k` of them last
+    `dur(k) = k A + B k (k - 1) / 2` (issue 21's formula). The run skipped is the longest
+    `k` with: no completion at any of its ends (`k < min(o - g)`), the KV blocks of its
+    last iteration within the cache (`sum ceil((C + k) / b) <= M`), its last start before
+    and its last end at or before `horizon`. Those iterations hold no first token (every
+    request already has one) and no finish, so every per-request time stays exact; the
+    boundary after the run is scheduled as usual.
+
+    Returns:
+      (replicas advanced by the skipped iterations, the clock pair after them, seconds of
+      iteration time skipped per replica (`busy`)).
+    """
+    run = rep.run
+    s_n = run.arrival.shape[-1]
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    valid = idx < run.count[:, None]
+    b = prof.block_size[:, None]
+    length = run.prompt + run.gen
+    n = run.count
+    decoding = valid & (run.gen >= 1) & (run.comp == length - 1)
+    pure = go & (n > 0) & (decoding.sum(-1) == n) & (n <= prof.max_tokens)
+    comp = jnp.where(valid, run.comp, 0)
+    held0 = jnp.where(valid, _cdiv(comp, b), 0).sum(-1)
+    free0 = prof.kv_blocks - held0
+
+    def blocks_after(k):  # extra blocks held after k decode iterations, D(k)
+        return jnp.where(valid, _cdiv(comp + k[:, None], b), 0).sum(-1) - held0
+
+    # The waiting head's admission at this boundary (the first iteration's blocks taken).
+    w_valid, win = Q.front(rep.queues, 1)
+    h_len = win.prompt[:, 0].astype(jnp.int32) + rep.q_gen[
+        jnp.arange(n.shape[0]), rep.queues.head]
+    k1 = prof.max_tokens - n
+    chunk = prof.chunked_prefill
+    h_n = jnp.where(chunk, jnp.minimum(h_len, k1), h_len)
+    free1 = free0 - blocks_after(jnp.ones_like(n))
+    admit = (w_valid[:, 0] & (n < prof.max_seqs) & (k1 > 0) & (chunk | (h_len <= k1))
+             & (free1 - _cdiv(h_n, prof.block_size) >= watermark_blocks(prof)))
+    left = jnp.where(valid, run.output - run.gen, jnp.int32(2 ** 30)).min(-1)
+    k_max = jnp.where(pure & ~admit, jnp.clip(left - 1, 0, RUN_CAP), 0)
+
+    nf = n.astype(jnp.float32)
+    a_t = (prof.c0 + prof.beta + (prof.alpha + prof.gamma) * nf
+           + prof.delta * jnp.where(valid, length, 0).sum(-1).astype(jnp.float32))
+    b_t = prof.delta * nf
+
+    def dur(k):
+        kf = k.astype(jnp.float32)
+        return kf * a_t + b_t * (kf * (kf - 1.0) * 0.5)
+
+    def ok(k):
+        return ((blocks_after(k) <= free0) & (t + (t_lo + dur(k)) <= horizon)
+                & ((k == 0) | (t + (t_lo + dur(k - 1)) < horizon)))
+
+    def halve(_, lo_hi):  # the largest k in [lo, hi] with ok(k); ok is monotone, ok(0)
+        lo, hi = lo_hi
+        mid = (lo + hi + 1) // 2
+        good = ok(mid)
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    k, _ = jax.lax.fori_loop(0, RUN_CAP.bit_length(), halve, (jnp.zeros_like(k_max), k_max))
+    skip = k > 0
+    total = dur(k)
+    # KV block-seconds: sum_j T_j H(j), H(j) = sum_i ceil((C_i + j + 1) / b). Request i's
+    # blocks start at ceil((C_i + 1) / b) and grow by one at each j >= 1 with
+    # (C_i + j) mod b = 0: j = f_i + m b, f_i = (-C_i) mod b or b, m < M_i.
+    kf = k.astype(jnp.float32)[:, None]
+    bf = b.astype(jnp.float32)
+    f = (-comp) % b
+    f = jnp.where(f == 0, b, f)
+    m_i = jnp.where(valid & (k[:, None] - 1 >= f), (k[:, None] - 1 - f) // b + 1, 0)
+    mf, ff = m_i.astype(jnp.float32), f.astype(jnp.float32)
+    s1 = mf * ff + bf * mf * (mf - 1.0) * 0.5  # sum of the crossings j
+    s2 = (mf * ff * ff + ff * bf * mf * (mf - 1.0)
+          + bf * bf * (mf - 1.0) * mf * (2.0 * mf - 1.0) / 6.0)  # sum of j^2
+    tail = (a_t[:, None] * (mf * kf - s1)
+            + b_t[:, None] * (mf * kf * (kf - 1.0) * 0.5 - (s2 - s1) * 0.5))
+    h1 = jnp.where(valid, _cdiv(comp + 1, b), 0).sum(-1).astype(jnp.float32)
+    kv_s = h1 * total + tail.sum(-1)
+    end_hi, end_lo = _add_time(t, t_lo, total)
+    adv = jnp.where(valid & skip[:, None], k[:, None], 0)
+    rep = rep.replace(
+        run=run.replace(gen=run.gen + adv, comp=run.comp + adv),
+        t_start=jnp.where(skip, t + (t_lo + dur(k - 1)), rep.t_start),
+        t_end=jnp.where(skip, end_hi, rep.t_end), t_lo=jnp.where(skip, end_lo, rep.t_lo),
+        busy=rep.busy + total, kv_block_s=rep.kv_block_s + jnp.where(skip, kv_s, 0.0),
+        kv_peak=jnp.where(skip, jnp.maximum(rep.kv_peak, held0 + blocks_after(k)),
+                          rep.kv_peak),
+        iterations=rep.iterations + k)
+    return rep, jnp.where(skip, end_hi, t), jnp.where(skip, end_lo, t_lo), total
 
 
 def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dict,
@@ -394,8 +1070,7 @@ def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dic
     first = sampled & (run.gen == 0)
     gen = run.gen + sampled.astype(jnp.int32)
     done = sampled & (gen == run.output)
-    t = rep.t_end[:, None]
-    span = t - run.arrival
+    span = (rep.t_end[:, None] - run.arrival) + rep.t_lo[:, None]
     k = done.sum(-1)
     since = jnp.where(end, rep.t_end - jnp.maximum(rep.t_start, 0.0), 0.0)
     m = m.replace(
@@ -410,10 +1085,10 @@ def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dic
         size = log.ttft.shape[0]
         i_first = jnp.where(first, run.req_id, size).ravel()
         i_done = jnp.where(done, run.req_id, size).ravel()
-        log = TokenLog(ttft=log.ttft.at[i_first].set(span.ravel(), mode="drop"),
-                       e2e=log.e2e.at[i_done].set(span.ravel(), mode="drop"),
-                       preemptions=log.preemptions.at[i_done].set(run.pre.ravel(),
-                                                                  mode="drop"))
+        log = log.replace(ttft=log.ttft.at[i_first].set(span.ravel(), mode="drop"),
+                          e2e=log.e2e.at[i_done].set(span.ravel(), mode="drop"),
+                          preemptions=log.preemptions.at[i_done].set(run.pre.ravel(),
+                                                                     mode="drop"))
     # Compact: the survivors keep their admission order.
     keep = (idx < run.count[:, None]) & ~done
     dest = jnp.where(keep, _cumsum(keep.astype(jnp.int32)) - 1, s_n)
@@ -431,6 +1106,22 @@ def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dic
     new_run = Running(**fields, count=run.count - k)
     sel = lambda new, old: jnp.where(end.reshape(end.shape + (1,) * (new.ndim - 1)),  # noqa
                                      new, old)
+    if rep.pc is not None:
+        # Finished requests free their blocks in scheduling (slot) order (rule 6), then the
+        # slots' block tables follow the compaction.
+        def release(c):  # the next finished slot of every replica that has one
+            pc, left = c
+            j = jnp.argmax(left, -1).astype(jnp.int32)
+            some = left.any(-1)
+            pc = jax.vmap(lambda p, d, jj: jax.lax.cond(d, _release, lambda p, _: p, p, jj))(
+                pc, some, j)
+            return pc, left & (idx != j[:, None])
+
+        pc, _ = jax.lax.while_loop(lambda c: c[1].any(), release, (rep.pc, done))
+        slot_fields = {f: jnp.take_along_axis(getattr(pc, f), src, -1)
+                       for f in ("s_nblk", "s_ncached", "s_node", "s_nshared")}
+        slot_fields["s_blocks"] = jnp.take_along_axis(pc.s_blocks, src[:, :, None], 1)
+        rep = rep.replace(pc=jax.tree.map(sel, pc.replace(**slot_fields), rep.pc))
     rep = rep.replace(
         run=jax.tree.map(sel, new_run, run), in_iter=rep.in_iter & ~end,
         busy=rep.busy + since,
@@ -449,40 +1140,78 @@ def _due(rep: Replicas, horizon):
 
 
 def zero_extras() -> dict:
-    """Continuous-batching counters reported next to `StepMetrics` in `info`."""
+    """Continuous-batching counters reported next to `StepMetrics` in `info` (`boundaries`:
+    the engine loop's boundary passes in the step, see `advance`)."""
     return {"first_tokens": jnp.int32(0), "ttft_sum": jnp.float32(0.0),
-            "preemptions": jnp.int32(0), "never_fit": jnp.int32(0)}
+            "preemptions": jnp.int32(0), "never_fit": jnp.int32(0),
+            "boundaries": jnp.int32(0)}
 
 
 def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.Array,
-            log: TokenLog | None = None):
+            log: TokenLog | None = None, decode_runs: bool = True,
+            tables: "PrefixTables | None" = None, audit: bool = False):
     """Runs every replica from time 0 to `horizon` (s) with no arrivals; `inf` drains.
 
     Processes iteration ends at `t <= horizon` and schedules iterations at `t < horizon`.
     Time-in-system over `[0, horizon]` is `sum over completions of t_c + N(horizon) *
     horizon` (N only falls inside the window). Does not rebase the clock.
 
+    Each trip of the loop is one boundary pass over all replicas: iteration ends due, then,
+    where a replica is free, the closed-form skip of a fixed pure-decode run (`_decode_run`;
+    off with `decode_runs=False`, which runs every iteration's boundary: same results up to
+    float32 rounding, for tests and profiling), then the scheduler. `extra["boundaries"]`
+    counts the trips.
+
+    With prefix caching (`rep.pc` present) the scheduler is `_schedule_prefix` with the
+    trace's prefix tree `tables` (required), and the decode-run skip is off whatever
+    `decode_runs` says: a decode iteration takes its new blocks from the free queue, which
+    may evict cached blocks (rule 5) and caches the generated tokens' full blocks, so the
+    closed form's "free blocks only fall, admission keeps failing" does not carry over (the
+    free count includes cached blocks and a lookup's result changes with every eviction).
+    `audit` (tests) adds `extra["audit_failures"]`: boundaries at which some replica's block
+    pool failed `prefix_audit`.
+
     Returns:
       (replicas, StepMetrics of the window, extra counters (`zero_extras` keys), log).
     """
     pre0 = rep.preemptions.sum()
+    prefix = rep.pc is not None
+    if prefix and tables is None:
+        raise ValueError("tables (the trace's PrefixTables) are required with prefix caching")
+    decode_runs = decode_runs and not prefix
 
     def body(carry, consts):
-        prof, horizon, slo_s = consts
+        prof, horizon, slo_s, tables = consts
         rp, m, ex, lg, end, _ = carry
         rp, m, ex, lg = _end_iteration(rp, end, slo_s, m, ex, lg)
         has_work = (rp.queues.count + rp.run.count) > 0
         t = jnp.maximum(rp.t_end, 0.0)
+        t_lo = jnp.where(rp.t_end > 0.0, rp.t_lo, 0.0)
         go = ~rp.in_iter & ~rp.stalled & has_work & (t < horizon)
-        rp = _schedule(rp, prof, go, t)
+        if decode_runs:
+            rp, t, t_lo, skipped = _decode_run(rp, prof, go, t, t_lo, horizon)
+            m = m.replace(busy_time=m.busy_time + skipped.sum())
+            go = go & (t < horizon)  # a run may end exactly at the horizon
+        if prefix:
+            rp, lg = _schedule_prefix(rp, prof, tables, go, t, t_lo, lg)
+        else:
+            rp = _schedule(rp, prof, go, t, t_lo)
+        ex = {**ex, "boundaries": ex["boundaries"] + 1}
+        if audit:
+            ex = {**ex, "audit_failures": ex["audit_failures"]
+                  + (~prefix_audit(rp, prof).all()).astype(jnp.int32)}
         return (rp, m, ex, lg, *_due(rp, horizon))
 
-    carry = (rep, StepMetrics.zeros(), zero_extras(), log, *_due(rep, horizon))
+    ex0 = zero_extras()
+    if audit:
+        ex0 = {**ex0, "audit_failures": jnp.int32(0)}
+    pc0 = rep.pc
+    carry = (rep, StepMetrics.zeros(), ex0, log, *_due(rep, horizon))
     # Under vmap the environments' iteration counts between two arrivals differ (how many
     # decode iterations fit in the gap), so the loop compacts its lanes.
     rep, m, ex, log, *_ = compacted_while(lambda c, _: c[-1], body, carry,
                                           (prof, jnp.asarray(horizon, jnp.float32),
-                                           jnp.asarray(slo_s, jnp.float32)))
+                                           jnp.asarray(slo_s, jnp.float32), tables))
     finite = jnp.isfinite(horizon)
     h = jnp.where(finite, horizon, 0.0)
     part = jnp.where(rep.in_iter & finite, h - jnp.maximum(rep.t_start, 0.0), 0.0)
@@ -492,14 +1221,33 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
                   in_system_time=m.in_system_time + in_system(rep) * h,
                   elapsed=jnp.where(finite, h, jnp.maximum(rep.t_end.max(), 0.0)))
     ex = {**ex, "preemptions": (rep.preemptions.sum() - pre0).astype(jnp.int32)}
+    if prefix:
+        ex = {**ex, **prefix_extras(pc0, rep.pc)}
     return rep, m, ex, log
+
+
+PREFIX_EXTRAS = ("prefix_hit_tokens", "prefix_lookup_tokens", "prefix_hit_blocks",
+                 "prefix_lookup_blocks", "prefix_evictions", "prefix_shared_preemptions")
+
+
+def prefix_extras(before: PrefixCache, after: PrefixCache) -> dict[str, jax.Array]:
+    """Prefix-cache counters of a window, summed over replicas (int32), reported by `advance`
+    next to `zero_extras()` when caching: cached tokens at admissions (= prefill tokens
+    saved) and the admitted requests' tokens (token hit rate = their ratio), cached and full
+    blocks (block hit rate), evictions, and preemptions of block-sharing requests."""
+    d = lambda f: (getattr(after, f) - getattr(before, f)).sum().astype(jnp.int32)  # noqa
+    return {"prefix_hit_tokens": d("hit_tokens"), "prefix_lookup_tokens": d("lookup_tokens"),
+            "prefix_hit_blocks": d("hit_blocks"), "prefix_lookup_blocks": d("lookup_blocks"),
+            "prefix_evictions": d("evictions"),
+            "prefix_shared_preemptions": d("shared_preemptions")}
 
 
 def rebase(rep: Replicas, dt: jax.Array) -> Replicas:
     """Moves the clock origin `dt` seconds forward (every stored time minus `dt`)."""
+    t_end, t_lo = _add_time(rep.t_end, rep.t_lo, -jnp.asarray(dt, jnp.float32))
     return rep.replace(queues=_shift_queues(rep.queues, dt),
                        run=rep.run.replace(arrival=rep.run.arrival - dt),
-                       t_start=rep.t_start - dt, t_end=rep.t_end - dt)
+                       t_start=rep.t_start - dt, t_end=t_end, t_lo=t_lo)
 
 
 def tokens_in_flight(rep: Replicas) -> jax.Array:

@@ -82,3 +82,113 @@ def queued_work(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
     wait = jnp.where(Q.waiting_mask(q),
                      request_work(col, q.prompt, jnp.maximum(q.estimate, 1.0)), 0.0).sum(-1)
     return (running + wait).astype(jnp.float32)
+
+
+
+def _present(rep: CB.Replicas, prof: ReplicaProfile):
+    """Per-request quantities of every request present, `(R, max_seqs + slots)` each: running
+    slots in admission order, then the waiting queue front to back. Returns (valid, age (s),
+    output estimate, decodes left `k`, prefill tokens left, per-iteration decode cost `c`
+    (s), KV blocks it needs at its estimated full length)."""
+    run, q = rep.run, rep.queues
+    col = jax.tree.map(lambda x: x[:, None], prof)
+    r_valid = jnp.arange(rep.max_seqs)[None, :] < run.count[:, None]
+    w_valid, win = Q.front(q, q.capacity)
+    cat = lambda a, b: jnp.concatenate([jnp.asarray(a, jnp.float32),  # noqa: E731
+                                        jnp.asarray(b, jnp.float32)], -1)
+    valid = jnp.concatenate([r_valid, w_valid], -1)
+    prompt = cat(run.prompt, win.prompt)
+    est = jnp.maximum(cat(run.estimate, win.estimate), 1.0)
+    gen = cat(run.gen, jnp.zeros_like(win.estimate))
+    comp = cat(run.comp, jnp.zeros_like(win.estimate))
+    age = jnp.where(valid, -cat(run.arrival, win.arrival), 0.0)
+    k = jnp.maximum(est - gen, 1.0)
+    pre = jnp.maximum(prompt - comp, 0.0)
+    c = col.alpha + col.gamma + col.delta * (prompt + gen + k / 2.0)
+    blocks = jnp.ceil((prompt + est) / col.block_size.astype(jnp.float32))
+    z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
+    return valid, age, est, z(k), z(pre), z(c), z(blocks)
+
+
+def _slowdown(prof: ReplicaProfile, n, blocks) -> jax.Array:
+    """How many times longer everything takes when a replica cannot run all `n` requests
+    (needing `blocks` KV blocks) at once: `max(1, n / max_seqs, blocks / usable blocks)`."""
+    room = (prof.kv_blocks - CB.watermark_blocks(prof)).astype(jnp.float32)
+    return jnp.maximum(jnp.maximum(1.0, n / prof.max_seqs.astype(jnp.float32)),
+                       blocks / jnp.maximum(room, 1.0))
+
+
+def _prefill_time(prof: ReplicaProfile, tokens) -> jax.Array:
+    """Seconds of iteration time `tokens` prefill tokens add (`alpha p + alpha2 p^2`)."""
+    return prof.alpha * tokens + prof.alpha2 * tokens * tokens
+
+
+def remaining_times(rep: CB.Replicas, prof: ReplicaProfile):
+    """Estimated seconds until each request present finishes, from output estimates.
+
+    The replica is taken to run every request it holds at once (continuous batching), each
+    decode iteration lasting `c0 + beta + sum of the active requests' decode costs`
+    (`gamma + alpha + delta * length` each, `length` at its estimated midpoint), after every
+    pending prefill (`alpha p + alpha2 p^2` each) has stalled it once. So request `j`, with
+    `k_j` decodes left, finishes after `(c0 + beta) k_j + sum_l c_l min(k_l, k_j) + prefills`,
+    times a slowdown `max(1, n / max_seqs, KV blocks needed / blocks usable)` when the replica
+    cannot hold them all. An estimate (no preemption order, no FCFS admission wait).
+
+    Returns:
+      (finish, valid, age, estimate), each `(R, max_seqs + slots)`: estimated seconds until
+      the request finishes, whether the slot holds a request, seconds since its arrival, its
+      output estimate (tokens); the waiting slots hold the queue in order.
+    """
+    valid, age, est, k, pre, c, blocks = _present(rep, prof)
+    shared = jnp.minimum(k[..., :, None], k[..., None, :])  # (R, N, N): decodes run together
+    decode = (prof.c0 + prof.beta)[:, None] * k + (shared * c[..., None, :]).sum(-1)
+    stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
+    slow = _slowdown(prof, valid.sum(-1), blocks.sum(-1))
+    finish = jnp.where(valid, (decode + stall[:, None]) * slow[:, None], 0.0)
+    return finish, valid, age, est
+
+
+def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
+    """Expected remaining time-in-system of every request present, summed (s); a scalar.
+
+    The sum of `remaining_times`: the potential of LLMRouting-v0's reward shaping, the
+    continuous-batching counterpart of `envs.routing.expected_backlog`.
+    """
+    finish, *_ = remaining_times(rep, prof)
+    return finish.sum().astype(jnp.float32)
+
+
+def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -> jax.Array:
+    """Increase of each replica's summed `remaining_times` if a new request of `prompt`
+    tokens and output estimate `estimate` joined it, `(R,)` float32 (s): its own estimated
+    latency there plus the delay it adds to the requests present (a longer decode iteration
+    while they share it, its prefill stall, a larger slowdown)."""
+    valid, _, _, k, pre, c, blocks = _present(rep, prof)
+    finish, *_ = remaining_times(rep, prof)
+    p = jnp.asarray(prompt, jnp.float32)
+    kx = jnp.maximum(jnp.asarray(estimate, jnp.float32), 1.0)
+    cx = prof.alpha + prof.gamma + prof.delta * (p + kx / 2.0)
+    bx = jnp.ceil((p + kx) / prof.block_size.astype(jnp.float32))
+    stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
+    stall_x = _prefill_time(prof, p)
+    n = valid.sum(-1)
+    slow0 = _slowdown(prof, n, blocks.sum(-1))
+    slow1 = _slowdown(prof, n + 1, blocks.sum(-1) + bx)
+    base = finish.sum(-1) / slow0  # the sum before the slowdown
+    others = cx * jnp.minimum(k, kx).sum(-1) + n * stall_x
+    own = ((prof.c0 + prof.beta) * kx + (c * jnp.minimum(k, kx)).sum(-1) + cx * kx
+           + stall + stall_x)
+    return ((base + others + own) * slow1 - base * slow0).astype(jnp.float32)
+
+
+def expected_slo_misses(rep: CB.Replicas, prof: ReplicaProfile, slo_ttft_s,
+                        slo_tpot_s) -> jax.Array:
+    """Requests present expected to miss their SLO, a float32 scalar count.
+
+    A request meeting both targets finishes within `slo_ttft_s + slo_tpot_s * (o - 1)` of
+    its arrival; one whose age plus `remaining_times` exceeds that deadline (`o` its output
+    estimate) is counted. The potential of LLMRouting-v0's shaped SLO reward.
+    """
+    finish, valid, age, est = remaining_times(rep, prof)
+    deadline = slo_ttft_s + slo_tpot_s * jnp.maximum(est - 1.0, 0.0)
+    return (valid & (age + finish > deadline)).sum().astype(jnp.float32)

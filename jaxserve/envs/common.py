@@ -41,6 +41,12 @@ class ServingParams:
       drop_penalty_s: a dropped request costs as much reward as this many seconds in system.
       time_scale: seconds per unit of time-valued observation features.
       max_steps_in_episode: decisions per episode (gymnax truncation). int32.
+      slo_ttft_s, slo_tpot_s: per-request LLM SLO targets (DistServe's goodput): a request
+        attains its SLO when its time to first token is <= `slo_ttft_s` (s) and its time per
+        output token after the first is <= `slo_tpot_s` (s/token). Read by LLMRouting-v0's
+        SLO reward (`reward="slo"`).
+      slo_miss_s: cost of one SLO miss in that reward, in seconds of time-in-system (so
+        it shares `latency_scale` and `drop_penalty_s` with the time-in-system reward).
       trace: replayed requests; when it has rows they replace `arrivals` and `tokens`, and the
         episode terminates at the trace's end.
     """
@@ -57,13 +63,17 @@ class ServingParams:
     drop_penalty_s: jax.Array
     time_scale: jax.Array
     max_steps_in_episode: jax.Array
+    slo_ttft_s: jax.Array
+    slo_tpot_s: jax.Array
+    slo_miss_s: jax.Array
     trace: TraceArrays
 
 
 SCALAR_FIELDS = {
     "estimate_mode": jnp.int32, "estimate_noise": jnp.float32, "slo_s": jnp.float32,
     "latency_scale": jnp.float32, "drop_penalty_s": jnp.float32, "time_scale": jnp.float32,
-    "max_steps_in_episode": jnp.int32,
+    "max_steps_in_episode": jnp.int32, "slo_ttft_s": jnp.float32, "slo_tpot_s": jnp.float32,
+    "slo_miss_s": jnp.float32,
 }
 # Upper bounds of the float scalars: times in seconds at most `MAX_SECONDS`; the noisy
 # estimate multiplies an output by `exp(estimate_noise * z)`, |z| <= 5.4 (float32 uniforms),
@@ -317,6 +327,26 @@ def reward_from(metrics, params: ServingParams) -> jax.Array:
     """
     cost = metrics.in_system_time + params.drop_penalty_s * metrics.dropped
     return (-cost / params.latency_scale).astype(jnp.float32)
+
+
+def shaped_reward(reward, backlog0, backlog1, shaping_gamma: float | None,
+                  params: ServingParams) -> jax.Array:
+    """`reward` plus the potential-based shaping term `gamma * phi(s') - phi(s)` (Ng, Harada
+    and Russell, 1999), `phi = -expected backlog (s) / latency_scale`; `reward` unchanged when
+    `shaping_gamma` is None. The backlogs are an environment's estimate of the remaining
+    time-in-system of the requests present before and after the step (Routing-v0:
+    `routing.expected_backlog`; LLMRouting-v0: `continuous_load.expected_backlog`)."""
+    if shaping_gamma is None:
+        return reward
+    phi0, phi1 = -backlog0 / params.latency_scale, -backlog1 / params.latency_scale
+    return (reward + shaping_gamma * phi1 - phi0).astype(jnp.float32)
+
+
+def check_shaping_gamma(g) -> float | None:
+    """`g` as a Python float in [0, 1], or None (no shaping); ValueError naming the field."""
+    if g is not None and not 0.0 <= float(g) <= 1.0:
+        raise ValueError(f"shaping_gamma must be in [0, 1] or None, got {g}")
+    return None if g is None else float(g)
 
 
 def override(params: ServingParams, **kwargs) -> ServingParams:

@@ -12,6 +12,7 @@ from flax import struct
 from gymnax.environments import environment, spaces
 
 from jaxserve.core import continuous as CB
+from jaxserve.core import continuous_load as CL
 from jaxserve.core import rng
 from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, validate_replica
@@ -21,6 +22,8 @@ from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature
 
 NUM_REQUEST_FEATURES = 3
 NUM_REPLICA_FEATURES = 7
+DEFAULT_SHAPING_GAMMA = 0.99  # PureJaxRL's discount, as Routing-v0
+REWARDS = ("time_in_system", "slo")  # see `LLMRouting`, Reward
 
 
 @struct.dataclass
@@ -36,6 +39,14 @@ class LLMRoutingState:
       time: decisions taken this episode (gymnax's step counter). int32.
       log: per-request outcome of the episode's first `log_capacity` requests
         (`continuous.TokenLog`; empty unless built with a log, as `replay` does).
+      backlog: `continuous_load.expected_backlog(cluster)` (s), the shaping potential's input,
+        kept so a step reads the potential before it without recomputing it (0 without
+        shaping). float32.
+      horizon: decisions after which this episode is truncated, drawn at reset (see
+        `LLMRouting`, Truncation). int32.
+      slo_busy, slo_output: with `reward="slo"`, which token-log slots hold a request still
+        in the system, and that request's true output tokens (to compute its TPOT when it
+        finishes); `(0,)` otherwise.
     """
 
     cluster: CB.Replicas
@@ -44,6 +55,10 @@ class LLMRoutingState:
     trace_pos: jax.Array
     time: jax.Array
     log: CB.TokenLog
+    backlog: jax.Array
+    horizon: jax.Array
+    slo_busy: jax.Array
+    slo_output: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +71,10 @@ class LLMRoutingStatic:
       max_seqs: running-sequence slots per replica (>= every profile's `max_seqs`), >= 1.
       trace_len: rows of a replayed trace (0: synthetic arrivals).
       log_capacity: requests kept in the per-request token log (0: no log).
+      shaping_gamma: discount of the potential-based reward shaping, in [0, 1], or None (no
+        shaping); as Routing-v0's. A Python number because it selects the reward's form.
+      reward: "time_in_system" (the default) or "slo" (see `LLMRouting`, Reward). Static
+        because the SLO reward keeps a per-request token log.
     """
 
     num_replicas: int
@@ -63,10 +82,27 @@ class LLMRoutingStatic:
     max_seqs: int = 64
     trace_len: int = 0
     log_capacity: int = 0
+    shaping_gamma: float | None = DEFAULT_SHAPING_GAMMA
+    reward: str = "time_in_system"
 
     def __post_init__(self):
         check_sizes(self, positive=("num_replicas", "queue_buffer", "max_seqs"),
                     nonnegative=("trace_len", "log_capacity"))
+        object.__setattr__(self, "shaping_gamma", common.check_shaping_gamma(self.shaping_gamma))
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+
+    @property
+    def slo_slots(self) -> int:
+        """Token-log slots the SLO reward tracks requests in (0 for the time-in-system reward):
+        the log's own `log_capacity` when there is one (a replay: slot = request id), else one
+        more than the requests the replicas can hold (`num_replicas * (queue_buffer +
+        max_seqs)`), reused as requests leave."""
+        if self.reward != "slo":
+            return 0
+        if self.log_capacity > 0:
+            return self.log_capacity
+        return self.num_replicas * (self.queue_buffer + self.max_seqs) + 1
 
 
 class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.ServingParams]):
@@ -77,24 +113,56 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
     Decision epochs: each request arrival. Between arrivals the replicas evolve exactly
     (event-driven, `core.continuous`).
 
-    Observation: float32 `(3 + num_replicas * 7,)`, features in [0, 1000]:
+    Observation: float32 `(3 + num_replicas * 7,)`, every feature O(1) (fractions in [0, 1],
+      or `log1p` of a ratio, which grows only logarithmically with overload), built only from
+      what a router knows (prompts, output *estimates*, counts, KV blocks in use), never the
+      true output lengths:
       - `[0:3]` the arriving request, as in Routing-v0 (`common.request_features`).
-      - one row of 7 per replica (row-major): waiting / queue_cap, running / max_seqs,
-        KV blocks held / kv_blocks, estimated tokens in flight (prompt + output estimate of
-        every request, less tokens already generated) / (kv_blocks * block_size), time until
-        the current iteration ends / time_scale, preempted requests waiting / max_seqs, and
-        relative speed (fastest replica's iteration time for a reference prefill of 512 tokens
-        plus 32 decodes / this replica's, in (0, 1]).
+      - one row of 7 per replica (row-major `(num_replicas, 7)`): waiting / queue_cap (the
+        waiting count includes preempted requests), running / max_seqs, KV blocks held /
+        kv_blocks, `log1p(estimated tokens in flight / (kv_blocks * block_size))`
+        (`continuous.tokens_in_flight`: prompt + output estimate of every request, less
+        tokens generated), `log1p(queued work / time_scale)` (`continuous_load.queued_work`,
+        estimated seconds of replica time held), `log1p(estimated seconds of time-in-system the
+        arriving request would add there / time_scale)` (its own latency plus the delay it
+        causes the others, `continuous_load.marginal_backlog`), and
+        the same relative to the smallest over replicas, `log(added / min added)` (0 at the
+        replica where the request adds least).
+      All features are clipped to `[0, FEATURE_CLIP]` (`clip_features`); at 10x the registered
+      load they stay below 10 (tests/test_llm_routing_env.py).
     Action: `Discrete(num_replicas)`. An action that is not an integer in `[0, num_replicas)`
       (out of range, non-integral or non-finite) is counted in `info["invalid_actions"]` and
       mapped deterministically (`common.discrete_action`: clipped into range, a float
       floored, NaN to 0).
-    Reward: `-(time-in-system during the step + drop_penalty_s * drops) / latency_scale`
-      (`common.reward_from`).
+    Reward (`reward`, a static choice):
+      - `"time_in_system"` (the default): `-(time-in-system during the step (s) +
+        drop_penalty_s * drops) / latency_scale` (`common.reward_from`), as Routing-v0.
+      - `"slo"`: `-(slo_miss_s * SLO misses + drop_penalty_s * drops) / latency_scale`, an SLO
+        miss being a request finishing in the step with time to first token > `slo_ttft_s`
+        (s) or time per output token after the first > `slo_tpot_s` (s/token) (DistServe's
+        per-request SLO; `slo_attained`); `info` adds `slo_attained` and `slo_missed`.
+      Either is shaped, when `shaping_gamma` is not None (the default 0.99), with Routing-v0's
+      potential-based term `shaping_gamma * phi(s') - phi(s)` (`common.shaped_reward`),
+      `phi = -(estimated future cost of the requests present) / latency_scale`: their
+      expected remaining time-in-system (`continuous_load.expected_backlog`, s), or
+      `slo_miss_s` times the number expected to miss their SLO
+      (`continuous_load.expected_slo_misses`). With it a step's reward is about minus the
+      routed request's estimated latency over `latency_scale`, paid at the decision. Shaping
+      leaves the optimal policy of the `shaping_gamma`-discounted objective unchanged.
+      Registered defaults (`jaxserve.make`), as the other environments: `latency_scale =
+      1000` s, `drop_penalty_s = 600` s, `slo_miss_s = 60` s, `slo_ttft_s = 2` s,
+      `slo_tpot_s = 0.1` s/token, `time_scale = 10` s.
     Termination: only with a replayed trace, after its last request (that step drains the
-      replicas). Truncation after `max_steps_in_episode` decisions.
+      replicas). Truncation: with synthetic arrivals after `state.horizon` decisions, drawn
+      at each reset uniformly from `[ceil(L / 2), L]` (`L = max_steps_in_episode`, 512 by
+      default; `episode_horizon`), so vmapped environments do not reset in lockstep and a
+      rollout batch covers every stretch of an episode; with a trace after `L`.
     Info: `StepMetrics` fields (`slo_met` counts completions with end-to-end latency <= slo_s)
-      plus `first_tokens`, `ttft_sum` (s), `preemptions` and `never_fit` drops of the step.
+      plus `first_tokens`, `ttft_sum` (s), `preemptions` and `never_fit` drops of the step,
+      and `boundaries` (the engine's iteration-boundary passes in the step, a cost counter).
+    Static configuration: `LLMRoutingStatic` (`num_replicas`, `queue_buffer`, `max_seqs`,
+      `trace_len`, `log_capacity`, `shaping_gamma`, `reward`); set the last two with
+      `jaxserve.make("LLMRouting-v0", shaping_gamma=..., reward=...)`.
     """
 
     Static = LLMRoutingStatic  # static configuration (`env.static`; fields read as attributes)
@@ -124,38 +192,74 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         k_phase, k_req = rng.split(key)
         phase = common.first_phase(k_phase, params)
         _, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
+        slots = self.static.slo_slots
         state = LLMRoutingState(
             cluster=CB.empty_replicas(self.num_replicas, self.queue_buffer, self.max_seqs,
-                                      with_ids=self.log_capacity > 0),
+                                      with_ids=self.log_capacity > 0 or slots > 0),
             pending=req, phase=phase, trace_pos=jnp.int32(0), time=jnp.int32(0),
-            log=CB.empty_log(self.log_capacity))
+            log=CB.empty_log(max(self.log_capacity, slots)), backlog=jnp.float32(0.0),
+            horizon=episode_horizon(jax.random.fold_in(key, 3), params),
+            slo_busy=jnp.zeros((slots,), jnp.bool_), slo_output=jnp.zeros((slots,), jnp.float32))
         return self.get_obs(state, params), state
 
     def step_env(self, key, state, action, params):
         replica, invalid = common.discrete_action(action, self.num_replicas)
-        cluster, dropped, never = CB.route(state.cluster, params.gpus, state.pending, replica)
+        slo = self.reward == "slo"
+        routed, log0 = state.pending, state.log
+        if slo:
+            # The request takes a free log slot (its id in a replay), cleared of the last
+            # occupant's times, so its TTFT and finish can be read when it finishes.
+            slot = (jnp.argmin(state.slo_busy).astype(jnp.int32) if self.log_capacity == 0
+                    else state.pending.req_id)
+            nan = jnp.float32(jnp.nan)
+            log0 = log0.replace(ttft=log0.ttft.at[slot].set(nan, mode="drop"),
+                                e2e=log0.e2e.at[slot].set(nan, mode="drop"))
+            routed = routed.replace(req_id=slot)
+        cluster, dropped, never = CB.route(state.cluster, params.gpus, routed, replica)
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(
             key, params, state.phase, nxt_pos, state.pending.req_id + 1)
-        cluster, metrics, extra, log = CB.advance(cluster, params.gpus, gap, params.slo_s,
-                                                  state.log)
+        cluster, metrics, extra, log = CB.advance(cluster, params.gpus, gap, params.slo_s, log0)
         cluster = CB.rebase(cluster, jnp.where(exhausted, 0.0, gap))
         metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
                                   invalid_actions=invalid.astype(jnp.int32))
         extra = {**extra, "never_fit": never.astype(jnp.int32)}
+        busy, out = state.slo_busy, state.slo_output
+        if slo:
+            out = out.at[slot].set(state.pending.output, mode="drop")
+            done = jnp.isfinite(log.e2e) & ~jnp.isfinite(log0.e2e)
+            met = done & slo_attained(log.ttft, log.e2e, out, params)
+            busy = busy.at[slot].set(~dropped, mode="drop") & ~done
+            missed = (done.sum() - met.sum()).astype(jnp.int32)
+            extra = {**extra, "slo_attained": met.sum().astype(jnp.int32),
+                     "slo_missed": missed}
+            cost = params.slo_miss_s * missed + params.drop_penalty_s * metrics.dropped
+            reward = (-cost / params.latency_scale).astype(jnp.float32)
+        else:
+            reward = common.reward_from(metrics, params)
+        backlog = jnp.float32(0.0)
+        if self.shaping_gamma is not None:
+            backlog = (params.slo_miss_s * CL.expected_slo_misses(
+                cluster, params.gpus, params.slo_ttft_s, params.slo_tpot_s) if slo
+                else CL.expected_backlog(cluster, params.gpus))
+        reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
         state = LLMRoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
-                                time=state.time + 1, log=log)
-        reward = common.reward_from(metrics, params)
+                                time=state.time + 1, log=log, backlog=backlog,
+                                horizon=state.horizon, slo_busy=busy, slo_output=out)
         return self.get_obs(state, params), state, reward, exhausted, {**metrics.as_dict(),
                                                                        **extra}
 
     def get_obs(self, state, params=None, key=None):
         return jnp.concatenate([common.request_features(state.pending, params),
-                                replica_features(state.cluster, params).ravel()])
+                                replica_features(state.cluster, state.pending, params).ravel()])
 
     def is_terminated(self, state, params):
         tr = params.trace
         return jnp.bool_(tr.gap.shape[0] > 0) & (state.trace_pos >= tr.length)
+
+    def is_truncated(self, state, params):
+        """After `state.horizon` decisions (see `LLMRouting`, Truncation)."""
+        return state.time >= state.horizon
 
     def action_space(self, params=None):
         return spaces.Discrete(self.num_replicas)
@@ -168,26 +272,40 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         raise NotImplementedError("LLMRouting-v0 exposes its state as the LLMRoutingState pytree")
 
 
-def reference_iteration_time(prof: ReplicaProfile) -> jax.Array:
-    """Seconds a replica needs for a 512-token prefill plus 32 single-sequence decodes."""
-    prefill = prof.c0 + prof.alpha * 512.0 + prof.alpha2 * 512.0 * 512.0
-    decode = prof.c0 + prof.alpha + prof.beta + prof.gamma + prof.delta * 528.0
-    return prefill + 32.0 * decode
+def slo_attained(ttft, e2e, output, params: common.ServingParams) -> jax.Array:
+    """Whether finished requests met both SLO targets: TTFT <= `slo_ttft_s` and, with more
+    than one output token, TPOT `(e2e - ttft) / (output - 1)` <= `slo_tpot_s` (the definition
+    of `evaluation.llm_metrics.slo_attainment`). Times in s, `output` in tokens."""
+    tpot = (e2e - ttft) / jnp.maximum(output - 1.0, 1.0)
+    return (ttft <= params.slo_ttft_s) & ((output <= 1.0) | (tpot <= params.slo_tpot_s))
 
 
-def replica_features(rep: CB.Replicas, params: common.ServingParams) -> jax.Array:
+def episode_horizon(key: jax.Array, params: common.ServingParams) -> jax.Array:
+    """Decisions before truncation, uniform on `[ceil(L / 2), L]` (`L = max_steps_in_episode`)
+    with synthetic arrivals, so vmapped episodes drift out of lockstep; `L` with a trace (its
+    episodes end with the trace). int32."""
+    top = jnp.asarray(params.max_steps_in_episode, jnp.int32)
+    low = (top + 1) // 2
+    drawn = jax.random.randint(key, (), low, top + 1, dtype=jnp.int32)
+    return jnp.where(params.trace.gap.shape[0] > 0, top, drawn)
+
+
+def replica_features(rep: CB.Replicas, pending: Request,
+                     params: common.ServingParams) -> jax.Array:
     """The per-replica observation rows, `(num_replicas, 7)`; see `LLMRouting`'s docstring."""
     prof = params.gpus
     kv = prof.kv_blocks.astype(jnp.float32)
-    ref = reference_iteration_time(prof)
+    est = jnp.maximum(pending.estimate, 1.0)
+    added = jnp.maximum(CL.marginal_backlog(rep, prof, pending.prompt, est), 1e-6)
+    ts = params.time_scale
     rows = jnp.stack([
         rep.queues.count / jnp.maximum(prof.queue_cap, 1),
         rep.run.count / jnp.maximum(prof.max_seqs, 1),
         CB.kv_used(rep, prof) / kv,
-        CB.tokens_in_flight(rep) / (kv * prof.block_size),
-        jnp.where(rep.in_iter, jnp.maximum(rep.t_end, 0.0), 0.0) / params.time_scale,
-        rep.q_preempted / jnp.maximum(prof.max_seqs, 1),
-        ref.min() / ref,
+        jnp.log1p(CB.tokens_in_flight(rep) / (kv * prof.block_size)),
+        jnp.log1p(CL.queued_work(rep, prof) / ts),
+        jnp.log1p(added / ts),
+        jnp.log(added / added.min()),
     ], axis=-1)
     return clip_features(rows)
 

@@ -71,6 +71,13 @@ DEFAULT_DROP_PENALTY_S = 600.0
 # so that discounted returns (gamma 0.99) are O(1) for an unnormalised PPO (docs/training.md).
 DEFAULT_LATENCY_SCALE = 1000.0
 
+# LLM SLO targets (a choice, as in docs/continuous.md's study): time to first token <= 2 s and
+# time per output token <= 0.1 s; an SLO miss costs 60 s of time-in-system in the SLO reward
+# (a tenth of a drop, so shedding a request is never cheaper than serving it late).
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.1
+DEFAULT_SLO_MISS_S = 60.0
+
 # Default profiles (see docs/profiles.md for the named, sourced ones).
 DEFAULT_SIZE_EDGES = (128.0,)
 DEFAULT_SIZE_VALUES = (48.0, 512.0)
@@ -104,7 +111,8 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
         raise ValueError(f"tokens must be a TokenDist, got {type(tokens).__name__}")
     defaults = dict(estimate_mode=A.ESTIMATE_CLASS, estimate_noise=0.5, slo_s=10.0,
                     latency_scale=10.0, drop_penalty_s=60.0, time_scale=10.0,
-                    max_steps_in_episode=512)
+                    max_steps_in_episode=512, slo_ttft_s=DEFAULT_SLO_TTFT_S,
+                    slo_tpot_s=DEFAULT_SLO_TPOT_S, slo_miss_s=DEFAULT_SLO_MISS_S)
     size_edges = scalars.pop("size_edges", DEFAULT_SIZE_EDGES)
     size_values = scalars.pop("size_values", DEFAULT_SIZE_VALUES)
     defaults.update(scalars)
@@ -384,11 +392,16 @@ def llm_routing_replicas():
 
 @register("LLMRouting-v0")
 def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_rate=None,
-                     arrivals=None, **kw):
+                     arrivals=None, shaping_gamma=DEFAULT_SHAPING_GAMMA,
+                     reward="time_in_system", **kw):
     """LLMRouting-v0: heterogeneous continuous-batching replicas (KV cache, preemption).
 
     `replicas`: list of `ReplicaProfile`; `max_seqs` (static running slots) defaults to the
     largest `max_seqs` of the replicas, `queue_buffer` to the largest `queue_cap`.
+    Reward defaults as Routing-v0's, for the same reason (a standard PPO learns on them,
+    tests/test_llm_learnable.py): shaped with `shaping_gamma=0.99` (None turns it off), a
+    drop costs `drop_penalty_s=600` s, rewards in units of `latency_scale=1000` s.
+    `reward="slo"` charges TTFT/TPOT SLO misses instead of time-in-system (`LLMRouting`).
     """
     from jaxserve.core.replica import stack_replicas
     from jaxserve.envs.llm_routing import LLMRouting
@@ -399,13 +412,16 @@ def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_ra
         arrival_rate = 16.0
     kw.setdefault("tokens", routing_tokens())
     kw.setdefault("slo_s", 20.0)
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
     params = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb = (int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None
           else as_size("queue_buffer", queue_buffer))
     ms = int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None else as_size("max_seqs",
                                                                                    max_seqs)
     env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,
-                     trace_len=params.trace.gap.shape[0], default=params)
+                     trace_len=params.trace.gap.shape[0], default=params,
+                     shaping_gamma=shaping_gamma, reward=reward)
     env.check_params(params)
     return env, params
 
@@ -418,7 +434,9 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     `replicas`: list of `ReplicaProfile`, one per slot (default: `max_replicas` OPT-13B
     A100-80GB replicas with `max_seqs = queue_cap = 16`, about 3.4 req/s each on Routing-v0's
     token mix by `core.continuous_load`). Diurnal Poisson arrivals, mean 6 req/s (peak 9.6:
-    three replicas at the mean, all four near the peak); warm-up 60 s. Other keywords as
+    three replicas at the mean, all four near the peak), each episode from a random time of
+    day (`random_phase=1`); warm-up 60 s; `latency_scale=1000` s and `drop_penalty_s=600` s
+    as the other environments. Other keywords as
     Autoscaling-v0's scaling and serving parameters (`envs/llm_autoscaling.py`).
     """
     from jaxserve.core.replica import replica_profile, stack_replicas
@@ -431,6 +449,9 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     prof = stack_replicas(replicas)
     scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
     scalars.setdefault("warmup_s", 60.0)
+    # Each episode starts at a random time of day, so vmapped episodes are not in lockstep
+    # (issue 25; Autoscaling-v0's `random_phase`).
+    scalars.setdefault("random_phase", 1)
     if kw.get("trace") is not None:
         scalars.setdefault("diurnal_amplitude", 0.0)
     if arrivals is None and arrival_rate is None:

@@ -71,10 +71,7 @@ class RoutingStatic:
     def __post_init__(self):
         check_sizes(self, positive=("num_gpus", "queue_buffer", "max_batch"),
                     nonnegative=("trace_len", "log_capacity"))
-        g = self.shaping_gamma
-        if g is not None and not 0.0 <= float(g) <= 1.0:
-            raise ValueError(f"shaping_gamma must be in [0, 1] or None, got {g}")
-        object.__setattr__(self, "shaping_gamma", None if g is None else float(g))
+        object.__setattr__(self, "shaping_gamma", common.check_shaping_gamma(self.shaping_gamma))
 
 
 class Routing(StaticConfig, environment.Environment[RoutingState, common.ServingParams]):
@@ -189,8 +186,7 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
         backlog = jnp.float32(0.0)
         if self.shaping_gamma is not None:
             backlog = expected_backlog(cluster, params.gpus)
-            phi0, phi1 = -state.backlog / params.latency_scale, -backlog / params.latency_scale
-            reward = (reward + self.shaping_gamma * phi1 - phi0).astype(jnp.float32)
+        reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
         state = RoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
                              time=state.time + 1, log=log, backlog=backlog)
         return self.get_obs(state, params), state, reward, exhausted, metrics.as_dict()

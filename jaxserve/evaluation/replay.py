@@ -8,6 +8,11 @@ routing policy (`policy=`, the shared `policy(key, obs, state, params)` signatur
 `replay_windows` runs many short windows of a trace (`traces.windows`) as episodes, all in
 parallel, and returns per-window totals. Both run on the episode driver
 (`evaluation.episodes`).
+
+`replay_prefix` replays a trace with prefix identity (`traces.prefix.PrefixTrace`) on
+continuous-batching replicas with automatic prefix caching (docs/prefix_caching.md) and
+returns, besides the schedule, the cached tokens of every request; it drives the engine
+directly (LLMRouting-v0 does not carry prefix identity yet).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core import continuous as CB
+from jaxserve.core import queues as Q
+from jaxserve.core.replica import stack_replicas
 from jaxserve.core.sources import TraceArrays, trace_arrays
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
@@ -256,3 +264,150 @@ def replay_windows(env, params, wins: TraceArrays,
     return _replay_windows(env_w, pol, steps, key, params, wins, acts)
 
 
+
+
+# ------------------------------------------------------------------ prefix-caching replays
+
+@partial(jax.jit, static_argnames=("num_replicas", "queue_buffer", "max_seqs", "blocks",
+                                   "audit", "decode_runs"))
+def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
+                         num_replicas: int, queue_buffer: int, max_seqs: int,
+                         blocks: int | None, audit: bool = False, decode_runs: bool = True):
+    """Routes request `i` (arriving `gaps[i]` s after the previous one; the last gap `inf`
+    drains) to `replica[i]` on continuous-batching replicas, with prefix caching when
+    `blocks` is set: the engine loop of LLMRouting-v0's step (route, advance to the next
+    arrival, rebase) on its own, so it can carry each request's prefix node. Pure and
+    jittable; vmaps over workloads (every array argument). `decode_runs=False` turns the
+    plain engine's decode-run skip off too (benchmarks; it is always off with caching).
+
+    Returns:
+      (final `Replicas`, `TokenLog` (with cached tokens when caching), dropped `(n,)`,
+      never_fit `(n,)`, totals over the steps' info of the keys `continuous.PREFIX_EXTRAS`
+      plus `audit_failures` (boundaries where `prefix_audit` failed; 0 unless `audit`); all
+      0 without caching).
+    """
+    n = gaps.shape[0]
+    rep = CB.empty_replicas(num_replicas, queue_buffer, max_seqs, True, blocks)
+    log = CB.empty_log(n, prefix=blocks is not None)
+    tab = tables if blocks is not None else None
+
+    keys = CB.PREFIX_EXTRAS + ("audit_failures",)
+
+    def step(carry, x):
+        rep, log, tot = carry
+        i, gap, p, o, nd, r = x
+        req = Q.Request(arrival=jnp.float32(0.0), prompt=p, output=o, estimate=o,
+                        size_class=jnp.int32(0), req_id=i)
+        rep, dropped, never = CB.route(rep, prof, req, r, node=nd, tables=tab)
+        rep, _, ex, log = CB.advance(rep, prof, gap, jnp.float32(1.0), log, tables=tab,
+                                     decode_runs=decode_runs,
+                                     audit=audit and blocks is not None)
+        rep = CB.rebase(rep, jnp.where(jnp.isfinite(gap), gap, 0.0))
+        tot = {k: tot[k] + ex.get(k, jnp.int32(0)) for k in keys}
+        return (rep, log, tot), (dropped, never)
+
+    xs = (jnp.arange(n, dtype=jnp.int32), gaps, prompt, output, node, replica)
+    tot0 = {k: jnp.int32(0) for k in keys}
+    (rep, log, tot), (dropped, never) = jax.lax.scan(step, (rep, log, tot0), xs)
+    return rep, log, dropped, never, tot
+
+
+def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buffer: int = 8,
+                  max_seqs: int | None = None, audit: bool = False,
+                  prefix_blocks: int | None = None, tree_nodes: int | None = None,
+                  tree_depth: int | None = None) -> dict[str, np.ndarray]:
+    """Replays a trace with prefix identity (`traces.prefix.PrefixTrace`) on continuous-
+    batching replicas with automatic prefix caching (docs/prefix_caching.md), routing request
+    `i` to `actions[i]`, and drains.
+
+    Args:
+      profiles: sequence of `ReplicaProfile` (one per replica).
+      ptrace: the `PrefixTrace`; KV block `j` of a request is shared (docs section 9) when it
+        lies on its tree path; `tree.block_tokens` must be a multiple of every `block_size`.
+      actions: `(n,)` replica index per request.
+      caching: False runs the engine without a prefix cache (today's engine exactly).
+      queue_buffer: waiting slots per replica (>= every `queue_cap`).
+      max_seqs: running slots (default: the largest `max_seqs`).
+      audit: check the block pool at every boundary (`continuous.prefix_audit`; slow).
+      prefix_blocks, tree_nodes, tree_depth: static sizes (default: the largest `kv_blocks`,
+        the tree's nodes and depth); larger values let differently sized cases share one
+        compiled program (see `continuous.prefix_tables`).
+
+    Returns:
+      `token_log`'s dict plus `cached_tokens` (tokens cached at the first admission, vLLM's
+      `num_cached_tokens`; 0 if dropped), `cached_tokens_total` (over all admissions), and
+      per replica `hit_tokens`, `evictions`, `shared_preemptions`, `lookup_tokens`,
+      `lookup_blocks`, `hit_blocks`, `iterations`, `replica_preemptions`, `fresh`,
+      `cached_unreferenced`, `held` (blocks after draining); `info`: the steps' info totals
+      of `continuous.PREFIX_EXTRAS` (ints); and `audit_failures` (int). The cache counters
+      are 0 without caching.
+
+    Raises:
+      ValueError: invalid trace, profiles, actions, sizes or block sizes (naming the field).
+    """
+    tr = validate_trace(ptrace.trace)
+    n = len(tr)
+    prof = stack_replicas(profiles)
+    r_n = len(profiles)
+    acts = np.asarray(actions)
+    if acts.shape != (n,) or not np.issubdtype(acts.dtype, np.integer):
+        raise ValueError(f"actions must be ({n},) integers, got {acts.shape} {acts.dtype}")
+    if np.any((acts < 0) | (acts >= r_n)):
+        raise ValueError(f"actions must be replica indices in [0, {r_n})")
+    node = np.asarray(ptrace.node, np.int64)
+    tree = ptrace.tree
+    if node.shape != (n,) or np.any((node < -1) | (node >= max(tree.num_nodes, 0))):
+        raise ValueError(f"node must be ({n},) tree nodes or -1")
+    bs = np.asarray(prof.block_size)
+    if np.any(tree.block_tokens % bs):
+        raise ValueError(f"tree.block_tokens ({tree.block_tokens}) must be a multiple of every "
+                         f"replica's block_size, got {bs.tolist()}")
+    caps = np.asarray(prof.queue_cap)
+    if queue_buffer < caps.max():
+        raise ValueError(f"queue_buffer ({queue_buffer}) must be >= every queue_cap "
+                         f"({int(caps.max())})")
+    seqs = int(np.asarray(prof.max_seqs).max())
+    max_seqs = seqs if max_seqs is None else int(max_seqs)
+    if max_seqs < seqs:
+        raise ValueError(f"max_seqs ({max_seqs}) must be >= every replica's max_seqs ({seqs})")
+    tables = CB.prefix_tables(tree.parent, tree.depth, tree.block_tokens, tree_nodes,
+                              tree_depth)
+    gaps = np.append(np.diff(tr.arrival_s), np.inf).astype(np.float32)
+    kv_max = int(np.asarray(prof.kv_blocks).max())
+    if prefix_blocks is not None and prefix_blocks < kv_max:
+        raise ValueError(f"prefix_blocks ({prefix_blocks}) must be >= every kv_blocks "
+                         f"({kv_max})")
+    blocks = (kv_max if prefix_blocks is None else int(prefix_blocks)) if caching else None
+    rep, log, dropped, never, tot = replay_prefix_arrays(
+        prof, tables, jnp.asarray(gaps), jnp.asarray(tr.prompt_tokens, jnp.float32),
+        jnp.asarray(tr.output_tokens, jnp.float32), jnp.asarray(node, jnp.int32),
+        jnp.asarray(acts, jnp.int32), num_replicas=r_n, queue_buffer=int(queue_buffer),
+        max_seqs=max_seqs, blocks=blocks, audit=bool(audit))
+    out = token_log(tr, acts, log, np.asarray(dropped))
+    out["never_fit"] = np.asarray(never, bool)
+    zero_r = np.zeros(r_n, np.int64)
+    if caching:
+        out["cached_tokens"] = np.maximum(np.asarray(log.cached_first), 0).astype(np.int64)
+        out["cached_tokens_total"] = np.asarray(log.cached_total, np.int64)
+        pc = rep.pc
+        for k in CACHE_COUNTERS:
+            out[k] = np.asarray(getattr(pc, k), np.int64)
+        for k, v in CB.block_accounting(rep, prof).items():
+            out[k] = np.asarray(v, np.int64)
+    else:
+        out["cached_tokens"] = np.zeros(n, np.int64)
+        out["cached_tokens_total"] = np.zeros(n, np.int64)
+        for k in CACHE_COUNTERS:
+            out[k] = zero_r.copy()
+        used = np.asarray(CB.kv_used(rep, prof), np.int64)
+        out["fresh"], out["cached_unreferenced"] = np.asarray(prof.kv_blocks) - used, zero_r
+        out["held"] = used
+    out["iterations"] = np.asarray(rep.iterations, np.int64)
+    out["replica_preemptions"] = np.asarray(rep.preemptions, np.int64)
+    out["info"] = {k: int(tot[k]) for k in CB.PREFIX_EXTRAS}
+    out["audit_failures"] = int(tot["audit_failures"])
+    return out
+
+
+CACHE_COUNTERS = ("hit_tokens", "evictions", "shared_preemptions", "lookup_tokens",
+                  "lookup_blocks", "hit_blocks")

@@ -1,9 +1,10 @@
 """Choosing a policy's settings by simulation, on tuning streams disjoint from evaluation.
 
 `tune_static` grid-searches the static batcher (B, tau) in one vmapped program and registers
-the `tuned_static` batching policy. It lives with the evaluation harness because it *is* an
-evaluation (the same rollouts and summaries), run on `tuning_key` streams that
-`evaluate_many` then refuses.
+the `tuned_static` batching policy; `tune_sita` chooses SITA's orientation and spill
+threshold (routing) the same way and registers `sita_tuned`. They live with the evaluation
+harness because each *is* an evaluation (the same rollouts and summaries), run on
+`tuning_key` streams that `evaluate_many` then refuses.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import numpy as np
 from jaxserve.core.sources import mark_tuning_key, tuning_key
 from jaxserve.evaluation.evaluate import (_check_args, is_routing, make_streams, rollout_envs,
                                           summarise, trace_env)
+from jaxserve.core.service import single_request_time
 from jaxserve.policies.batching import default_grid, make_static
 from jaxserve.policies.registry import Policy, register
+from jaxserve.policies.routing import SitaFit, fit_sita, make_sita_overflow, workload_means
 
 
 def make_batcher(max_batch, timeout, table):
@@ -128,4 +131,117 @@ def _tuned_factory(env=None, params=None, key=None, max_batches=None, timeouts=N
     if env is None or params is None:
         raise ValueError("policy 'tuned_static' needs env= and params= (it simulates the grid)")
     pol, _ = tune_static(env, params, key, max_batches, timeouts, num_envs, num_steps, warmup)
+    return pol
+
+
+# Spill thresholds of `tune_sita`, in multiples of the mean request's service time
+# alone on a mean-speed GPU; inf (never spill) makes plain SITA one of the candidates.
+OVERFLOW_GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, float("inf"))
+
+
+def _stack_fits(fits):
+    """Thresholds `(F, K-1)`, masks `(F, K, G)` and predictor coefficients `(F, 3)` of SITA fits
+    padded to a common K: a padded threshold is +inf (its interval is never chosen), a padded
+    mask row is all False."""
+    k = max(f.mask.shape[0] for f in fits)
+    th = np.full((len(fits), k - 1), np.inf, np.float32)
+    mask = np.zeros((len(fits), k, fits[0].mask.shape[1]), bool)
+    coef = np.zeros((len(fits), 3), np.float32)
+    for i, f in enumerate(fits):
+        th[i, :f.thresholds.shape[0]] = f.thresholds
+        mask[i, :f.mask.shape[0]] = f.mask
+        coef[i] = f.predictor
+    return th, mask, coef
+
+
+def tune_sita(env, params, key=None, fits=None, grid=None,
+                       num_envs: int = 8, num_steps: int = 1024, warmup: int = 64):
+    """SITA with overflow (`policies.routing.make_sita_overflow`): its size intervals' GPU
+    orientation and spill threshold chosen by simulation on tuning streams.
+
+    Candidates: each SITA fit (default: `fit_sita(params, tuning key, predictor="predicted",
+    order=o)` for o in slow_first and fast_first, i.e. short requests on the slow or on the
+    fast GPUs; both split on the output length predicted from prompt and estimate, as
+    `sita_predicted`) with each spill threshold of the grid. `fit_sita` alone chooses the
+    orientation by load balance, blind to queueing delay; here the measured latency decides.
+    Every candidate runs on the same streams in one vmapped program; the chosen one minimises
+    the drop-inclusive mean latency (s, drops at `drop_penalty_s`), ties to the first fit and
+    the larger threshold (closer to plain SITA).
+
+    Args:
+      env, params: a Routing-v0 environment and its parameters.
+      key: PRNG key of the tuning streams (default `tuning_key()`); recorded as a tuning key,
+        which evaluation refuses: pass `tuning_key(eval_key)`.
+      fits: `{name: SitaFit}` with size predictors (default: the two orientations above).
+      grid: spill thresholds in seconds (default: `OVERFLOW_GRID` times the mean request's
+        `single_request_time`, averaged over GPUs).
+      num_envs, num_steps, warmup: as in `jaxserve.evaluate`.
+
+    Returns:
+      (`Policy` "sita_tuned", table): the table has one dict per candidate, `fit`,
+      `overflow_s`, `mean_latency_incl_drops`, `mean_latency`, `dropped`, sorted best first.
+    """
+    if not is_routing(env):
+        raise ValueError("tune_sita needs a Routing-v0 environment")
+    _check_args(env, params, num_envs, num_steps, warmup)
+    key = tuning_key() if key is None else mark_tuning_key(key)
+    if fits is None:
+        fits = {o: fit_sita(params, key=key, predictor="predicted", order=o)
+                for o in ("slow_first", "fast_first")}
+    if not fits or any(f.predictor is None for f in fits.values()):
+        raise ValueError("tune_sita: fits must be a non-empty {name: SitaFit} of fits "
+                         "with a size predictor (fit_sita(..., predictor=...))")
+    if grid is None:
+        p, o = workload_means(params)
+        unit = float(np.mean(np.asarray(single_request_time(params.gpus, p, o))))
+        grid = [g * unit for g in OVERFLOW_GRID]
+    thetas = np.asarray([float(g) for g in grid], np.float32)
+    if thetas.ndim != 1 or thetas.size == 0 or np.any(np.isnan(thetas)) or np.any(thetas < 0):
+        raise ValueError("tune_sita: grid must be a non-empty list of thresholds >= 0 "
+                         "(seconds; inf allowed)")
+    names = list(fits)
+    th, mask, coef = _stack_fits([fits[n] for n in names])
+    cand_fit, cand_theta = (a.ravel() for a in np.meshgrid(np.arange(len(names)), thetas,
+                                                           indexing="ij"))
+    streams, keys = make_streams(key, params, int(num_envs), int(num_steps), None)
+    env_t = trace_env(env, streams.gap.shape[1])
+
+    @jax.jit
+    def run(params, streams, keys, th, mask, coef, theta):
+        def one(th, mask, coef, theta):
+            fit = SitaFit(thresholds=th, mask=mask, utilisation=None, max_rho_per_rate=None,
+                          predictor=coef)
+            return rollout_envs(env_t, make_sita_overflow(fit, theta), params, streams, keys,
+                                True)
+        return jax.vmap(one)(th, mask, coef, theta)
+
+    out = jax.device_get(run(params, streams, keys, th[cand_fit], mask[cand_fit],
+                             coef[cand_fit], cand_theta))
+    rows = []
+    for i in range(cand_fit.shape[0]):
+        s = summarise(jax.tree.map(lambda x, i=i: x[i], out), streams, params, warmup)
+        rows.append({"fit": names[cand_fit[i]], "overflow_s": float(cand_theta[i]),
+                     "mean_latency_incl_drops": s["mean_latency_incl_drops"],
+                     "mean_latency": s["mean_latency"], "dropped": s["dropped"]})
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["mean_latency_incl_drops"],
+                                                    cand_fit[i], -cand_theta[i]))
+    rows = [rows[i] for i in order]
+    best = rows[0]
+    pol = Policy(name="sita_tuned", kind="routing",
+                 fn=make_sita_overflow(fits[best["fit"]], best["overflow_s"]),
+                 info={"fit": fits[best["fit"]], "orientation": best["fit"],
+                       "overflow_s": best["overflow_s"], "table": rows})
+    return pol, rows
+
+
+@register("sita_tuned", "routing")
+def _sita_tuned_factory(env=None, params=None, key=None, fits=None, grid=None,
+                           num_envs: int = 8, num_steps: int = 1024, warmup: int = 64):
+    """SITA (on the predicted output length) that spills a request to the GPU that would
+    finish it soonest when its group is congested; orientation (short requests on slow or fast
+    GPUs) and threshold tuned on tuning streams (`tune_sita`, the candidates in
+    `info["table"]`)."""
+    if env is None or params is None:
+        raise ValueError("policy 'sita_tuned' needs env= and params= (it simulates a grid)")
+    pol, _ = tune_sita(env, params, key, fits, grid, num_envs, num_steps, warmup)
     return pol

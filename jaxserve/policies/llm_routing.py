@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core import continuous as CB
+from jaxserve.core import continuous_load as CL
 
 
 def in_system(state) -> jax.Array:
@@ -59,6 +60,15 @@ def jsq_tokens(key, obs, state, params):
     prof = params.gpus
     cap = (prof.kv_blocks * prof.block_size).astype(jnp.float32)
     return _argmin_open(CB.tokens_in_flight(state.cluster) / cap, state, params)
+
+
+def least_marginal(key, obs, state, params):
+    """Least estimated added time-in-system (`continuous_load.marginal_backlog`: the request's
+    own estimated latency plus the delay it causes the requests present): the greedy policy
+    of LLMRouting-v0's reward-shaping potential, from output estimates."""
+    req = state.pending
+    cost = CL.marginal_backlog(state.cluster, params.gpus, req.prompt, req.estimate)
+    return _argmin_open(cost, state, params)
 
 
 def least_kv(key, obs, state, params):
@@ -107,4 +117,5 @@ sita_prompt = make_sita_prompt()
 
 POLICIES = {"random": random_policy, "round_robin": round_robin, "jsq_requests": jsq_requests,
             "jsq_tokens": jsq_tokens, "least_kv": least_kv, "vllm_dp": vllm_dp,
-            "power_of_two": power_of_two, "sita_prompt": sita_prompt}
+            "power_of_two": power_of_two, "sita_prompt": sita_prompt,
+            "least_marginal": least_marginal}

@@ -251,7 +251,7 @@ def _estimates(key, output, params):
 
 def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None,
              max_intervals: int = 32, batches_per_interval: int = 64,
-             predictor: str | None = None) -> SitaFit:
+             predictor: str | None = None, order: str | None = None) -> SitaFit:
     """Fits SITA thresholds and GPU groups to a workload so that load is balanced.
 
     Method (host-side, on a workload sample):
@@ -281,12 +281,20 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
     the prompt alone or from prompt and estimate (`fit_size_predictor`, least squares on the
     same tuning sample). The thresholds are then predicted output lengths (tokens).
 
+    `order` fixes the orientation of step 4: `"slow_first"` (the smallest sizes on the slowest
+    GPUs) or `"fast_first"`; None (default) tries both and keeps the better by the objectives
+    above. They are load-balance objectives, blind to queueing delay, so which orientation
+    gives the lower latency is for a simulation to say (`tuning.tune_sita_overflow`).
+
     Returns:
       `SitaFit`.
     """
     if predictor is not None and predictor not in SIZE_PREDICTORS:
         raise ValueError(f"fit_sita: predictor must be None or one of {SIZE_PREDICTORS}, got "
                          f"{predictor!r}")
+    if order not in (None, "slow_first", "fast_first"):
+        raise ValueError(f"fit_sita: order must be None, 'slow_first' or 'fast_first', got "
+                         f"{order!r}")
     prompt, output, est = sample_workload(params, key, num_samples, prompt, output)
     coef = None
     if predictor is not None:
@@ -320,14 +328,16 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
     k_blocks = min(m, num_gpus)
 
     best = None
-    for order in (np.argsort(speed, kind="stable"), np.argsort(-speed, kind="stable")):
+    orders = {"slow_first": np.argsort(speed, kind="stable"),
+              "fast_first": np.argsort(-speed, kind="stable")}
+    for gpu_order in [v for o, v in orders.items() if order in (None, o)]:
         rho = np.full((m + 1, m + 1, num_gpus + 1, num_gpus + 1), np.inf)
         svc = np.full_like(rho, np.inf)
         for a0 in range(m):
             for a1 in range(a0 + 1, m + 1):
                 if k_blocks == m and a1 != a0 + 1:
                     continue  # one atom per interval
-                c_mu = np.concatenate([[0.0], np.cumsum(mu[a0, a1, order])])
+                c_mu = np.concatenate([[0.0], np.cumsum(mu[a0, a1, gpu_order])])
                 for b0 in range(num_gpus):
                     b1 = np.arange(b0 + 1, num_gpus + 1)
                     if k_blocks == num_gpus:
@@ -340,14 +350,14 @@ def fit_sita(params, key=None, num_samples: int = 4096, prompt=None, output=None
                                      num_gpus, objective="sum")
         if best is None or (r_star < best[0] * (1 - 1e-6)
                             or (r_star <= best[0] * (1 + 1e-6) and s_star < best[1])):
-            best = (r_star, s_star, order, path)
-    r_star, _, order, path = best
+            best = (r_star, s_star, gpu_order, path)
+    r_star, _, gpu_order, path = best
     lam = float(np.asarray(A.mean_rate(params.arrivals)))
     mask = np.zeros((len(path), num_gpus), bool)
     util = np.zeros(num_gpus)
     thresholds = []
     for k, (a0, a1, b0, b1) in enumerate(path):
-        gpus = order[b0:b1]
+        gpus = gpu_order[b0:b1]
         mask[k, gpus] = True
         util[gpus] = lam * qfrac[a0, a1] / mu[a0, a1, gpus].sum()
         if a1 < m:
@@ -437,6 +447,31 @@ def make_sita(fit: SitaFit):
         return jnp.argmin(jnp.where(use, work, jnp.inf)).astype(jnp.int32)
 
     return sita
+
+
+def make_sita_overflow(fit: SitaFit, overflow_s):
+    """SITA that spills a request out of its size interval's group when that group is congested.
+
+    The request's SITA choice `g` (interval by thresholds, least work left in the interval's
+    group) is kept unless some GPU would finish it more than `overflow_s` seconds sooner:
+    with `delay = queued_work + single_request_time(gpu, prompt, estimate)` (SED's expected
+    completion, estimates only), the request goes to `argmin delay` when
+    `delay[g] > min(delay) + overflow_s`. `overflow_s = inf` is SITA, `0` is close to SED.
+    Full queues are skipped unless every queue is full. `overflow_s` may be traced, so one
+    program can evaluate a grid of thresholds (`jaxserve.evaluation.tuning.tune_sita_overflow`).
+    """
+    sita = make_sita(fit)
+
+    def sita_overflow(key, obs, state, params):
+        g = sita(key, obs, state, params)
+        own = single_request_time(params.gpus, state.pending.prompt, state.pending.estimate)
+        delay = C.queued_work(state.cluster, params.gpus) + own
+        full = _full(state, params)
+        best = jnp.argmin(jnp.where(full & ~full.all(), jnp.inf, delay)).astype(jnp.int32)
+        spill = delay[g] > delay[best] + overflow_s
+        return jnp.where(spill, best, g).astype(jnp.int32)
+
+    return sita_overflow
 
 
 # ----------------------------------------------------------------------------- registry
