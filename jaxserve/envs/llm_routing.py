@@ -226,8 +226,10 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
 
     @property
     def policy_kind(self) -> str | None:
-        """"prefix_routing" with prefix caching (`policies.prefix_routing`); None otherwise
-        (LLMRouting-v0's heuristics are plain functions, `policies.llm_routing`)."""
+        """"prefix_routing" with prefix caching (the registry kind of
+        `policies.prefix_routing`); None otherwise (LLMRouting-v0's heuristics are plain
+        functions, `policies.llm_routing`). Not in `envs.base.POLICY_KINDS`: the evaluation
+        CLIs (`envs.base.policy_kind`) refuse both LLM routing environments, as before."""
         return "prefix_routing" if self.prefix else None
 
     @property
