@@ -261,6 +261,8 @@ def test_bad_config_raises_naming_field(bad, field):
 
 def test_bad_params_raise_naming_field():
     env, params = small()
+    with pytest.raises(ValueError, match="replay_prefix"):
+        jaxserve.replay(env, params, PT.trace, actions=np.zeros(N, np.int64))
     with pytest.raises(ValueError, match="params.node"):
         env.check_params(params.replace(node=params.node.at[0].set(10 ** 6)))
     with pytest.raises(ValueError, match="prefix_blocks"):

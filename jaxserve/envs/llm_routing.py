@@ -205,7 +205,9 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
       (`continuous.PREFIX_EXTRAS`): `prefix_hit_tokens` (cached tokens at admissions = prefill
       tokens saved), `prefix_lookup_tokens` (tokens of the admitted requests; the token hit
       rate of any window is the ratio of the two sums), `prefix_hit_blocks`,
-      `prefix_lookup_blocks`, `prefix_evictions` and `prefix_shared_preemptions`.
+      `prefix_lookup_blocks`, `prefix_evictions` and `prefix_shared_preemptions`. Replay
+      fixed decisions with `evaluation.replay.replay_prefix` (`jaxserve.replay` takes a
+      plain `Trace`, which has no prefix nodes, and refuses this environment).
     """
 
     Static = LLMRoutingStatic  # static configuration (`env.static`; fields read as attributes)
