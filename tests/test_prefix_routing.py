@@ -465,3 +465,17 @@ def test_heuristics_in_env_never_read_output_lengths():
         return jax.lax.scan(f, (obs, state), jax.random.split(jax.random.PRNGKey(1), N))[1]
 
     assert np.all(np.isfinite(np.asarray(drive(params))))
+
+
+MOONCAKE = "/work/shared/traces/mooncake_2025/conversation_trace.jsonl.gz"
+
+
+@pytest.mark.skipif(not __import__("os").path.exists(MOONCAKE), reason="Mooncake trace absent")
+def test_mooncake_path_builds_params():
+    """`trace=` a Mooncake file: one param row and one prefix node per request, the tree's
+    512-token blocks, and the request features' scale covering its longest prompt."""
+    env, params = jaxserve.make("LLMPrefixRouting-v0", trace=MOONCAKE)
+    n = int(params.trace.length)
+    assert n == 12031 and params.node.shape == (n,) and int(params.max_steps_in_episode) == n
+    assert params.tables.block_tokens == 512 and params.tables.parent.shape[0] == 182_790
+    assert float(params.tokens.max_prompt) >= float(params.trace.prompt.max())
