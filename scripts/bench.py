@@ -59,6 +59,7 @@ from jaxserve.core import cluster as C
 from jaxserve.core import lanes
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
+from jaxserve.envs.registry import make_llm_prefix_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTING = "Routing-v0 (8 GPUs, queue 64)"
@@ -641,7 +642,7 @@ def prefix_env_bench(counts, steps, repeats):
 
     out = []
     for caching in (True, False):
-        env, params = jaxserve.make("LLMPrefixRouting-v0", caching=caching)
+        env, params = make_llm_prefix_routing(caching=caching)
         nbytes = state_bytes(env, params)
         for n in counts:
             r = time_env(env, params, n, steps, 0, repeats)

@@ -25,8 +25,7 @@ import numpy as np
 
 
 def main(argv=None):
-    import jaxserve
-    from jaxserve.envs.registry import prefix_workload
+    from jaxserve.envs.registry import make_llm_prefix_routing, prefix_workload
     from jaxserve.policies import llm_routing as L
     from jaxserve.policies import prefix_routing as PR
 
@@ -34,8 +33,7 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=512, help="trace requests (one episode)")
     ap.add_argument("--seed", type=int, default=0, help="the trace generator's seed")
     args = ap.parse_args(argv)
-    env, params = jaxserve.make("LLMPrefixRouting-v0",
-                                trace=prefix_workload(args.requests, args.seed))
+    env, params = make_llm_prefix_routing(trace=prefix_workload(args.requests, args.seed))
     pols = {**PR.POLICIES, "jsq_requests": L.jsq_requests, "least_kv": L.least_kv,
             "round_robin": L.round_robin}
     names, fns = list(pols), list(pols.values())
