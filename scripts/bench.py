@@ -26,6 +26,8 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
   python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
+  python -m scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
+      # LLMPrefixRouting-v0's registered scenario, caching on and off (same process)
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from jaxserve.core import cluster as C
 from jaxserve.core import lanes
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
+from jaxserve.envs.registry import make_llm_prefix_routing
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTING = "Routing-v0 (8 GPUs, queue 64)"
@@ -631,6 +634,26 @@ def prefix_bench(counts, steps, repeats):
     return out
 
 
+def prefix_env_bench(counts, steps, repeats):
+    """env-steps/s of LLMPrefixRouting-v0's registered scenario (random actions, from reset,
+    auto-reset on), with prefix caching and without it (`caching=False`: the same replicas
+    and trace on LLMRouting-v0's engine), measured in one process, plus state bytes."""
+    import jaxserve
+
+    out = []
+    for caching in (True, False):
+        env, params = make_llm_prefix_routing(caching=caching)
+        nbytes = state_bytes(env, params)
+        for n in counts:
+            r = time_env(env, params, n, steps, 0, repeats)
+            r.update(caching=caching, state_bytes_per_env=nbytes)
+            out.append(r)
+            print(f"LLMPrefixRouting-v0 caching={caching!s:5s} envs={n:6d} compile "
+                  f"{r['compile_s']:6.1f}s {r['reset_steps_per_s']:9,.0f} env-steps/s "
+                  f"{nbytes:,} B/env", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
@@ -651,6 +674,8 @@ def main(argv=None):
                          "no engine, boundaries per step)")
     ap.add_argument("--prefix", action="store_true",
                     help="only the continuous engine with/without prefix caching")
+    ap.add_argument("--prefix-env", action="store_true",
+                    help="only LLMPrefixRouting-v0's registered scenario, caching on/off")
     ap.add_argument("--trace", action="store_true",
                     help="only trace Routing-v0's step per XLA op (jax.profiler)")
     ap.add_argument("--top", type=int, default=25, help="ops listed per env count (--trace)")
@@ -669,6 +694,12 @@ def main(argv=None):
            "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
            "command": " ".join(["python -m scripts.bench", *(sys.argv[1:] if argv is None
                                                              else argv)]), "results": {}}
+    if args.prefix_env:
+        res["prefix_env"] = prefix_env_bench(counts, steps, repeats)
+        res["load_average_end"] = os.getloadavg()
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     if args.prefix:
         res["prefix"] = prefix_bench(counts, steps, repeats)
         res["load_average_end"] = os.getloadavg()

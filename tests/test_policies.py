@@ -39,7 +39,10 @@ BATCHING = ("static", "greedy", "tuned_static", "smdp_optimal")
 def test_registry_names_and_kinds():
     assert set(ROUTING) == set(P.names("routing"))
     assert set(BATCHING) == set(P.names("batching"))
-    assert set(P.names()) == (set(ROUTING) | set(BATCHING)
+    prefix = {"llmd_scorers", "dynamo_kv", "sglang_cache_aware", "aibrix_prefix_cache",
+              "session_affinity"}
+    assert set(P.names("prefix_routing")) == prefix
+    assert set(P.names()) == (set(ROUTING) | set(BATCHING) | prefix
                               | {"fixed", "hpa", "knative", "ray_serve", "scheduled"})
     assert set(P.names("autoscaling")) == {"fixed", "hpa", "knative", "ray_serve",
                                            "scheduled"}

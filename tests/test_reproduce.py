@@ -201,3 +201,33 @@ def test_stale_note_flags_routing_sections_written_before_an_information_change(
     assert "sections (a) predate commit `0658cc1`" in note
     assert "sections (a) predate commit `eafe997`" in note
     assert stale_note({"w": blocks["w"]}) == ""
+
+
+def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
+    """The page's summary table: one row per (w) scenario, the verdict from the paired CI's
+    sign, the best clairvoyant reference; nothing without (w). And (w)'s figure draws."""
+    from agents.experiments.report import headline_summary
+    from agents.experiments.routing_win import _plot_to_fast
+
+    def scen(diff, to_fast):
+        return {"latency": {"ppo": 10.0, "sita_tuned": 11.0, "jsq": 20.0,
+                            "sita, true lengths": 9.0, "sed, true lengths": 9.5},
+                "best_heuristic": "sita_tuned",
+                "diff_vs_best": dict(zip(("mean", "low", "high"), diff)),
+                "to_fast": {"ppo-s0": to_fast, "sita_tuned": [[0.2, 0.9], [0.1, None]]}}
+    data = {"w": {"win": scen((-1.0, -1.5, -0.5), [[0.2, 0.9], [0.5, None]]),
+                  "loss": scen((2.0, 0.5, 3.0), [[0.2, 0.9], [0.5, 0.4]]),
+                  "tie": scen((0.1, -0.2, 0.4), [[0.2, 0.9], [0.5, 0.4]])}}
+    text = headline_summary(data)
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")
+            and not line.startswith("| scenario")}
+    assert set(rows) == {"win", "loss", "tie"}
+    assert "learned wins" in rows["win"] and "heuristic wins" in rows["loss"]
+    assert "no difference resolved" in rows["tie"]
+    assert all("sita, true lengths 9 |" in r for r in rows.values())
+    assert headline_summary({"a": {}}) == ""
+    for d in data["w"].values():  # JSON turns NaN (no request of the class) into None
+        d["to_fast"] = {k: [[np.nan if x is None else x for x in r] for r in v]
+                        for k, v in d["to_fast"].items()}
+    _plot_to_fast(data["w"], tmp_path / "w.png")
+    assert (tmp_path / "w.png").stat().st_size > 1000

@@ -88,6 +88,37 @@ def stale_note(blocks: dict[str, str]) -> str:
             "them.\n")
 
 
+def headline_summary(data: dict) -> str:
+    """The page's summary table from section (w)'s data (`{scenario: {"latency": {policy: s},
+    "best_heuristic", "diff_vs_best": {mean, low, high}}}`): per scenario the learned router,
+    the best heuristic, their paired difference and verdict, and the best clairvoyant
+    reference; "" without (w)."""
+    w = data.get("w") or {}
+    rows = []
+    for name, d in w.items():
+        lat, best, diff = d.get("latency"), d.get("best_heuristic"), d.get("diff_vs_best")
+        if not (lat and best and diff):
+            continue
+        learned = next((k for k in lat if k in ("ppo", "reinforce")), None)
+        refs = {k: v for k, v in lat.items() if "true lengths" in k}
+        ref = min(refs, key=refs.get) if refs else None
+        verdict = ("learned wins" if diff["high"] < 0 else "heuristic wins"
+                   if diff["low"] > 0 else "no difference resolved")
+        rows.append(f"| {name} | {learned} {lat[learned]:.3g} | {best} {lat[best]:.3g} | "
+                    f"{diff['mean']:+.3g} [{diff['low']:+.3g}, {diff['high']:+.3g}] | {verdict} | "
+                    + (f"{ref} {lat[ref]:.3g} |" if ref else "none |"))
+    if not rows:
+        return ""
+    return "\n".join([
+        "**Summary: best learned router vs best honest heuristic** (section (w), drop-inclusive "
+        "mean latency in s; paired difference with its 95% seed x stream bootstrap CI; the "
+        "clairvoyant reference reads true output lengths, a bound no real router reaches):",
+        "",
+        "| scenario | learned | best heuristic | learned - heuristic (95% CI) | verdict | "
+        "best clairvoyant |",
+        "|---|---|---|---|---|---|", *rows, ""])
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -192,6 +223,9 @@ def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
              f"{jax.default_backend()} ({jax.device_count()} device(s), {cpu}); wall time "
              f"**{wall_s / 60:.1f} min**; {scope}. On a shared CPU the wall times are noisy.",
              "", STUDY_NOTE]
+    summary = headline_summary(data)
+    if summary:
+        lines += [summary]
     note = stale_note(blocks)
     if note:
         lines += [note]

@@ -245,5 +245,38 @@ def routing_win(ctx: Context) -> Section:
         "drop-inclusive mean latency, s):",
         table(["scenario", ALGO, "best heuristic", f"{ALGO} - best heuristic (95% CI)",
                "verdict", "best clairvoyant"], summary), *parts[1:]])
+    def draw(path):
+        _plot_to_fast(data, path)
+    body += ("\n\nThe figure shows the shares of the tables above: per scenario, where the "
+             "learned router (seed 0) and the best heuristic send each true size class in "
+             "quiet phases and in bursts.")
     return Section("(w) Honest information, headroom, and learned vs best heuristic", body,
-                   data=data)
+                   figures={"results_where_requests_go.png": draw}, data=data)
+
+
+def _plot_to_fast(data: dict, path) -> None:
+    """Per scenario, the share of short and long requests sent to a fastest GPU in each arrival
+    phase: the learned router (its first seed) beside the best heuristic (grouped bars)."""
+    from jaxserve.evaluation.plots import axes_row
+
+    names = list(data)
+    with axes_row(path, ncols=len(names), figsize=(4.2 * len(names), 3.6)) as (_, axes):
+        for ax, name in zip(axes, names):
+            shares = data[name]["to_fast"]
+            pols = list(shares)
+            frac = [np.asarray(shares[p], float) for p in pols]
+            labels = [f"{'quiet' if ph == 0 else 'burst'}\n{'short' if c == 0 else 'long'}"
+                      for ph in range(frac[0].shape[0]) for c in range(frac[0].shape[1])]
+            x = np.arange(len(labels))
+            width = 0.8 / len(pols)
+            for i, (p, f) in enumerate(zip(pols, frac)):
+                ax.bar(x + (i - (len(pols) - 1) / 2) * width, 100 * np.nan_to_num(f.ravel()),
+                       width, label=p)
+            for j in np.flatnonzero(np.isnan(frac[0].ravel())):
+                ax.text(x[j], 2, "none\narrived", ha="center", fontsize=7)
+            ax.set_xticks(x, labels, fontsize=8)
+            ax.set_ylim(0, 105)
+            ax.set_title(name, fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=8)  # the best heuristic differs between scenarios
+        axes[0].set_ylabel("% sent to a fastest GPU")

@@ -720,6 +720,26 @@ def _lookup(pc: PrefixCache, owner, code, cap):
     return h, first
 
 
+def cached_prefix_blocks(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables, node,
+                         prompt) -> jax.Array:
+    """Per replica, the leading shared KV blocks of a prompt with deepest tree node `node`
+    that the replica's cache holds now (referenced or not): the longest run `H` of the
+    prompt's shared full blocks (`shared_blocks`) found cached, as a router reads it from the
+    replicas' KV events (llm-d's precise prefix scorer, Dynamo's KV router). It is the
+    admission lookup (rule 3) without the `floor((L - 1) / b)` cap, which only matters for a
+    prompt whose every block is shared. Reads the cache only. `(R,)` int32 blocks (times
+    `block_size` for tokens)."""
+    m = rep.pc.ref.shape[-1]
+    node = jnp.asarray(node, jnp.int32)
+
+    def one(pc, b):
+        nsh = shared_blocks(tables, node, prompt, b)
+        owner, code = _identities(tables, node, nsh, jnp.int32(-2), b, m)
+        return _lookup(pc, owner, code, nsh)[0]
+
+    return jax.vmap(one)(rep.pc, prof.block_size).astype(jnp.int32)
+
+
 def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: PrefixTables,
                        exists):
     """The running pass of one replica when no preemption occurs, vectorised.

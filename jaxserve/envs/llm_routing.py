@@ -22,6 +22,7 @@ from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature
 
 NUM_REQUEST_FEATURES = 3
 NUM_REPLICA_FEATURES = 7
+NUM_PREFIX_FEATURES = 2  # added per replica with prefix caching (LLMPrefixRouting-v0)
 DEFAULT_SHAPING_GAMMA = 0.99  # PureJaxRL's discount, as Routing-v0
 REWARDS = ("time_in_system", "slo")  # see `LLMRouting`, Reward
 
@@ -61,6 +62,21 @@ class LLMRoutingState:
     slo_output: jax.Array
 
 
+@struct.dataclass
+class PrefixRoutingParams(common.ServingParams):
+    """`ServingParams` of LLMPrefixRouting-v0: a replayed trace with prefix identity.
+
+    Attributes (beyond `ServingParams`'s):
+      node: `(L,)` deepest prefix-tree node of each trace row (`traces.prefix.PrefixTrace.
+        node`; -1: no shared block, and every padding row). int32.
+      tables: the trace's prefix tree (`continuous.PrefixTables`; its `block_tokens` and
+        `max_depth` are static, so vmapped params share one tree shape).
+    """
+
+    node: jax.Array
+    tables: CB.PrefixTables
+
+
 @dataclasses.dataclass(frozen=True)
 class LLMRoutingStatic:
     """Static configuration of LLMRouting-v0 (`envs.base.StaticConfig`).
@@ -75,6 +91,11 @@ class LLMRoutingStatic:
         shaping); as Routing-v0's. A Python number because it selects the reward's form.
       reward: "time_in_system" (the default) or "slo" (see `LLMRouting`, Reward). Static
         because the SLO reward keeps a per-request token log.
+      prefix_blocks: 0 (no prefix caching: LLMRouting-v0), or the engine's block-table width
+        `M` (>= every replica's `kv_blocks`): automatic prefix caching on
+        (LLMPrefixRouting-v0; `continuous.empty_replicas(prefix_blocks=M)`), params are
+        `PrefixRoutingParams` and each replica's observation row gains
+        `NUM_PREFIX_FEATURES` features.
     """
 
     num_replicas: int
@@ -84,13 +105,20 @@ class LLMRoutingStatic:
     log_capacity: int = 0
     shaping_gamma: float | None = DEFAULT_SHAPING_GAMMA
     reward: str = "time_in_system"
+    prefix_blocks: int = 0
 
     def __post_init__(self):
         check_sizes(self, positive=("num_replicas", "queue_buffer", "max_seqs"),
-                    nonnegative=("trace_len", "log_capacity"))
+                    nonnegative=("trace_len", "log_capacity", "prefix_blocks"))
         object.__setattr__(self, "shaping_gamma", common.check_shaping_gamma(self.shaping_gamma))
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.prefix_blocks > 0 and self.reward == "slo" and self.log_capacity == 0:
+            # The SLO reward renames requests by reusable log slots, and a private block's
+            # identity is keyed by request id: a later request in the same slot would hit
+            # its predecessor's private blocks.
+            raise ValueError("reward='slo' with prefix_blocks > 0 needs log_capacity > 0 "
+                             "(request ids must stay unique)")
 
     @property
     def slo_slots(self) -> int:
@@ -161,8 +189,25 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
       plus `first_tokens`, `ttft_sum` (s), `preemptions` and `never_fit` drops of the step,
       and `boundaries` (the engine's iteration-boundary passes in the step, a cost counter).
     Static configuration: `LLMRoutingStatic` (`num_replicas`, `queue_buffer`, `max_seqs`,
-      `trace_len`, `log_capacity`, `shaping_gamma`, `reward`); set the last two with
-      `jaxserve.make("LLMRouting-v0", shaping_gamma=..., reward=...)`.
+      `trace_len`, `log_capacity`, `shaping_gamma`, `reward`, `prefix_blocks`); set
+      `shaping_gamma` and `reward` with `jaxserve.make("LLMRouting-v0", shaping_gamma=...,
+      reward=...)`.
+
+    Prefix caching (LLMPrefixRouting-v0, `prefix_blocks > 0`; docs/prefix_caching.md): the
+      replicas run vLLM v1's automatic prefix caching; params are `PrefixRoutingParams`, and
+      the request of trace row `i` carries its prefix-tree node `params.node[i]` (without a
+      trace, -1: nothing shared). Each replica's row gains two features (so it has 9):
+      `[7]` the pending request's prompt tokens cached there now, as a fraction of its prompt
+      (`cached_prefix_blocks * block_size / prompt`, in [0, 1]), and `[8]` cached-unreferenced
+      blocks / kv_blocks (cached blocks no running request holds: free, but evicting them
+      loses their prefix); `[2]` is then the distinct blocks running requests hold
+      / kv_blocks (shared blocks once). `info` adds the window's prefix counters
+      (`continuous.PREFIX_EXTRAS`): `prefix_hit_tokens` (cached tokens at admissions = prefill
+      tokens saved), `prefix_lookup_tokens` (tokens of the admitted requests; the token hit
+      rate of any window is the ratio of the two sums), `prefix_hit_blocks`,
+      `prefix_lookup_blocks`, `prefix_evictions` and `prefix_shared_preemptions`. Replay
+      fixed decisions with `evaluation.replay.replay_prefix` (`jaxserve.replay` takes a
+      plain `Trace`, which has no prefix nodes, and refuses this environment).
     """
 
     Static = LLMRoutingStatic  # static configuration (`env.static`; fields read as attributes)
@@ -174,7 +219,25 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
 
     @property
     def name(self) -> str:
-        return "LLMRouting-v0"
+        return "LLMPrefixRouting-v0" if self.prefix else "LLMRouting-v0"
+
+    @property
+    def prefix(self) -> bool:
+        """Whether the replicas cache prefixes (`prefix_blocks > 0`)."""
+        return self.prefix_blocks > 0
+
+    @property
+    def policy_kind(self) -> str | None:
+        """"prefix_routing" with prefix caching (the registry kind of
+        `policies.prefix_routing`); None otherwise (LLMRouting-v0's heuristics are plain
+        functions, `policies.llm_routing`). Not in `envs.base.POLICY_KINDS`: the evaluation
+        CLIs (`envs.base.policy_kind`) refuse both LLM routing environments, as before."""
+        return "prefix_routing" if self.prefix else None
+
+    @property
+    def num_replica_features(self) -> int:
+        """Observation features per replica: 7, or 9 with prefix caching."""
+        return NUM_REPLICA_FEATURES + (NUM_PREFIX_FEATURES if self.prefix else 0)
 
     @property
     def num_actions(self) -> int:
@@ -182,11 +245,13 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
 
     @property
     def obs_layout(self) -> tuple[int, int, int]:
-        return NUM_REQUEST_FEATURES, self.num_replicas, NUM_REPLICA_FEATURES
+        return NUM_REQUEST_FEATURES, self.num_replicas, self.num_replica_features
 
     def check_params(self, params: common.ServingParams) -> None:
         """Raises ValueError (naming the field) if `params` do not fit this environment."""
         check_llm_params(params, self.num_replicas, self.queue_buffer, self.max_seqs)
+        if self.prefix:
+            check_prefix_params(params, self.prefix_blocks)
 
     def reset_env(self, key, params):
         k_phase, k_req = rng.split(key)
@@ -194,10 +259,13 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         _, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
         slots = self.static.slo_slots
         state = LLMRoutingState(
-            cluster=CB.empty_replicas(self.num_replicas, self.queue_buffer, self.max_seqs,
-                                      with_ids=self.log_capacity > 0 or slots > 0),
+            cluster=CB.empty_replicas(
+                self.num_replicas, self.queue_buffer, self.max_seqs,
+                with_ids=self.log_capacity > 0 or slots > 0 or self.prefix,
+                prefix_blocks=self.prefix_blocks if self.prefix else None),
             pending=req, phase=phase, trace_pos=jnp.int32(0), time=jnp.int32(0),
-            log=CB.empty_log(max(self.log_capacity, slots)), backlog=jnp.float32(0.0),
+            log=CB.empty_log(max(self.log_capacity, slots), prefix=self.prefix),
+            backlog=jnp.float32(0.0),
             horizon=episode_horizon(jax.random.fold_in(key, 3), params),
             slo_busy=jnp.zeros((slots,), jnp.bool_), slo_output=jnp.zeros((slots,), jnp.float32))
         return self.get_obs(state, params), state
@@ -215,11 +283,15 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             log0 = log0.replace(ttft=log0.ttft.at[slot].set(nan, mode="drop"),
                                 e2e=log0.e2e.at[slot].set(nan, mode="drop"))
             routed = routed.replace(req_id=slot)
-        cluster, dropped, never = CB.route(state.cluster, params.gpus, routed, replica)
+        tables = params.tables if self.prefix else None
+        node = pending_node(state, params) if self.prefix else None
+        cluster, dropped, never = CB.route(state.cluster, params.gpus, routed, replica,
+                                           node=node, tables=tables)
         nxt_pos = state.trace_pos + 1
         gap, req, phase, exhausted = common.next_arrival(
             key, params, state.phase, nxt_pos, state.pending.req_id + 1)
-        cluster, metrics, extra, log = CB.advance(cluster, params.gpus, gap, params.slo_s, log0)
+        cluster, metrics, extra, log = CB.advance(cluster, params.gpus, gap, params.slo_s, log0,
+                                                  tables=tables)
         cluster = CB.rebase(cluster, jnp.where(exhausted, 0.0, gap))
         metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
                                   invalid_actions=invalid.astype(jnp.int32))
@@ -250,8 +322,10 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
                                                                        **extra}
 
     def get_obs(self, state, params=None, key=None):
-        return jnp.concatenate([common.request_features(state.pending, params),
-                                replica_features(state.cluster, state.pending, params).ravel()])
+        rows = replica_features(state.cluster, state.pending, params)
+        if self.prefix:
+            rows = jnp.concatenate([rows, prefix_features(state, params)], axis=-1)
+        return jnp.concatenate([common.request_features(state.pending, params), rows.ravel()])
 
     def is_terminated(self, state, params):
         tr = params.trace
@@ -265,11 +339,39 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         return spaces.Discrete(self.num_replicas)
 
     def observation_space(self, params=None):
-        n = NUM_REQUEST_FEATURES + self.num_replicas * NUM_REPLICA_FEATURES
+        n = NUM_REQUEST_FEATURES + self.num_replicas * self.num_replica_features
         return feature_box((n,))
 
     def state_space(self, params=None) -> Any:
-        raise NotImplementedError("LLMRouting-v0 exposes its state as the LLMRoutingState pytree")
+        raise NotImplementedError(f"{self.name} exposes its state as the LLMRoutingState pytree")
+
+
+def pending_node(state: LLMRoutingState, params: PrefixRoutingParams) -> jax.Array:
+    """The pending request's deepest prefix-tree node: `params.node` at its trace row, -1
+    without a trace (synthetic arrivals share nothing). int32."""
+    rows = params.node.shape[0]
+    if rows == 0:
+        return jnp.int32(-1)
+    return params.node[jnp.minimum(state.trace_pos, rows - 1)].astype(jnp.int32)
+
+
+def pending_cached_blocks(state: LLMRoutingState, params: PrefixRoutingParams) -> jax.Array:
+    """Per replica, the pending request's leading prompt blocks cached there now
+    (`continuous.cached_prefix_blocks`): what a cache-aware router learns from the replicas'
+    KV events. `(R,)` int32 blocks of each replica's `block_size`."""
+    return CB.cached_prefix_blocks(state.cluster, params.gpus, params.tables,
+                                   pending_node(state, params), state.pending.prompt)
+
+
+def prefix_features(state: LLMRoutingState, params: PrefixRoutingParams) -> jax.Array:
+    """The per-replica prefix features, `(num_replicas, 2)`: cached fraction of the pending
+    request's prompt, and cached-unreferenced blocks / kv_blocks (see `LLMRouting`)."""
+    prof = params.gpus
+    hit = pending_cached_blocks(state, params) * prof.block_size
+    unref = CB.block_accounting(state.cluster, prof)["cached_unreferenced"]
+    rows = jnp.stack([hit / jnp.maximum(state.pending.prompt, 1.0),
+                      unref / prof.kv_blocks.astype(jnp.float32)], axis=-1)
+    return clip_features(jnp.minimum(rows, 1.0))
 
 
 def slo_attained(ttft, e2e, output, params: common.ServingParams) -> jax.Array:
@@ -330,3 +432,29 @@ def check_llm_params(params: common.ServingParams, num_replicas: int, queue_buff
                           queue_cap=jnp.asarray(prof.queue_cap, jnp.int32), timeout=ones)
     common.validate_params(params.replace(gpus=stand_in), queue_buffer, None, num_replicas)
     common.check_token_headroom(params, prof.block_size, max_seqs)
+
+
+def check_prefix_params(params, prefix_blocks: int) -> None:
+    """Host-side checks of LLMPrefixRouting-v0 params (ValueError naming the field)."""
+    if not isinstance(params, PrefixRoutingParams):
+        raise ValueError(f"params must be PrefixRoutingParams with prefix caching, got "
+                         f"{type(params).__name__}")
+    kv = np.asarray(params.gpus.kv_blocks)
+    if np.any(kv > prefix_blocks):
+        raise ValueError(f"params.gpus.kv_blocks {kv} exceeds the static prefix_blocks "
+                         f"({prefix_blocks}); rebuild the environment with a larger one")
+    tab = params.tables
+    if not isinstance(tab, CB.PrefixTables):
+        raise ValueError("params.tables must be continuous.PrefixTables")
+    bs = np.asarray(params.gpus.block_size)
+    if np.any(tab.block_tokens % bs):
+        raise ValueError(f"params.tables.block_tokens ({tab.block_tokens}) must be a multiple "
+                         f"of every replica's block_size, got {bs.tolist()}")
+    node = np.asarray(params.node)
+    rows = np.shape(params.trace.gap)[-1]
+    if node.shape[-1:] != (rows,) or not np.issubdtype(node.dtype, np.integer):
+        raise ValueError(f"params.node must be ({rows},) integers (one per trace row), got "
+                         f"{node.shape} {node.dtype}")
+    nodes = np.shape(tab.parent)[-1]
+    if np.any((node < -1) | (node >= nodes)):
+        raise ValueError(f"params.node must hold tree nodes in [-1, {nodes})")

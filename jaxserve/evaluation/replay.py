@@ -102,6 +102,10 @@ def replay(env, params, trace: Trace, actions=None, *, policy=None,
     num_gpus = int(getattr(env, "num_gpus", 0))
     if num_gpus < 1 or not hasattr(env, "replace_static"):
         raise ValueError(f"replay needs a jaxserve routing environment, got {env!r}")
+    if getattr(env, "prefix", False):
+        # A plain Trace has no prefix nodes to line up with params.node.
+        raise ValueError("replay does not carry prefix nodes; replay LLMPrefixRouting-v0's "
+                         "decisions with replay_prefix(profiles, prefix_trace, actions)")
     if policy is not None:
         if actions is not None:
             raise ValueError("give replay either actions= or policy=, not both")

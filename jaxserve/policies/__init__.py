@@ -31,6 +31,9 @@ Autoscaling (`autoscaling.py`, Autoscaling-v0): fixed, hpa (Kubernetes HPA on ut
 knative (Knative KPA on concurrency, stable/panic windows), ray_serve (Ray Serve's ongoing-
 requests rule with up/down delays); stateless, their windows recomputed from the env state's
 `history`.
+Prefix routing (`prefix_routing.py`, LLMPrefixRouting-v0, kind "prefix_routing"): the
+production cache-aware routers of /work/shared/ROUTERS.md at their published defaults:
+llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache, session_affinity.
 """
 
 from jaxserve.policies.registry import KINDS, Policy, get, kind_of, names, options, register
@@ -38,6 +41,7 @@ from jaxserve.policies import routing  # noqa: E402  (registers the routing poli
 from jaxserve.policies import batching  # noqa: E402  (registers the batching policies)
 from jaxserve.policies import smdp  # noqa: E402  (registers smdp_optimal)
 from jaxserve.policies import autoscaling  # noqa: E402 (registers the autoscalers)
+from jaxserve.policies import prefix_routing  # noqa: E402 (registers the cache-aware routers)
 from jaxserve.policies.batching import make_static
 from jaxserve.policies.routing import SitaFit, fit_sita
 from jaxserve.policies.smdp import SMDPModel, SMDPSolution, build_model, solve_smdp

@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 from typing import Callable
 
-KINDS = ("routing", "batching", "autoscaling")
+KINDS = ("routing", "batching", "autoscaling", "prefix_routing")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -22,7 +22,8 @@ class Policy:
 
     Attributes:
       name: registry name (or a user label).
-      kind: "routing", "batching" or "autoscaling", the environment family the policy acts in.
+      kind: "routing", "batching", "autoscaling" or "prefix_routing" (LLMPrefixRouting-v0),
+        the environment family the policy acts in.
       fn: the pure JAX function `fn(key, obs, state, params) -> action`.
       info: host-side facts about the policy (fitted thresholds, the SMDP table, a tuning
         grid...). Not used by `fn`.

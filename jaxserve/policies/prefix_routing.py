@@ -1,0 +1,227 @@
+"""Production cache-aware routers for LLMPrefixRouting-v0, at their published defaults.
+
+Same signature as every jaxserve policy: `policy(key, obs, state, params) -> int32 replica`,
+pure JAX, jit- and vmap-safe, registered with kind "prefix_routing" (`policies.get(name)`).
+Each reads only what the real router reads (/work/shared/ROUTERS.md, "Cache-aware routers"):
+
+* the replicas' reported cached blocks of the pending request
+  (`envs.llm_routing.pending_cached_blocks`: the leading prompt blocks held in each
+  replica's cache, referenced or not, as llm-d's precise prefix scorer and Dynamo's KV
+  router learn them from the replicas' KV events; SGLang and AIBrix approximate this with
+  a router-side tree of the prompts they sent, which here is replaced by the exact view);
+* the prompt length, and load counters: waiting and running requests, KV blocks held.
+
+Never output lengths, true or estimated (the rules use none). Where a replica would drop
+the request (queue full, or it can never fit: `policies.llm_routing.would_drop`) it is
+skipped unless every replica would drop it, as in `policies.llm_routing`: a gateway learns
+a full queue from the 429/503 it returns. Ties go to the lowest index (the real routers
+break them at random or by map order); the hand-worked cases in
+tests/test_prefix_routing.py avoid ties where that matters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.core import continuous as CB
+from jaxserve.envs.llm_routing import pending_cached_blocks, pending_node
+from jaxserve.policies.llm_routing import in_system, would_drop
+from jaxserve.policies.registry import Policy, register
+
+KIND = "prefix_routing"
+
+# llm-d inference scheduler: scorer weights of its default profile.
+LLMD_WEIGHTS = {"queue": 2.0, "kv_cache_utilization": 2.0, "prefix_cache": 3.0}
+# NVIDIA Dynamo KV router: overlap weight 1.0, temperature 0 (argmin).
+DYNAMO_OVERLAP_WEIGHT = 1.0
+# SGLang router cache_aware defaults.
+SGLANG_CACHE_THRESHOLD = 0.3
+SGLANG_BALANCE_ABS = 64
+SGLANG_BALANCE_REL = 1.5
+# AIBrix prefix-cache: imbalance guard (absolute) and standard-deviation factor.
+AIBRIX_IMBALANCE_ABS = 8
+AIBRIX_STD_FACTOR = 1.0
+# Consistent hashing: virtual points per replica on the ring.
+RING_POINTS = 40
+
+
+def _open(state, params) -> jax.Array:
+    """Replicas that would accept the request; all of them if none would. `(R,)` bool."""
+    bad = would_drop(state, params)
+    return ~bad | bad.all()
+
+
+def _argmax_open(score, state, params) -> jax.Array:
+    return jnp.argmax(jnp.where(_open(state, params), score, -jnp.inf)).astype(jnp.int32)
+
+
+def _argmin_open(cost, state, params) -> jax.Array:
+    return jnp.argmin(jnp.where(_open(state, params), cost, jnp.inf)).astype(jnp.int32)
+
+
+def prompt_blocks(state, params) -> jax.Array:
+    """Blocks of the pending prompt at each replica's block size, `ceil(p / b)`. `(R,)`
+    float32."""
+    b = params.gpus.block_size.astype(jnp.float32)
+    return jnp.ceil(state.pending.prompt / b)
+
+
+def cached_fraction(state, params) -> jax.Array:
+    """Cached tokens of the pending prompt at each replica over its prompt tokens, in
+    [0, 1]. `(R,)` float32."""
+    hit = pending_cached_blocks(state, params) * params.gpus.block_size
+    return jnp.minimum(hit / jnp.maximum(state.pending.prompt, 1.0), 1.0)
+
+
+def llmd_scorers(key, obs, state, params):
+    """llm-d inference scheduler (EPP), weighted scorers, argmax of
+    `2 * queue + 2 * kv_cache_utilization + 3 * prefix_cache`.
+
+    Source (ROUTERS.md): llm-d/llm-d-inference-scheduler `config/charts/epplib/templates/
+    _config.yaml` (weights queue 2, kv-cache-utilization 2, prefix-cache 3) and
+    `pkg/epp/framework/plugins/scheduling/scorer/*/README.md` (each scorer's formula);
+    version: not recorded in ROUTERS.md. Scorers: queue `(max - q) / (max - min)` with `q`
+    the replica's waiting requests (vLLM's `num_requests_waiting`, preempted ones
+    included; 1 for every replica when all are equal), KV cache `1 - held / kv_blocks`
+    (vLLM's usage counts cached-unreferenced blocks as free), prefix cache `matched /
+    total` blocks of the prompt (the precise scorer's view).
+    """
+    q = state.cluster.queues.count.astype(jnp.float32)
+    lo, hi = q.min(), q.max()
+    queue = jnp.where(hi > lo, (hi - q) / jnp.maximum(hi - lo, 1.0), 1.0)
+    kv = 1.0 - CB.kv_used(state.cluster, params.gpus) / params.gpus.kv_blocks
+    prefix = pending_cached_blocks(state, params) / jnp.maximum(prompt_blocks(state, params), 1.0)
+    w = LLMD_WEIGHTS
+    score = w["queue"] * queue + w["kv_cache_utilization"] * kv + w["prefix_cache"] * prefix
+    return _argmax_open(score, state, params)
+
+
+def dynamo_kv(key, obs, state, params):
+    """NVIDIA Dynamo KV router at temperature 0: argmin of `1.0 * prefill_blocks +
+    active_blocks`, `prefill_blocks` the prompt's blocks not cached at the replica
+    (`ceil(p / b) - cached`), `active_blocks` the blocks its running requests hold.
+
+    Source (ROUTERS.md): Dynamo docs "components/router", version 0.4 (overlap weight 1.0,
+    temperature 0 = argmin; later releases name the weight "overlap credit").
+    """
+    prefill = prompt_blocks(state, params) - pending_cached_blocks(state, params)
+    active = CB.kv_used(state.cluster, params.gpus)
+    return _argmin_open(DYNAMO_OVERLAP_WEIGHT * prefill + active, state, params)
+
+
+def sglang_cache_aware(key, obs, state, params):
+    """SGLang router `cache_aware`: if the load is imbalanced (`max - min > 64` and `max >
+    1.5 * min`, load = in-flight requests, waiting plus running), the least loaded replica;
+    else, if the best cached fraction of the prompt exceeds 0.3, the replica with the
+    longest match; else the one with the "smallest tree", read here as the most free KV
+    blocks (`kv_blocks - held`).
+
+    Source (ROUTERS.md): sgl-project/sglang `sgl-router/py_src/sglang_router/router_args.py`
+    (cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5) and the Rust
+    router's cache-aware policy header comment; version: current defaults as recorded in
+    ROUTERS.md (older releases: 0.5 / 32 / 1.0001). The router's approximate radix tree and
+    its LRU eviction are replaced by the replicas' actual caches.
+    """
+    ok = _open(state, params)
+    load = in_system(state).astype(jnp.float32)
+    lo = jnp.where(ok, load, jnp.inf).min()
+    hi = jnp.where(ok, load, -jnp.inf).max()
+    imbalanced = (hi - lo > SGLANG_BALANCE_ABS) & (hi > SGLANG_BALANCE_REL * lo)
+    frac = cached_fraction(state, params)
+    best = jnp.where(ok, frac, -1.0).max()
+    free = (params.gpus.kv_blocks - CB.kv_used(state.cluster, params.gpus)).astype(jnp.float32)
+    least = _argmin_open(load, state, params)
+    longest = _argmax_open(frac, state, params)
+    roomiest = _argmax_open(free, state, params)
+    cached = jnp.where(best > SGLANG_CACHE_THRESHOLD, longest, roomiest)
+    return jnp.where(imbalanced, least, cached).astype(jnp.int32)
+
+
+def aibrix_prefix_cache(key, obs, state, params):
+    """AIBrix gateway `prefix-cache`: if the request counts are imbalanced (`max - min >
+    8`), the least-request replica; else, among replicas holding a prefix of the prompt,
+    the longest match, ties to fewer requests, skipping replicas with more than `mean + 1 *
+    std` requests (population std over replicas); with no such replica, the least-request
+    one. Requests = in flight at the replica (waiting plus running).
+
+    Source (ROUTERS.md): vllm-project/aibrix `pkg/plugins/gateway/algorithms/
+    prefix_cache.go` (imbalance abs 8, standard-deviation factor 1), strategies list in
+    `docs/source/features/gateway-plugins.rst`; version: as recorded in ROUTERS.md. (The
+    file at commit 01de8a5 gates on `max > 2.0 * (mean + 1)` and `max - min >= 8` instead;
+    this implements ROUTERS.md's published rule.)
+    """
+    ok = _open(state, params)
+    load = in_system(state).astype(jnp.float32)
+    imbalanced = load.max() - load.min() > AIBRIX_IMBALANCE_ABS
+    frac = cached_fraction(state, params)
+    within = load <= load.mean() + AIBRIX_STD_FACTOR * load.std()
+    eligible = ok & (frac > 0) & within
+    top = jnp.where(eligible, frac, -1.0).max()
+    pick = jnp.argmin(jnp.where(eligible & (frac == top), load, jnp.inf)).astype(jnp.int32)
+    least = _argmin_open(load, state, params)
+    return jnp.where(imbalanced | ~eligible.any(), least, pick).astype(jnp.int32)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash (the murmur3 finaliser), uint32 -> uint32."""
+    x = x.astype(jnp.uint32)
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def root_node(tables: CB.PrefixTables, node) -> jax.Array:
+    """The depth-1 ancestor of a prefix-tree node (its first hash block), -1 for -1."""
+    def up(_, cur):
+        par = tables.parent[jnp.maximum(cur, 0)]
+        return jnp.where((cur >= 0) & (par >= 0), par, cur)
+
+    return jax.lax.fori_loop(0, tables.max_depth, up, jnp.asarray(node, jnp.int32))
+
+
+def ring_replica(key_hash: jax.Array, num_replicas: int) -> jax.Array:
+    """Consistent-hash ring of `RING_POINTS` points per replica: the replica owning the
+    first point at or after `key_hash` (wrapping). int32."""
+    r = jnp.repeat(jnp.arange(num_replicas, dtype=jnp.uint32), RING_POINTS)
+    v = jnp.tile(jnp.arange(RING_POINTS, dtype=jnp.uint32), num_replicas)
+    points = _mix32(_mix32(r * jnp.uint32(1000003) + v) + jnp.uint32(0x9E3779B9))
+    after = points >= key_hash
+    cand = after | ~after.any()  # no point after the key: wrap to the ring's start
+    return r[jnp.lexsort((points, ~cand))[0]].astype(jnp.int32)
+
+
+def session_affinity(key, obs, state, params):
+    """vLLM production stack `session` router: a consistent-hash ring keyed on the
+    request's session; here the key is the root node of its prefix path (its first hash
+    block: the system prompt in the synthetic workload, the conversation's first block in
+    Mooncake). A request without a prefix node, or whose ring replica would drop it, goes
+    to the replica with the fewest requests (the stack falls back to the lowest QPS, which
+    it counts over a window; requests in flight stand in for it here).
+
+    Source (ROUTERS.md): vllm-project/production-stack
+    `src/vllm_router/routers/routing_logic.py` (`session`: hash ring on a session key,
+    falls back to lowest QPS); version: as recorded in ROUTERS.md. The ring's hash is a
+    32-bit murmur3 finaliser with 40 points per replica, not the stack's library hash.
+    """
+    root = root_node(params.tables, pending_node(state, params))
+    target = ring_replica(_mix32(root.astype(jnp.uint32)), state.cluster.num_replicas)
+    fallback = _argmin_open(in_system(state), state, params)
+    use_ring = (root >= 0) & _open(state, params)[target]
+    return jnp.where(use_ring, target, fallback).astype(jnp.int32)
+
+
+POLICIES = {"llmd_scorers": llmd_scorers, "dynamo_kv": dynamo_kv,
+            "sglang_cache_aware": sglang_cache_aware,
+            "aibrix_prefix_cache": aibrix_prefix_cache, "session_affinity": session_affinity}
+
+
+def _register(name, fn):
+    def factory(env=None, params=None):
+        return Policy(name=name, kind=KIND, fn=fn)
+    factory.__doc__ = (fn.__doc__ or "").split("\n\n")[0]
+    register(name, KIND, factory, scenario_free=True)
+
+
+for _name, _fn in POLICIES.items():
+    _register(_name, _fn)

@@ -1,0 +1,484 @@
+"""LLMPrefixRouting-v0 (LLMRouting-v0 with automatic prefix caching) and its production
+cache-aware routers (`policies.prefix_routing`).
+
+Tiny scenarios keep compilation and steps cheap: two replicas of 40 blocks x 16 tokens with
+4 running and 4 waiting slots, and a 32-request shared-prefix trace with 64-token hash
+blocks whose sessions overlap, so prefixes are hit, blocks evicted and requests preempted.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxserve
+from jaxserve import policies as P
+from jaxserve.core import continuous as CB
+from jaxserve.envs.base import FEATURE_CLIP, with_static
+from jaxserve.envs.llm_routing import PrefixRoutingParams, pending_cached_blocks
+from jaxserve.envs.registry import make_llm_prefix_routing
+from jaxserve.policies import prefix_routing as PR
+from jaxserve.traces.prefix import PrefixTrace, PrefixTree
+from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
+
+CFG = SharedPrefixConfig(session_rate=2.0, block_tokens=64, system_tokens=128,
+                         first_user_median=200, first_user_sigma=0.8, next_user_median=40,
+                         output_median=24, output_sigma=0.5, max_prompt=448, think_s=1.0,
+                         turns_mean=3.0)
+N = 32
+PT = generate_shared_prefix(N, CFG, seed=0)
+REPS = [jaxserve.replica_profile("opt13b-a100-40g", block_size=16, kv_blocks=40, max_seqs=4,
+                                 queue_cap=4)] * 2
+STEPS = 40  # > N: the rollout crosses an episode end (termination and auto-reset)
+
+
+def small(**kw):
+    kw.setdefault("replicas", REPS)
+    kw.setdefault("trace", PT)
+    return make_llm_prefix_routing(**kw)
+
+
+def rollout(env, params, key, actions):
+    """Steps `env` (auto-reset) with the given actions; per step the observation, reward,
+    flags, info and the block accounting / audit of the state after the step."""
+    obs, state = env.reset(key, params)
+
+    def step(state, x):
+        k, a = x
+        obs, state, r, term, trunc, info = env.step(k, state, a, params)
+        acc = (CB.block_accounting(state.cluster, params.gpus)
+               if state.cluster.pc is not None else {})
+        audit = (CB.prefix_audit(state.cluster, params.gpus)
+                 if state.cluster.pc is not None else jnp.ones((env.num_replicas,), bool))
+        return state, (obs, r, term, trunc, info, acc, audit)
+
+    keys = jax.random.split(key, actions.shape[0])
+    return jax.lax.scan(step, state, (keys, actions))
+
+
+run = jax.jit(rollout, static_argnums=(0,))
+ACTIONS = jnp.asarray(np.random.default_rng(0).integers(0, 2, STEPS), jnp.int32)
+
+
+# ------------------------------------------------------------------------------ environment
+
+def test_default_scenario():
+    # Not registered: registered envs must be learnable as they are, and this one is too slow
+    # to train on yet (docs/prefix_caching.md).
+    assert "LLMPrefixRouting-v0" not in jaxserve.registered_envs()
+    env, params = make_llm_prefix_routing()
+    assert env.name == "LLMPrefixRouting-v0" and env.policy_kind == "prefix_routing"
+    assert isinstance(params, PrefixRoutingParams)
+    assert env.num_replicas == 4 and env.prefix_blocks == 79 and env.max_seqs == 16
+    assert env.obs_layout == (3, 4, 9)
+    assert env.observation_space(params).shape == (3 + 4 * 9,)
+    assert int(params.trace.length) == 512 and int(params.max_steps_in_episode) == 512
+    assert np.asarray(params.gpus.block_size).tolist() == [128] * 4
+    # the default workload shares prefixes: some requests sit below the tree's first level
+    depth = np.asarray(params.tables.depth)[np.maximum(np.asarray(params.node), 0)]
+    assert (depth > 1).mean() > 0.5
+    plain, _ = jaxserve.make("LLMRouting-v0")
+    assert plain.name == "LLMRouting-v0" and plain.policy_kind is None and plain.prefix_blocks == 0
+
+
+def test_step_contract_shapes_and_prefix_info():
+    env, params = small()
+    obs0, _ = env.reset(jax.random.PRNGKey(0), params)
+    assert obs0.shape == (3 + 2 * 9,) and env.observation_space(params).contains(obs0)
+    state, (obs, rew, term, trunc, info, acc, audit) = run(env, params, jax.random.PRNGKey(0),
+                                                           ACTIONS)
+    assert obs.dtype == jnp.float32 and rew.dtype == jnp.float32
+    assert term.dtype == jnp.bool_ and trunc.dtype == jnp.bool_
+    assert info["final_observation"].shape == obs.shape
+    assert all(env.observation_space(params).contains(o) for o in obs)
+    # The trace ends after N decisions: terminated there (the step drains), then auto-reset.
+    assert np.flatnonzero(np.asarray(term)).tolist() == [N - 1]
+    assert int(state.time) == STEPS - N
+    for k in CB.PREFIX_EXTRAS:
+        assert k in info and info[k].dtype == jnp.int32
+    hit, look = int(info["prefix_hit_tokens"].sum()), int(info["prefix_lookup_tokens"].sum())
+    assert 0 < hit < look  # prefixes are hit, and not every token
+    assert int(info["prefix_evictions"].sum()) > 0
+    # the prefix features: fractions in [0, 1], the hit fraction positive somewhere
+    rows = np.asarray(obs)[:, 3:].reshape(STEPS, 2, 9)
+    assert rows[:, :, 7:].min() >= 0.0 and rows[:, :, 7:].max() <= 1.0
+    assert rows[:, :, 7].max() > 0.0 and rows[:, :, 8].max() > 0.0
+
+
+def test_block_conservation_and_audit_every_step():
+    """fresh + cached_unreferenced + held = kv_blocks after every step, and the pool passes
+    `prefix_audit` (reference counts rebuilt from the block tables, etc.)."""
+    env, params = small()
+    _, (*_, acc, audit) = run(env, params, jax.random.PRNGKey(0), ACTIONS)
+    total = acc["fresh"] + acc["cached_unreferenced"] + acc["held"]
+    np.testing.assert_array_equal(total, np.broadcast_to(np.asarray(params.gpus.kv_blocks),
+                                                         total.shape))
+    assert bool(np.asarray(audit).all())
+    assert int(np.asarray(acc["cached_unreferenced"]).max()) > 0
+
+
+def test_observed_hit_equals_engine_lookup_at_admission():
+    """The hit-fraction feature is what the engine then hits: routed to an idle replica, the
+    request's cached tokens at admission (`log.cached_first`) equal the feature's
+    `cached_prefix_blocks * block_size` whenever that is below the prompt (the admission
+    cap `floor((L - 1) / b)` only binds for a fully shared prompt)."""
+    env, params = small()
+    env_l = with_static(env, log_capacity=N)
+    obs, state = env_l.reset_env(jax.random.PRNGKey(0), params)
+    step = jax.jit(env_l.step_env)
+    seen = 0
+    for i in range(12):
+        hits = np.asarray(pending_cached_blocks(state, params)) * 16
+        idle = np.asarray(state.cluster.queues.count + state.cluster.run.count) == 0
+        a = int(np.argmax(idle)) if idle.any() else i % 2
+        prompt = int(state.pending.prompt)
+        obs, state, *_ = step(jax.random.PRNGKey(i), state, jnp.int32(a), params)
+        if idle.any() and hits[a] < prompt:
+            assert int(state.log.cached_first[i]) == hits[a], i
+            seen += hits[a] > 0
+    assert seen > 0
+
+
+def test_vmap_over_envs_and_params_equals_loop():
+    env, params = small()
+    scale = jnp.asarray([1.0, 0.5], jnp.float32)
+    batch = jax.vmap(lambda s: params.replace(
+        trace=params.trace.replace(gap=params.trace.gap * s),
+        latency_scale=params.latency_scale * s))(scale)
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    acts = jnp.stack([ACTIONS, 1 - ACTIONS])
+    state, out = jax.jit(jax.vmap(rollout, in_axes=(None, 0, 0, 0)), static_argnums=(0,))(
+        env, batch, keys, acts)
+    for i in range(2):
+        lane = jax.tree.map(lambda x: x[i], batch)
+        single = run(env, lane, keys[i], acts[i])
+        one = jax.tree.map(lambda x: x[i], (state, out))
+        for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(single)):
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                # XLA:CPU may round exp/log differently in the last bit under vmap.
+                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+            else:
+                np.testing.assert_array_equal(x, y)
+
+
+def test_ten_times_load_finite():
+    env, params = small()
+    params = params.replace(trace=params.trace.replace(gap=params.trace.gap * 0.1))
+    _, (obs, rew, term, trunc, info, acc, audit) = run(env, params, jax.random.PRNGKey(2),
+                                                       ACTIONS)
+    for leaf in jax.tree.leaves((obs, rew, info)):
+        assert np.all(np.isfinite(np.asarray(leaf, np.float64)))
+    obs = np.asarray(obs)
+    assert obs.min() >= 0.0 and obs.max() <= FEATURE_CLIP
+    assert bool(np.asarray(audit).all())
+    assert int(info["dropped"].sum()) + int(info["preemptions"].sum()) > 0  # overloaded
+
+
+def _plain_twin():
+    """LLMRouting-v0 on the same replicas, stream and scalars as `small()`."""
+    env, params = small()
+    kw = dict(tokens=params.tokens, estimate_mode=int(params.estimate_mode),
+              estimate_noise=float(params.estimate_noise), slo_s=float(params.slo_s),
+              max_steps_in_episode=int(params.max_steps_in_episode))
+    return jaxserve.make("LLMRouting-v0", replicas=REPS, trace=PT.trace, **kw)
+
+
+def test_caching_off_equals_llm_routing_exactly():
+    env_off, p_off = small(caching=False)
+    assert env_off.prefix_blocks == 0 and env_off.name == "LLMRouting-v0"
+    env_p, p_p = _plain_twin()
+    a = run(env_off, p_off, jax.random.PRNGKey(3), ACTIONS)
+    b = run(env_p, p_p, jax.random.PRNGKey(3), ACTIONS)
+    chex.assert_trees_all_equal(a[1][:5], b[1][:5])
+
+
+def test_caching_on_without_sharing_or_preemption_equals_llm_routing():
+    """With every node -1 (nothing shared) and a light load (no preemption: a preempted
+    request may rehit its own blocks, which plain LLMRouting-v0 does not model), the cached
+    engine's latencies, drops and rewards equal LLMRouting-v0's on the same stream."""
+    env, params = small()
+    params = params.replace(node=jnp.full_like(params.node, -1),
+                            trace=params.trace.replace(gap=params.trace.gap * 4.0))
+    env_p, p_p = _plain_twin()
+    p_p = p_p.replace(trace=p_p.trace.replace(gap=p_p.trace.gap * 4.0))
+    _, (o1, r1, t1, _, i1, _, _) = run(env, params, jax.random.PRNGKey(4), ACTIONS)
+    _, (o2, r2, t2, _, i2, _, _) = run(env_p, p_p, jax.random.PRNGKey(4), ACTIONS)
+    assert int(i1["preemptions"].sum()) == 0 and int(i1["prefix_hit_tokens"].sum()) == 0
+    np.testing.assert_array_equal(t1, t2)
+    for k in ("dropped", "completed", "first_tokens", "preemptions"):
+        np.testing.assert_array_equal(i1[k], i2[k], err_msg=k)
+    for k in ("in_system_time", "ttft_sum"):
+        np.testing.assert_allclose(i1[k], i2[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(r1, r2, rtol=1e-5, atol=1e-7)
+    # the shared features are the same; the prefix ones are 0 (hit) without sharing
+    rows = np.asarray(o1)[:, 3:].reshape(STEPS, 2, 9)
+    np.testing.assert_allclose(rows[:, :, :7], np.asarray(o2)[:, 3:].reshape(STEPS, 2, 7),
+                               rtol=1e-5, atol=1e-6)
+    assert rows[:, :, 7].max() == 0.0
+
+
+def test_replayed_cached_tokens_equal_replay_prefix():
+    """Stepping the environment through the whole trace with fixed actions gives every
+    request the cached tokens (first admission and summed over readmissions) that
+    `jaxserve.replay_prefix` computes for the same routing."""
+    env, params = small()
+    env_l = with_static(env, log_capacity=N)
+    acts = ACTIONS[:N]
+
+    @jax.jit
+    def episode(params):
+        _, state = env_l.reset_env(jax.random.PRNGKey(0), params)
+
+        def f(state, x):
+            k, a = x
+            _, state, _, term, info = env_l.step_env(k, state, a, params)
+            return state, (term, info["dropped"])
+
+        return jax.lax.scan(f, state, (jax.random.split(jax.random.PRNGKey(5), N), acts))
+
+    state, (term, dropped) = episode(params)
+    assert bool(term[-1]) and not bool(term[:-1].any())
+    ref = jaxserve.replay_prefix(REPS, PT, np.asarray(acts), queue_buffer=4)
+    np.testing.assert_array_equal(np.asarray(dropped), ref["dropped"])
+    got = np.maximum(np.asarray(state.log.cached_first), 0)
+    np.testing.assert_array_equal(got, ref["cached_tokens"])
+    np.testing.assert_array_equal(np.asarray(state.log.cached_total), ref["cached_tokens_total"])
+    assert ref["cached_tokens"].sum() > 0 and (ref["cached_tokens_total"]
+                                               > ref["cached_tokens"]).any()  # readmissions
+    np.testing.assert_allclose(np.asarray(state.log.e2e), ref["finish"] - ref["arrival"],
+                               rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(trace=PT.trace), "PrefixTrace"),
+    (dict(reward="slo"), "log_capacity"),
+    (dict(arrival_rate=3.0), "arrival_rate"),
+    (dict(trace=PT.replace(node=PT.node[:-1])), "trace.node"),
+    (dict(replicas=[REPS[0].replace(block_size=48)] * 2), "block_size"),
+])
+def test_bad_config_raises_naming_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        small(**bad)
+
+
+def test_bad_params_raise_naming_field():
+    env, params = small()
+    with pytest.raises(ValueError, match="replay_prefix"):
+        jaxserve.replay(env, params, PT.trace, actions=np.zeros(N, np.int64))
+    with pytest.raises(ValueError, match="params.node"):
+        env.check_params(params.replace(node=params.node.at[0].set(10 ** 6)))
+    with pytest.raises(ValueError, match="prefix_blocks"):
+        env.check_params(params.replace(gpus=params.gpus.replace(
+            kv_blocks=params.gpus.kv_blocks + 1)))
+
+
+# ------------------------------------------------------------------------------ heuristics
+# Hand states: 4 replicas of 32 blocks x 16 tokens, a prefix tree that is one chain of four
+# 64-token hash blocks (nodes 0 -> 1 -> 2 -> 3), and a pending 256-token prompt at node 3, so
+# its 16 KV blocks are all shared and block j's identity is `(-1, j)` (node j // 4, offset
+# j % 4). A replica "caches c blocks" when its blocks 0..c-1 carry identities 0..c-1, and
+# "holds h blocks" when blocks 0..h-1 have ref 1. Queues are wide (cap 128) so that no
+# replica drops the request and SGLang's 64-request imbalance can be built.
+
+HAND_REPS = [jaxserve.ReplicaProfile(kv_blocks=32, block_size=16, max_seqs=4, queue_cap=128)] * 4
+HAND_PT = PrefixTrace(
+    trace=jaxserve.Trace(np.array([0.0, 1.0]), np.array([256, 256]), np.array([8, 8])),
+    node=np.array([3, -1]), full_blocks=np.array([4, 4]),
+    tree=PrefixTree(parent=np.array([-1, 0, 1, 2]), depth=np.array([1, 2, 3, 4]),
+                    hash_id=np.arange(4), block_tokens=64))
+
+
+@pytest.fixture(scope="module")
+def hand():
+    env, params = make_llm_prefix_routing(replicas=HAND_REPS, trace=HAND_PT)
+    _, state = env.reset(jax.random.PRNGKey(0), params)
+    return env, params, state
+
+
+def hand_state(state, cached, held, waiting, running, row=0):
+    """`state` with per-replica cached prefix blocks, held blocks, waiting and running
+    counts as given, the pending request being trace row `row`."""
+    c = state.cluster
+    m = c.pc.ref.shape[-1]
+    j = np.arange(m)[None, :]
+    cached, held = np.asarray(cached)[:, None], np.asarray(held)[:, None]
+    pc = c.pc.replace(cached=jnp.asarray(j < cached), owner=jnp.full((4, m), -1, jnp.int32),
+                      code=jnp.asarray(np.broadcast_to(j, (4, m)), jnp.int32),
+                      born=jnp.asarray(np.broadcast_to(j, (4, m)), jnp.int32),
+                      ref=jnp.asarray(j < held, jnp.int32))
+    c = c.replace(pc=pc, queues=c.queues.replace(count=jnp.asarray(waiting, jnp.int32)),
+                  run=c.run.replace(count=jnp.asarray(running, jnp.int32)))
+    return state.replace(cluster=c, trace_pos=jnp.int32(row))
+
+
+def act(name, state, params):
+    return int(P.get(name)(jax.random.PRNGKey(0), None, state, params))
+
+
+def test_hand_llmd_and_dynamo(hand):
+    env, params, s0 = hand
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[0, 2, 1, 3],
+                    running=[1, 1, 1, 1])
+    np.testing.assert_array_equal(pending_cached_blocks(st, params), [8, 4, 0, 12])
+    # llm-d: queue (3 - q) / 3 = [1, 1/3, 2/3, 0]; kv 1 - held / 32 = [.75, .9375, 1, .25];
+    # prefix cached / 16 = [.5, .25, 0, .75]; 2 q + 2 kv + 3 p = [5.0, 3.29, 3.33, 2.75].
+    assert act("llmd_scorers", st, params) == 0
+    # Dynamo: (16 - cached) + held = [16, 14, 16, 28].
+    assert act("dynamo_kv", st, params) == 1
+    # With equal waiting counts the queue scorer gives 1 everywhere: [5, 4.625, 4, 4.75].
+    st2 = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[2, 2, 2, 2],
+                     running=[1, 1, 1, 1])
+    assert act("llmd_scorers", st2, params) == 0
+    # A fuller replica 0 (held 30: kv .0625) drops to 3.625; replica 3 (4.75) wins.
+    st3 = hand_state(s0, cached=[8, 4, 0, 12], held=[30, 2, 0, 24], waiting=[2, 2, 2, 2],
+                     running=[1, 1, 1, 1])
+    assert act("llmd_scorers", st3, params) == 3
+
+
+def test_hand_sglang(hand):
+    env, params, s0 = hand
+    # Balanced (max - min = 3): the longest match 12 / 16 = .75 > .3 wins.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[0, 2, 1, 3],
+                    running=[1, 1, 1, 1])
+    assert act("sglang_cache_aware", st, params) == 3
+    # Best match 4 / 16 = .25 <= .3: the most free blocks (32 - held = [24, 30, 32, 8]).
+    st = hand_state(s0, cached=[4, 0, 0, 4], held=[8, 2, 0, 24], waiting=[0, 2, 1, 3],
+                    running=[1, 1, 1, 1])
+    assert act("sglang_cache_aware", st, params) == 2
+    # Loads [71, 4, 6, 8]: 67 > 64 and 71 > 1.5 * 4: the least loaded, whatever is cached.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[70, 3, 5, 7],
+                    running=[1, 1, 1, 1])
+    assert act("sglang_cache_aware", st, params) == 1
+    # Loads [61, 4, 6, 8]: 57 <= 64, balanced by SGLang's rule: the longest match.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[60, 3, 5, 7],
+                    running=[1, 1, 1, 1])
+    assert act("sglang_cache_aware", st, params) == 3
+
+
+def test_hand_aibrix(hand):
+    env, params, s0 = hand
+    # Loads [2, 3, 1, 9]: max - min = 8, not > 8. mean 3.75, std 3.11: replica 3 (9 > 6.86)
+    # is skipped despite the longest match; next longest is replica 0 (8 blocks).
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 8],
+                    running=[1, 1, 1, 1])
+    assert act("aibrix_prefix_cache", st, params) == 0
+    # Loads [2, 3, 1, 4] (mean 2.5, std 1.12, thr 3.62): replica 3 (4) is skipped again.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 2],
+                    running=[1, 1, 1, 2])
+    assert act("aibrix_prefix_cache", st, params) == 0
+    # Loads [2, 3, 1, 3] (mean 2.25, std .83, thr 3.08): replica 3 is within: longest match.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 2],
+                    running=[1, 1, 1, 1])
+    assert act("aibrix_prefix_cache", st, params) == 3
+    # Loads [2, 3, 1, 10]: 9 > 8, imbalanced: least request (replica 2).
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 9],
+                    running=[1, 1, 1, 1])
+    assert act("aibrix_prefix_cache", st, params) == 2
+    # Nothing cached anywhere: least request.
+    st = hand_state(s0, cached=[0, 0, 0, 0], held=[8, 2, 0, 24], waiting=[1, 2, 0, 2],
+                    running=[1, 1, 1, 1])
+    assert act("aibrix_prefix_cache", st, params) == 2
+
+
+def _mix32_np(x):
+    x = np.uint64(x) & np.uint64(0xFFFFFFFF)
+    m = np.uint64(0xFFFFFFFF)
+    x = ((x ^ (x >> np.uint64(16))) * np.uint64(0x85EBCA6B)) & m
+    x = ((x ^ (x >> np.uint64(13))) * np.uint64(0xC2B2AE35)) & m
+    return x ^ (x >> np.uint64(16))
+
+
+def _ring_np(key_hash, n):
+    pts = sorted((int(_mix32_np((int(_mix32_np(r * 1000003 + v)) + 0x9E3779B9) & 0xFFFFFFFF)), r)
+                 for r in range(n) for v in range(PR.RING_POINTS))
+    for p, r in pts:
+        if p >= key_hash:
+            return r
+    return pts[0][1]
+
+
+def test_hand_session_affinity(hand):
+    env, params, s0 = hand
+    # The request's root node is 0 (parent chain 3 -> 2 -> 1 -> 0); its ring replica is the
+    # owner of the first ring point at or after hash(0), computed here independently.
+    assert int(PR.root_node(params.tables, jnp.int32(3))) == 0
+    want = _ring_np(int(_mix32_np(0)), 4)
+    for loads in ([0, 0, 0, 0], [3, 0, 5, 1], [1, 4, 2, 0]):
+        st = hand_state(s0, cached=[0, 0, 0, 0], held=[0, 0, 0, 0], waiting=loads,
+                        running=[0, 0, 0, 0])
+        assert act("session_affinity", st, params) == want  # sticky whatever the load
+    for key in (1, 7, 12345, 2 ** 31):
+        assert int(PR.ring_replica(PR._mix32(jnp.uint32(key)), 4)) == _ring_np(
+            int(_mix32_np(key)), 4)
+    # No prefix node (row 1): the fewest requests.
+    st = hand_state(s0, cached=[0, 0, 0, 0], held=[0, 0, 0, 0], waiting=[3, 0, 5, 1],
+                    running=[1, 1, 0, 1], row=1)
+    assert act("session_affinity", st, params) == 1
+
+
+def test_heuristics_in_env_never_read_output_lengths():
+    """Every registered prefix router drives the environment under jit (finite rewards) and
+    picks the same replicas when the true output lengths of the pending, waiting and
+    running requests are scrambled (estimates are a router's to read; these use none)."""
+    env, params = small()
+
+    def states(params):
+        _, state = env.reset(jax.random.PRNGKey(0), params)
+
+        def f(state, x):
+            k, a = x
+            _, nxt, *_ = env.step(k, state, a, params)
+            return nxt, state
+
+        return jax.lax.scan(f, state, (jax.random.split(jax.random.PRNGKey(0), STEPS),
+                                       ACTIONS))[1]
+
+    sts = jax.jit(states)(params)
+
+    def scramble(st, k):
+        k1, k2, k3 = jax.random.split(k, 3)
+        c = st.cluster
+        rnd = lambda kk, x: jax.random.randint(kk, x.shape, 1, 5000).astype(x.dtype)  # noqa
+        c = c.replace(queues=c.queues.replace(output=rnd(k1, c.queues.output)),
+                      run=c.run.replace(output=rnd(k2, c.run.output)))
+        return st.replace(cluster=c, pending=st.pending.replace(
+            output=rnd(k3, st.pending.output)))
+
+    scr = jax.vmap(scramble)(sts, jax.random.split(jax.random.PRNGKey(9), STEPS))
+    for name in P.names("prefix_routing"):
+        pol = P.get(name)
+        f = jax.jit(jax.vmap(lambda s: pol(jax.random.PRNGKey(0), None, s, params)))
+        a, b = np.asarray(f(sts)), np.asarray(f(scr))
+        np.testing.assert_array_equal(a, b, err_msg=name)
+        assert set(a.tolist()) <= {0, 1}
+    # and one of them drives a whole episode
+    pol = P.get("dynamo_kv")
+
+    @jax.jit
+    def drive(params):
+        obs, state = env.reset(jax.random.PRNGKey(0), params)
+
+        def f(c, k):
+            obs, state = c
+            a = pol(k, obs, state, params)
+            obs, state, r, *_ = env.step(k, state, a, params)
+            return (obs, state), r
+
+        return jax.lax.scan(f, (obs, state), jax.random.split(jax.random.PRNGKey(1), N))[1]
+
+    assert np.all(np.isfinite(np.asarray(drive(params))))
+
+
+MOONCAKE = "/work/shared/traces/mooncake_2025/conversation_trace.jsonl.gz"
+
+
+@pytest.mark.skipif(not __import__("os").path.exists(MOONCAKE), reason="Mooncake trace absent")
+def test_mooncake_path_builds_params():
+    """`trace=` a Mooncake file: one param row and one prefix node per request, the tree's
+    512-token blocks, and the request features' scale covering its longest prompt."""
+    env, params = make_llm_prefix_routing(trace=MOONCAKE)
+    n = int(params.trace.length)
+    assert n == 12031 and params.node.shape == (n,) and int(params.max_steps_in_episode) == n
+    assert params.tables.block_tokens == 512 and params.tables.parent.shape[0] == 182_790
+    assert float(params.tokens.max_prompt) >= float(params.trace.prompt.max())
