@@ -27,7 +27,7 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
   python -m scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
-      # LLMPrefixRouting-v0's registered scenario, caching on and off (same process)
+      # LLMPrefixRouting-v0's default scenario, caching on and off (same process)
 """
 
 from __future__ import annotations
@@ -635,7 +635,7 @@ def prefix_bench(counts, steps, repeats):
 
 
 def prefix_env_bench(counts, steps, repeats):
-    """env-steps/s of LLMPrefixRouting-v0's registered scenario (random actions, from reset,
+    """env-steps/s of LLMPrefixRouting-v0's default scenario (random actions, from reset,
     auto-reset on), with prefix caching and without it (`caching=False`: the same replicas
     and trace on LLMRouting-v0's engine), measured in one process, plus state bytes."""
     import jaxserve
@@ -675,7 +675,7 @@ def main(argv=None):
     ap.add_argument("--prefix", action="store_true",
                     help="only the continuous engine with/without prefix caching")
     ap.add_argument("--prefix-env", action="store_true",
-                    help="only LLMPrefixRouting-v0's registered scenario, caching on/off")
+                    help="only LLMPrefixRouting-v0's default scenario, caching on/off")
     ap.add_argument("--trace", action="store_true",
                     help="only trace Routing-v0's step per XLA op (jax.profiler)")
     ap.add_argument("--top", type=int, default=25, help="ops listed per env count (--trace)")

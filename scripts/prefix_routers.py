@@ -1,6 +1,6 @@
 """The production cache-aware routers (and three load-only baselines) on LLMPrefixRouting-v0.
 
-Each router routes one episode of the registered scenario (the whole 512-request synthetic
+Each router routes one episode of the default scenario (the whole 512-request synthetic
 trace, drained at its end); all routers run as lanes of one vmapped program (`lax.switch`
 over the router index). Reported per router: mean time in system per request (s, the
 episode's integral of requests present over the trace's requests), mean time to first
