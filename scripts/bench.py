@@ -694,18 +694,13 @@ def main(argv=None):
            "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
            "command": " ".join(["python -m scripts.bench", *(sys.argv[1:] if argv is None
                                                              else argv)]), "results": {}}
-    if args.prefix_env:
-        res["prefix_env"] = prefix_env_bench(counts, steps, repeats)
-        res["load_average_end"] = os.getloadavg()
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=2))
-        return res
-    if args.prefix:
-        res["prefix"] = prefix_bench(counts, steps, repeats)
-        res["load_average_end"] = os.getloadavg()
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=2))
-        return res
+    for flag, bench in (("prefix_env", prefix_env_bench), ("prefix", prefix_bench)):
+        if getattr(args, flag):  # a mode of its own: only these rows
+            res[flag] = bench(counts, steps, repeats)
+            res["load_average_end"] = os.getloadavg()
+            if args.out:
+                Path(args.out).write_text(json.dumps(res, indent=2))
+            return res
     if args.profile or args.trace:
         if args.profile and args.profile_env == "LLMRouting-v0":
             res["profile"] = profile_llm(counts, steps, repeats, warmup)

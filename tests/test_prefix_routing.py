@@ -21,6 +21,7 @@ from jaxserve.envs.registry import make_llm_prefix_routing
 from jaxserve.policies import prefix_routing as PR
 from jaxserve.traces.prefix import PrefixTrace, PrefixTree
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
+from tests.test_env_contract import assert_close_trees
 
 CFG = SharedPrefixConfig(session_rate=2.0, block_tokens=64, system_tokens=128,
                          first_user_median=200, first_user_sigma=0.8, next_user_median=40,
@@ -154,12 +155,7 @@ def test_vmap_over_envs_and_params_equals_loop():
         lane = jax.tree.map(lambda x: x[i], batch)
         single = run(env, lane, keys[i], acts[i])
         one = jax.tree.map(lambda x: x[i], (state, out))
-        for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(single)):
-            if jnp.issubdtype(x.dtype, jnp.floating):
-                # XLA:CPU may round exp/log differently in the last bit under vmap.
-                np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
-            else:
-                np.testing.assert_array_equal(x, y)
+        assert_close_trees(one, single)
 
 
 def test_ten_times_load_finite():
