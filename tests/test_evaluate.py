@@ -186,3 +186,33 @@ def test_cli_writes_csv_json_and_plots(tmp_path, capsys):
     assert (out / "results.csv").read_text().splitlines()[0].startswith("policy,mean_latency")
     for png in ("latency_cdf.png", "class_mix.png"):
         assert (out / png).stat().st_size > 0
+
+
+def test_class_mix_by_phase_splits_requests_by_arrival_phase():
+    """`class_mix_by_phase` is `class_mix` split by each request's arrival phase: in
+    short_bursts the bursts (phase 1) bring short requests only, so no request of a longer
+    class may be counted in phase 1; Poisson arrivals have one phase."""
+    import importlib
+
+    # The module, not the `evaluate` function the package re-exports under the same name.
+    E = importlib.import_module("jaxserve.evaluation.evaluate")
+    env, params = jaxserve.make("Routing-v0", scenario="short_bursts")
+    key = jax.random.PRNGKey(31)
+    streams, keys = E.make_streams(key, params, 3, 400, None)
+    s2, k2, phases = E.make_streams_with_phase(key, params, 3, 400, None)
+    for a, b in zip(jax.tree.leaves((streams, keys)), jax.tree.leaves((s2, k2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ph = np.asarray(phases)
+    assert set(np.unique(ph)) == {0, 1}
+    cls = np.asarray(A.size_class(streams.output, params.size_edges))
+    assert (cls[ph == 1] == 0).all() and (cls[ph == 0] > 0).any()
+    res = jaxserve.evaluate(env, params, P.get("round_robin"), key, num_envs=3, num_steps=400,
+                            warmup=20)
+    by_phase = res["class_mix_by_phase"]
+    assert by_phase.shape == (2,) + res["class_mix"].shape
+    np.testing.assert_array_equal(by_phase.sum(axis=0), res["class_mix"])
+    assert by_phase[1, :, 1:].sum() == 0 and by_phase[1].sum() > 0
+    assert by_phase.sum() == res["measured"]
+    env0, params0 = jaxserve.make("Routing-v0")
+    r0 = jaxserve.evaluate(env0, params0, P.get("round_robin"), key, num_envs=2, num_steps=50)
+    assert r0["class_mix_by_phase"].shape[0] == 1

@@ -9,6 +9,7 @@ learning claims are in tests/test_learnable.py and docs/results.md.
 import json
 import re
 
+import jax
 import numpy as np
 import pytest
 
@@ -205,16 +206,21 @@ def test_stale_note_flags_routing_sections_written_before_an_information_change(
 
 def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     """The page's summary table: one row per (w) scenario, the verdict from the paired CI's
-    sign, the best clairvoyant reference; nothing without (w). And (w)'s figure draws."""
+    sign, the best clairvoyant reference, the budget curve; nothing without (w). And (w)'s
+    figures draw."""
     from agents.experiments.report import headline_summary
-    from agents.experiments.routing_win import _plot_to_fast
+    from agents.experiments.routing_win import _plot_budget, _plot_to_fast
 
     def scen(diff, to_fast):
         return {"latency": {"ppo": 10.0, "sita_tuned": 11.0, "jsq": 20.0,
                             "sita, true lengths": 9.0, "sed, true lengths": 9.5},
                 "best_heuristic": "sita_tuned",
                 "diff_vs_best": dict(zip(("mean", "low", "high"), diff)),
-                "to_fast": {"ppo-s0": to_fast, "sita_tuned": [[0.2, 0.9], [0.1, None]]}}
+                "to_fast": {"ppo": to_fast, "sita_tuned": [[0.2, 0.9], [0.1, None]]},
+                "budget_curve": [{"env_steps": 1000 * k, "mean": 20.0 - k, "low": 19.0 - k,
+                                  "high": 21.0 - k} for k in (1, 2)],
+                "best_heuristic_ci": {"mean": 11.0, "low": 10.5, "high": 11.5},
+                "clairvoyant": {"name": "sita, true lengths", "mean": 9.0}}
     data = {"w": {"win": scen((-1.0, -1.5, -0.5), [[0.2, 0.9], [0.5, None]]),
                   "loss": scen((2.0, 0.5, 3.0), [[0.2, 0.9], [0.5, 0.4]]),
                   "tie": scen((0.1, -0.2, 0.4), [[0.2, 0.9], [0.5, 0.4]])}}
@@ -224,10 +230,35 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     assert set(rows) == {"win", "loss", "tie"}
     assert "learned wins" in rows["win"] and "heuristic wins" in rows["loss"]
     assert "no difference resolved" in rows["tie"]
-    assert all("sita, true lengths 9 |" in r for r in rows.values())
+    assert all("sita, true lengths 9 | 1k: 19, 2k: 18 |" in r for r in rows.values())
     assert headline_summary({"a": {}}) == ""
     for d in data["w"].values():  # JSON turns NaN (no request of the class) into None
         d["to_fast"] = {k: [[np.nan if x is None else x for x in r] for r in v]
                         for k, v in d["to_fast"].items()}
     _plot_to_fast(data["w"], tmp_path / "w.png")
     assert (tmp_path / "w.png").stat().st_size > 1000
+    _plot_budget(data["w"], tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_train_scenarios_checkpoints_are_the_same_run_cut_into_parts():
+    """`train_scenarios(checkpoints=K)` runs the same updates as K=1 (the final networks agree
+    to float32 reassociation) and keeps the network after each part; an earlier checkpoint
+    differs from the final one, and K must divide the updates."""
+    from agents.experiments.common import train_scenarios
+
+    env, params = jaxserve.make("Routing-v0")
+    one, _ = train_scenarios("Routing-v0", env, [params], "ppo", (0,), 2048)
+    two, curves = train_scenarios("Routing-v0", env, [params], "ppo", (0,), 2048,
+                                  checkpoints=2)
+    final, first = curves["checkpoint_policies"][0][0][1], curves["checkpoint_policies"][0][0][0]
+    assert list(curves["checkpoint_steps"]) == [1024, 2048]
+    for a, b, c in zip(jax.tree.leaves(one[0][0].params), jax.tree.leaves(two[0][0].params),
+                       jax.tree.leaves(final.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
+    assert any(not np.allclose(np.asarray(a), np.asarray(b)) for a, b in
+               zip(jax.tree.leaves(first.params), jax.tree.leaves(final.params)))
+    with pytest.raises(ValueError, match="checkpoints"):
+        train_scenarios("Routing-v0", env, [params], "ppo", (0,), 2048, checkpoints=3)

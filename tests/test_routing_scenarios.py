@@ -71,9 +71,20 @@ def test_short_bursts_mix_shifts_with_the_phase_and_the_prompt_says_nothing():
     assert mix[1] == pytest.approx(0.175, rel=1e-4)
 
 
-def test_win_experiment_trains_scenarios_with_equal_parameter_shapes_together():
-    from agents.experiments.routing_win import _shape_signature
-    sig = {n: _shape_signature(jaxserve.make("Routing-v0", scenario=n)[1])
-           for n in ROUTING_SCENARIOS}
-    # The per-phase class mix adds an axis to tokens.weights: its own training program.
+def test_win_experiment_trains_every_scenario_in_one_program():
+    """(w) writes a one-mix scenario's class mix once per arrival phase so that all
+    scenarios share parameter shapes; the rewritten parameters draw the same requests."""
+    from jaxserve.core.sources import sample_stream
+    from agents.experiments.routing_win import _per_phase_mix, _shape_signature
+    params = {n: jaxserve.make("Routing-v0", scenario=n)[1] for n in ROUTING_SCENARIOS}
+    sig = {n: _shape_signature(p) for n, p in params.items()}
+    # The per-phase class mix adds an axis to tokens.weights ...
     assert sig["bursty"] == sig["bursty_short_queues"] != sig["short_bursts"]
+    # ... which the rewrite adds to the others, changing no request.
+    wide = _per_phase_mix(params["bursty"], 2)
+    assert _shape_signature(wide) == sig["short_bursts"]
+    assert _per_phase_mix(params["short_bursts"], 2) is params["short_bursts"]
+    key = jax.random.PRNGKey(3)
+    a, b = sample_stream(key, params["bursty"], 500), sample_stream(key, wide, 500)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

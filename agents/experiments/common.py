@@ -90,30 +90,46 @@ def stack_params(params_list: Sequence[Any]) -> Any:
 
 
 def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
-                    seeds: Sequence[int], total_steps: int, ctx: Context | None = None):
+                    seeds: Sequence[int], total_steps: int, ctx: Context | None = None,
+                    checkpoints: int = 1):
     """Trains `algo` on every scenario x seed in ONE compiled program.
 
     The environment parameters are an argument of the program (vmapped over scenarios), the
     seeds an inner vmap; hyperparameters are `agents.defaults.ENV_DEFAULTS[env_name][algo]`,
-    as `agents.train` uses them, each run's key `jax.random.key(seed)`.
+    as `agents.train` uses them, each run's key `jax.random.key(seed)`. With `checkpoints`
+    = K > 1 the updates run as K equal chunks (the same updates, in the same order) and the
+    network after each chunk is kept: the policies of a budget curve.
 
     Returns:
       (policies, curves): `policies[i][s]` the greedy `LearnedPolicy` of scenario i, seed s;
       `curves` `(num_scenarios, num_seeds, num_updates)` per-update episode returns, plus
-      the env steps per update under `"env_steps"` and the timings.
+      the env steps per update under `"env_steps"` and the timings; with `checkpoints` > 1,
+      also `"checkpoint_policies"` (`[i][s][c]`, the last one the final policy) and
+      `"checkpoint_steps"` (env steps at each checkpoint).
     """
     from agents.defaults import ALGOS, make_config
     from agents.policy import LearnedPolicy
     from agents.trainer import run_updates
 
     config = make_config(algo, env_name, env, int(total_steps), int(seeds[0]))
+    checkpoints = int(checkpoints)
+    if checkpoints < 1 or config.num_updates % checkpoints:
+        raise ValueError(f"checkpoints must be >= 1 and divide the {config.num_updates} "
+                         f"updates, got {checkpoints}")
+    chunk = config.num_updates // checkpoints
     network = ALGOS[algo][1](config, env, params_list[0]).network
     stacked = stack_params(params_list)
 
     def one(p, key):
         trainer = ALGOS[algo][1](config, env, p, network)
-        runner, metrics = run_updates(trainer.update, trainer.init(key), config.num_updates)
-        return runner.train_state.params, metrics["episode_return"]
+
+        def run_chunk(runner, _):
+            runner, metrics = run_updates(trainer.update, runner, chunk)
+            return runner, (runner.train_state.params, metrics["episode_return"])
+
+        _, (snapshots, returns) = jax.lax.scan(run_chunk, trainer.init(key), None,
+                                               checkpoints)
+        return snapshots, returns.reshape(-1)
 
     keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     program = jax.jit(jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None)))
@@ -121,19 +137,29 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     compiled = program.lower(stacked, keys).compile()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    net_params, returns = jax.block_until_ready(compiled(stacked, keys))
+    snapshots, returns = jax.block_until_ready(compiled(stacked, keys))
     run_s = time.perf_counter() - t0
     if ctx is not None:
         ctx.log(f"  trained {algo} on {env_name}: {len(params_list)} scenario(s) x "
                 f"{len(seeds)} seed(s) x {config.num_updates * config.batch_size} steps "
                 f"(compile {compile_s:.0f} s, run {run_s:.0f} s)")
-    net_params = jax.device_get(net_params)
-    pols = [[LearnedPolicy(network, jax.tree.map(lambda x, i=i, s=s: x[i, s], net_params),
-                           True, f"{algo}-s{seed}") for s, seed in enumerate(seeds)]
+    snapshots = jax.device_get(snapshots)  # leaves (scenario, seed, checkpoint, ...)
+
+    def policy(i, s, c, name):
+        return LearnedPolicy(network, jax.tree.map(lambda x: x[i, s, c], snapshots), True, name)
+
+    pols = [[policy(i, s, checkpoints - 1, f"{algo}-s{seed}") for s, seed in enumerate(seeds)]
             for i in range(len(params_list))]
     curves = {"episode_return": np.asarray(returns, np.float64),
               "env_steps": np.arange(1, config.num_updates + 1) * config.batch_size,
               "compile_s": compile_s, "run_s": run_s}
+    if checkpoints > 1:
+        curves["checkpoint_steps"] = (np.arange(1, checkpoints + 1) * chunk
+                                      * config.batch_size)
+        curves["checkpoint_policies"] = [
+            [[policy(i, s, c, f"{algo}-s{seed}@{c + 1}/{checkpoints}")
+              for c in range(checkpoints)] for s, seed in enumerate(seeds)]
+            for i in range(len(params_list))]
     return pols, curves
 
 

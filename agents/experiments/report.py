@@ -90,9 +90,10 @@ def stale_note(blocks: dict[str, str]) -> str:
 
 def headline_summary(data: dict) -> str:
     """The page's summary table from section (w)'s data (`{scenario: {"latency": {policy: s},
-    "best_heuristic", "diff_vs_best": {mean, low, high}}}`): per scenario the learned router,
-    the best heuristic, their paired difference and verdict, and the best clairvoyant
-    reference; "" without (w)."""
+    "best_heuristic", "diff_vs_best": {mean, low, high}, "budget_curve": [{env_steps, mean},
+    ...]}}`): per scenario the learned router, the best heuristic, their paired difference and
+    verdict, the best clairvoyant reference, and the learned router's latency along its
+    budget curve; "" without (w)."""
     w = data.get("w") or {}
     rows = []
     for name, d in w.items():
@@ -104,19 +105,24 @@ def headline_summary(data: dict) -> str:
         ref = min(refs, key=refs.get) if refs else None
         verdict = ("learned wins" if diff["high"] < 0 else "heuristic wins"
                    if diff["low"] > 0 else "no difference resolved")
+        curve = ", ".join(f"{pt['env_steps'] / 1e3:.0f}k: {pt['mean']:.3g}"
+                          for pt in d.get("budget_curve", []))
         rows.append(f"| {name} | {learned} {lat[learned]:.3g} | {best} {lat[best]:.3g} | "
                     f"{diff['mean']:+.3g} [{diff['low']:+.3g}, {diff['high']:+.3g}] | {verdict} | "
-                    + (f"{ref} {lat[ref]:.3g} |" if ref else "none |"))
+                    + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
+                    + f" {curve or 'not measured'} |")
     if not rows:
         return ""
     return "\n".join([
         "**Summary: best learned router vs best honest heuristic** (section (w), drop-inclusive "
         "mean latency in s; paired difference with its 95% seed x stream bootstrap CI; the "
-        "clairvoyant reference reads true output lengths, a bound no real router reaches):",
+        "clairvoyant reference reads true output lengths, a bound no real router reaches; the "
+        "budget curve is the learned router's latency after that many training env steps per "
+        "seed, so a gap can be read against the budget):",
         "",
         "| scenario | learned | best heuristic | learned - heuristic (95% CI) | verdict | "
-        "best clairvoyant |",
-        "|---|---|---|---|---|---|", *rows, ""])
+        "best clairvoyant | learned along its budget curve (s) |",
+        "|---|---|---|---|---|---|---|", *rows, ""])
 
 
 def _git_commit() -> str:

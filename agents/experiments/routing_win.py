@@ -48,6 +48,10 @@ WIN_BUDGETS = {"quick": ((0, 1, 2), 393_216), "full": ((0, 1, 2, 3, 4), 2_097_15
 WIN_EVAL = {"quick": (16, 1024, 64), "full": (32, 2048, 128), "tiny": (2, 64, 8)}
 # Tuning streams of `sita_tuned` per budget name: (streams, requests per stream, warm-up).
 WIN_TUNE = {"quick": (8, 1024, 64), "full": (16, 2048, 128), "tiny": (2, 64, 8)}
+# Points of the budget curve per budget name: the training run is cut into this many equal
+# chunks and the policy after each is evaluated on the table's streams (the last point is the
+# table's policy).
+WIN_CHECKPOINTS = {"quick": 4, "full": 8, "tiny": 2}
 HEURISTICS = ("sita_tuned", "sita", "sita_predicted", "sita_prompt", "sed", "least_work_left", "jsq",
               "power_of_two", "round_robin")
 ORACLES = {"sita, true lengths": "sita", "sed, true lengths": "sed_oracle",
@@ -77,46 +81,14 @@ def _interval(b: dict) -> str:
     return f"{b['mean']:+.3g} [{b['low']:+.3g}, {b['high']:+.3g}]"
 
 
-def routing_record(env, params, policy, key, num_envs: int, num_steps: int) -> dict:
-    """Per-request record of one policy: `(num_envs, num_steps)` arrays of the GPU chosen,
-    the request's true size class (a report, never seen by the policy), its arrival phase
-    and the cluster's requests in system before the decision."""
-    edges = params.size_edges
-
-    def one(k):
-        k0, k = jax.random.split(k)
-        obs, state = env.reset_env(k0, params)
-
-        def body(carry, k):
-            obs, state = carry
-            ka, ks = jax.random.split(k)
-            a = jnp.clip(jnp.asarray(policy(ka, obs, state, params), jnp.int32), 0,
-                         env.num_gpus - 1)
-            rec = {"action": a, "cls": A.size_class(state.pending.output, edges),
-                   "phase": state.phase,
-                   "in_system": (state.cluster.queues.count.sum()
-                                 + state.cluster.servers.run_count.sum())}
-            obs, state, *_ = env.step_env(ks, state, a, params)
-            return (obs, state), rec
-
-        _, recs = jax.lax.scan(body, (obs, state), jax.random.split(k, num_steps))
-        return recs
-
-    out = jax.jit(jax.vmap(one))(jax.random.split(key, num_envs))
-    return {k: np.asarray(v) for k, v in out.items()}
-
-
-def _phase_fractions(rec: dict, fast: np.ndarray, warmup: int) -> np.ndarray:
-    """`(phases, classes)` share of each (phase, true class) sent to a fast GPU."""
-    a, c, ph = (rec[k][:, warmup:].ravel() for k in ("action", "cls", "phase"))
-    to_fast = fast[a]
-    out = np.full((int(ph.max()) + 1 if ph.size else 1, int(c.max()) + 1), np.nan)
-    for p in range(out.shape[0]):
-        for k in range(out.shape[1]):
-            m = (ph == p) & (c == k)
-            if m.any():
-                out[p, k] = to_fast[m].mean()
-    return out
+def _to_fast_shares(res: dict, names, fast: np.ndarray) -> np.ndarray:
+    """`(phases, classes)` share of the measured requests of each (arrival phase, true size
+    class) sent to a fastest GPU, pooled over the result entries `names` (a learned policy's
+    seeds), from `evaluate_many`'s `class_mix_by_phase`; NaN where none arrived."""
+    mix = sum(np.asarray(res[n]["class_mix_by_phase"], np.float64) for n in names)
+    total = mix.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, mix[:, fast, :].sum(axis=1) / total, np.nan)
 
 
 def _reading(name: str, lat: dict, best: str, ref: str, d_best: dict, to_fast: dict) -> str:
@@ -144,18 +116,41 @@ def _shape_signature(params) -> tuple:
     return (str(tree), tuple(np.shape(x) for x in leaves))
 
 
-def train_families(scen: dict, seeds, steps, ctx) -> dict:
-    """`{scenario: [policy per seed]}`: `train_scenarios` once per group of scenarios whose
-    parameters have equal shapes (a class mix per arrival phase has one more axis)."""
+def _per_phase_mix(params, phases: int):
+    """`params` with its token class mix written once per arrival phase (`(phases, C)`, equal
+    rows) if it has one mix: the same law and, from the same uniforms, the same requests
+    (`arrivals.tokens_from_uniforms` picks the phase's row, then the same cdf), in the shape
+    of a scenario whose mix depends on the phase, so the two train in one program."""
+    w = params.tokens.weights
+    if w.ndim != 1:
+        return params
+    return params.replace(tokens=params.tokens.replace(
+        weights=jnp.broadcast_to(w, (phases,) + w.shape)))
+
+
+def train_families(scen: dict, seeds, steps, ctx, checkpoints: int = 1) -> tuple[dict, dict]:
+    """`({scenario: [policy per seed]}, {scenario: [[policy per checkpoint] per seed]},
+    checkpoint env steps)`: `train_scenarios` once per group of scenarios whose parameters
+    have equal shapes, after writing one-mix scenarios in per-phase form where another
+    scenario has a class mix per arrival phase (`_per_phase_mix`)."""
+    plist = {n: p for n, (_, p) in scen.items()}
+    phased = [p.tokens.weights.shape[0] for p in plist.values() if p.tokens.weights.ndim == 2]
+    if phased:
+        plist = {n: (_per_phase_mix(p, phased[0]) if p.arrivals.num_phases == phased[0]
+                     else p) for n, p in plist.items()}
     groups: dict = {}
-    for n, (env, params) in scen.items():
-        groups.setdefault(_shape_signature(params), []).append(n)
-    out = {}
+    for n, p in plist.items():
+        groups.setdefault(_shape_signature(p), []).append(n)
+    out, snaps, at = {}, {}, None
     for names in groups.values():
-        trained, _ = train_scenarios("Routing-v0", scen[names[0]][0],
-                                     [scen[n][1] for n in names], ALGO, seeds, steps, ctx)
+        trained, curves = train_scenarios("Routing-v0", scen[names[0]][0],
+                                          [plist[n] for n in names], ALGO, seeds, steps, ctx,
+                                          checkpoints=checkpoints)
         out.update(zip(names, trained))
-    return out
+        snaps.update(zip(names, curves.get("checkpoint_policies", [[[p] for p in t]
+                                                                   for t in trained])))
+        at = curves.get("checkpoint_steps", np.asarray([steps]))
+    return out, snaps, at
 
 
 @experiment("w", "Honest information, headroom, and learned vs best heuristic")
@@ -165,7 +160,8 @@ def routing_win(ctx: Context) -> Section:
     eval_envs, eval_steps, warmup = WIN_EVAL[b.name]
     scen = {n: make("Routing-v0", scenario=n) for n in ROUTING_SCENARIOS}
     names = list(scen)
-    trained = train_families(scen, seeds, steps, ctx)
+    trained, snapshots, ckpt_steps = train_families(scen, seeds, steps, ctx,
+                                                    WIN_CHECKPOINTS[b.name])
     parts = [
         "Every router reads the same noisy output-length prediction (Routing-v0's default, "
         "`estimate_mode=1`, `estimate_noise=1.0`: the prediction is the true length times "
@@ -188,9 +184,13 @@ def routing_win(ctx: Context) -> Section:
         heur = {n: p for n, p in routing_heuristics(env, params, key, tune).items()
                 if n in HEURISTICS}
         learned = learned_dict({ALGO: trained[name]})
+        # Earlier checkpoints of each seed, named "ppo@c/K-s<seed>" (not "ppo-s...": they are
+        # not the table's policy); the last checkpoint is the table's policy itself.
+        earlier = {f"{ALGO}@{c + 1}/{len(ckpt_steps)}-s{seed}": snapshots[name][j][c]
+                   for j, seed in enumerate(seeds) for c in range(len(ckpt_steps) - 1)}
         ctx.log(f"  evaluating (w) {name}")
-        res = evaluate_many(env, params, {**heur, **learned}, key, eval_envs, eval_steps,
-                            warmup=warmup)
+        res = evaluate_many(env, params, {**heur, **learned, **earlier}, key, eval_envs,
+                            eval_steps, warmup=warmup)
         exact = params.replace(estimate_mode=jnp.int32(A.ESTIMATE_EXACT))
         oracle = {"sita, true lengths": policies.get("sita", env=env, params=exact,
                                                      key=tuning_key(key)),
@@ -222,21 +222,42 @@ def routing_win(ctx: Context) -> Section:
                          f"{ALGO} - policy (s, paired, 95% CI)"], rows)]
         data[name] = {"latency": lat, "best_heuristic": best,
                       "diff_vs_best": {k: d_best[k] for k in ("mean", "low", "high")}}
-        ctx.log(f"  recording (w) {name}")
         speed = np.asarray(gpu_speeds(params))
         fast = speed >= speed.max() * (1 - 1e-6)
         why = []
-        for n in [ALGO + "-s" + str(seeds[0]), best]:
-            rec = routing_record(env, params, learned.get(n, heur.get(n)),
-                                 ctx.eval_key(90 + i), eval_envs, eval_steps)
-            frac = _phase_fractions(rec, fast, warmup)
+        for n, entries in ((ALGO, seed_names(res, ALGO)), (best, [best])):
+            frac = _to_fast_shares(res, entries, fast)
             for p in range(frac.shape[0]):
                 why.append([n, f"phase {p}"] + [f"{100 * x:.0f}%" if np.isfinite(x) else
                                                  "none arrived" for x in frac[p]])
             data[name].setdefault("to_fast", {})[n] = frac.tolist()
-        parts += ["Where requests go (share of each true size class sent to a fastest GPU, by "
-                  "arrival phase, phase 1 = bursts; fresh streams; the class is a report, not "
-                  "something a policy saw):",
+        curve = []
+        for c, at in enumerate(ckpt_steps):
+            names_c = (seed_names(res, ALGO) if c == len(ckpt_steps) - 1 else
+                       [f"{ALGO}@{c + 1}/{len(ckpt_steps)}-s{seed}" for seed in seeds])
+            m = seed_env_bootstrap(np.stack([res[k]["per_env"][LATENCY] for k in names_c]))
+            d = seed_env_bootstrap(np.stack([res[k]["per_env"][LATENCY]
+                                             - res[best]["per_env"][LATENCY]
+                                             for k in names_c]))
+            curve.append({"env_steps": int(at), "mean": m["mean"], "low": m["low"],
+                          "high": m["high"], "diff_vs_best": {k: d[k] for k in
+                                                              ("mean", "low", "high")},
+                          "drops": [int(res[k]["dropped"]) for k in names_c]})
+        data[name]["budget_curve"] = curve
+        data[name]["best_heuristic_ci"] = {k: _boot_mean(res, best)[k]
+                                           for k in ("mean", "low", "high")}
+        data[name]["clairvoyant"] = {"name": ref, "mean": lat[ref]}
+        parts += [f"Budget curve (the {ALGO} runs above, evaluated after each of "
+                  f"{len(ckpt_steps)} equal parts of their training, on the same streams):",
+                  table(["env steps per seed", f"{ALGO} drop-incl. mean latency (s, 95% CI)",
+                         "drops (per seed)", f"{ALGO} - {best} (s, paired, 95% CI)"],
+                        [[f"{pt['env_steps']:,}",
+                          f"{pt['mean']:.3g} [{pt['low']:.3g}, {pt['high']:.3g}]",
+                          " / ".join(map(str, pt["drops"])), _interval(pt["diff_vs_best"])]
+                         for pt in curve]),
+                  "Where requests go (share of each true size class sent to a fastest GPU, by "
+                  f"arrival phase, phase 1 = bursts; the evaluation streams above, {ALGO}'s "
+                  "seeds pooled; the class is a report, not something a policy saw):",
                   table(["policy", "arrival phase"]
                         + [f"class {k}" for k in range(len(why[0]) - 2)], why),
                   _reading(name, lat, best, ref, d_best, data[name]["to_fast"])]
@@ -245,13 +266,15 @@ def routing_win(ctx: Context) -> Section:
         "drop-inclusive mean latency, s):",
         table(["scenario", ALGO, "best heuristic", f"{ALGO} - best heuristic (95% CI)",
                "verdict", "best clairvoyant"], summary), *parts[1:]])
-    def draw(path):
-        _plot_to_fast(data, path)
-    body += ("\n\nThe figure shows the shares of the tables above: per scenario, where the "
-             "learned router (seed 0) and the best heuristic send each true size class in "
-             "quiet phases and in bursts.")
+    body += ("\n\nThe first figure shows the shares of the tables above: per scenario, where "
+             f"the learned router ({ALGO}, seeds pooled) and the best heuristic send each true "
+             "size class in quiet phases and in bursts. The second is each scenario's budget "
+             f"curve: {ALGO}'s drop-inclusive mean latency (seed x stream 95% CI) against "
+             "training steps, beside the best heuristic and the best clairvoyant reference.")
     return Section("(w) Honest information, headroom, and learned vs best heuristic", body,
-                   figures={"results_where_requests_go.png": draw}, data=data)
+                   figures={"results_where_requests_go.png": lambda p: _plot_to_fast(data, p),
+                            "results_budget_curves.png": lambda p: _plot_budget(data, p)},
+                   data=data)
 
 
 def _plot_to_fast(data: dict, path) -> None:
@@ -280,3 +303,29 @@ def _plot_to_fast(data: dict, path) -> None:
             ax.grid(axis="y", alpha=0.3)
             ax.legend(fontsize=8)  # the best heuristic differs between scenarios
         axes[0].set_ylabel("% sent to a fastest GPU")
+
+
+def _plot_budget(data: dict, path) -> None:
+    """Per scenario, the learned router's drop-inclusive mean latency (95% CI band) against
+    training env steps per seed, with the best heuristic (its CI band) and the best
+    clairvoyant reference as horizontal lines."""
+    from jaxserve.evaluation.plots import axes_row
+
+    names = list(data)
+    with axes_row(path, ncols=len(names), figsize=(4.2 * len(names), 3.6)) as (_, axes):
+        for ax, name in zip(axes, names):
+            d = data[name]
+            x = np.asarray([pt["env_steps"] for pt in d["budget_curve"]], float)
+            y = np.asarray([[pt["mean"], pt["low"], pt["high"]] for pt in d["budget_curve"]])
+            ax.plot(x, y[:, 0], "o-", label=ALGO)
+            ax.fill_between(x, y[:, 1], y[:, 2], alpha=0.25)
+            h = d["best_heuristic_ci"]
+            ax.axhline(h["mean"], color="C1", ls="--", label=d["best_heuristic"])
+            ax.axhspan(h["low"], h["high"], color="C1", alpha=0.15)
+            c = d["clairvoyant"]
+            ax.axhline(c["mean"], color="C2", ls=":", label=f"{c['name']} (clairvoyant)")
+            ax.set_xlabel("training env steps per seed")
+            ax.set_title(name, fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[0].set_ylabel("drop-incl. mean latency (s)")

@@ -68,6 +68,13 @@ def sample_stream(key, params, n: int) -> TraceArrays:
     `params`: anything with `arrivals` (`ArrivalProcess`) and `tokens` (`TokenDist`), e.g. a
     `ServingParams`.
     """
+    return sample_stream_with_phase(key, params, n)[0]
+
+
+def sample_stream_with_phase(key, params, n: int) -> tuple[TraceArrays, jax.Array]:
+    """`sample_stream`'s requests and the arrival phase of each, `(n,)` int32: the phase of
+    the arrival process in which the request arrived (always 0 for a Poisson process). The
+    same key gives the same requests as `sample_stream`."""
     k_phase, k_seq = jax.random.split(key)
     phase = A.sample_phase(k_phase, params.arrivals)
 
@@ -75,10 +82,11 @@ def sample_stream(key, params, n: int) -> TraceArrays:
         k_gap, k_tok = jax.random.split(k)
         gap, phase = A.sample_gap(k_gap, phase, params.arrivals)
         p, o = A.sample_tokens(k_tok, params.tokens, phase)
-        return phase, (gap, p, o)
+        return phase, (gap, p, o, phase)
 
-    _, (gap, p, o) = jax.lax.scan(draw, phase, jax.random.split(k_seq, n))
-    return TraceArrays(gap=gap.at[0].set(0.0), prompt=p, output=o, length=jnp.int32(n))
+    _, (gap, p, o, ph) = jax.lax.scan(draw, phase, jax.random.split(k_seq, n))
+    return (TraceArrays(gap=gap.at[0].set(0.0), prompt=p, output=o, length=jnp.int32(n)),
+            jnp.asarray(ph, jnp.int32))
 
 
 @partial(jax.jit, static_argnames=("n",))

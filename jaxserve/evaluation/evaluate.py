@@ -55,7 +55,7 @@ from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.sources import (TraceArrays, check_not_tuning_key, params_trace,
-                                   sample_stream, trace_arrays)
+                                   sample_stream_with_phase, trace_arrays)
 from jaxserve.core.types import Trace, validate_trace
 from jaxserve.envs import common
 from jaxserve.envs.base import with_static
@@ -163,20 +163,28 @@ def make_streams(key, params, num_envs: int, num_steps: int, trace: Trace | None
     A given trace (or one held in `params`) is shared by all environments; otherwise each
     environment draws its own `num_steps` requests.
     """
+    streams, keys, _ = make_streams_with_phase(key, params, num_envs, num_steps, trace)
+    return streams, keys
+
+
+def make_streams_with_phase(key, params, num_envs: int, num_steps: int, trace: Trace | None):
+    """`make_streams`' streams and keys, and each request's arrival phase `(E, n)` int32 (the
+    phase of the arrival process it arrived in; 0 for a Poisson process or a trace)."""
     k_stream, k_roll = jax.random.split(key)
     keys = jax.random.split(k_roll, num_envs)
     trace = params_trace(params) if trace is None else trace
     if trace is not None:
         arr = host_trace(trace)
         streams = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_envs,) + x.shape), arr)
-        return streams, keys
-    streams = _sample_streams(jax.random.split(k_stream, num_envs), params, int(num_steps))
-    return streams, keys
+        return streams, keys, jnp.zeros(streams.gap.shape, jnp.int32)
+    streams, phases = _sample_streams(jax.random.split(k_stream, num_envs), params,
+                                      int(num_steps))
+    return streams, keys, phases
 
 
 @partial(jax.jit, static_argnames=("n",))
-def _sample_streams(keys, params, n: int) -> TraceArrays:
-    return jax.vmap(sample_stream, in_axes=(0, None, None))(keys, params, n)
+def _sample_streams(keys, params, n: int) -> tuple[TraceArrays, jax.Array]:
+    return jax.vmap(sample_stream_with_phase, in_axes=(0, None, None))(keys, params, n)
 
 
 def _check_args(env, params, num_envs, num_steps, warmup):
@@ -211,8 +219,10 @@ def paired_table(results: Mapping[str, dict], reference: str,
             for name, r in results.items() if name != reference}
 
 
-def summarise(out: dict, streams: TraceArrays, params, warmup: int = 0) -> dict:
-    """Host-side metrics of one policy's `(E, ...)` rollout outputs (see `evaluate`)."""
+def summarise(out: dict, streams: TraceArrays, params, warmup: int = 0,
+              phases=None) -> dict:
+    """Host-side metrics of one policy's `(E, ...)` rollout outputs (see `evaluate`);
+    `phases`: each request's arrival phase `(E, n)` (default: all 0)."""
     wait = np.asarray(out["wait"], np.float64)
     service = np.asarray(out["service"], np.float64)
     num_envs, n = wait.shape
@@ -268,9 +278,14 @@ def summarise(out: dict, streams: TraceArrays, params, warmup: int = 0) -> dict:
     sizes = np.asarray(A.size_class(jnp.asarray(streams.output).reshape(num_envs, n),
                                     params.size_edges))
     num_classes = int(np.asarray(params.size_values).shape[-1])
-    mix = np.zeros((num_gpus, num_classes), np.int64)
+    phase = (np.zeros((num_envs, n), np.int64) if phases is None
+             else np.asarray(phases, np.int64).reshape(num_envs, n))
+    arrivals = getattr(params, "arrivals", None)
+    num_phases = max(int(phase.max()) + 1, arrivals.num_phases if arrivals is not None else 1)
+    mix_by_phase = np.zeros((num_phases, num_gpus, num_classes), np.int64)
     rows = np.broadcast_to(measured, (num_envs, n))
-    np.add.at(mix, (gpu[rows], sizes[rows]), 1)
+    np.add.at(mix_by_phase, (phase[rows], gpu[rows], sizes[rows]), 1)
+    mix = mix_by_phase.sum(axis=0)
 
     sums = {k: np.asarray(v, np.float64) for k, v in out["sums"].as_dict().items()}
     arrived_env = sums["arrived"] + np.asarray(out["arrived_at_reset"], np.float64)
@@ -308,6 +323,7 @@ def summarise(out: dict, streams: TraceArrays, params, warmup: int = 0) -> dict:
         "gpu_seconds": float(busy.sum()),
         "sim_seconds": total_window,
         "class_mix": mix,
+        "class_mix_by_phase": mix_by_phase,
         "arrived": arrived,
         "completed": int(sums["completed"].sum()),
         "dropped_total": int(sums["dropped"].sum()),
@@ -356,14 +372,16 @@ def evaluate_many(env, params, policies: Mapping[str, Callable], key, num_envs: 
     for name, pol in policies.items():
         if not callable(pol):
             raise ValueError(f"policy {name!r} is not callable")
-    streams, keys = make_streams(key, params, int(num_envs), int(num_steps), trace)
+    streams, keys, phases = make_streams_with_phase(key, params, int(num_envs), int(num_steps),
+                                                    trace)
     n = streams.gap.shape[1]
     if int(warmup) >= n:
         raise ValueError(f"warmup ({warmup}) must be smaller than the number of requests ({n})")
     env_t = trace_env(env, n)
     out = _run_policies(env_t, tuple(policies.values()), params, streams, keys, routing)
     out = jax.device_get(out)
-    return {name: summarise(jax.tree.map(lambda x, i=i: x[i], out), streams, params, warmup)
+    return {name: summarise(jax.tree.map(lambda x, i=i: x[i], out), streams, params, warmup,
+                            phases)
             for i, name in enumerate(policies)}
 
 
@@ -390,6 +408,9 @@ def evaluate(env, params, policy: Callable, key, num_envs: int = 16, num_steps: 
           sim_seconds: simulated seconds (summed over environments).
         class_mix: `(num_gpus, num_classes)` int, measured requests per GPU and size class (by
           the true output length: a report, not something a policy saw).
+        class_mix_by_phase: `(phases, num_gpus, num_classes)` int, `class_mix` split by the
+          arrival phase each request arrived in (one row per phase of `params.arrivals`, all
+          requests in row 0 for a replayed trace; for a bursty MMPP, phase 1 is the burst).
         arrived, completed, dropped_total, in_flight (ints): accounting over everything
           simulated; `arrived == completed + dropped_total + in_flight`.
         busy_time_total (engine's counter) and busy_time_log (from the log): equal.
