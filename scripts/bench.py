@@ -7,7 +7,7 @@ observation and reward consumed inside the scan (XLA would otherwise drop that w
     **warmed up** (it starts where `--warmup` earlier steps left the same environments);
   - the ratio to gymnax's Breakout-MinAtar measured by the same harness, env count and run;
   - requests/s (arrivals handled per second, `info["arrived"]`) against the pure-Python
-    reference (`tests/reference_sim.py`) on the same workload: the same GPUs, arrival rate
+    reference (`jaxserve/reference/sim.py`) on the same workload: the same GPUs, arrival rate
     and token law, random decisions;
   - state bytes per environment.
 Routing-v0 also runs on the dense batched engine path (`lanes.batched_path`, the GPU
@@ -36,7 +36,6 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -59,19 +58,11 @@ from jaxserve.core.types import GPUProfile
 from jaxserve.envs.registry import make_llm_prefix_routing
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
                                            make_runner, state_bytes, time_env)
+from jaxserve.reference import sim as ref
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUTING = "Routing-v0 (8 GPUs, queue 64)"
 ROUTING_DENSE = "Routing-v0 (8 GPUs, queue 64), dense path"
 BREAKOUT = "Breakout-MinAtar"
-
-
-def load_reference(name: str = "reference_sim"):
-    """The pure-Python reference simulator, imported from tests/ by file path."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "tests" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def routing_env():
@@ -101,7 +92,7 @@ def _cpu_description() -> dict:
     return out
 
 
-def _profiles(gpus, ref):
+def _profiles(gpus):
     n = np.shape(gpus.c0)[-1]
     return [{k: float(np.asarray(getattr(gpus, k))[g]) for k in ref.PROFILE_KEYS}
             for g in range(n)]
@@ -124,10 +115,9 @@ def reference_requests_per_s(kind, params, n, rng, repeats=3):
     2026-12-02 one run of the same draw took 2.3x longer right after a 2 s idle (513k against
     1.18-1.27M requests/s back to back), and single runs inside the benchmark read 0.53-0.59M
     where repeated ones read ~1.2M (docs/benchmarks.md)."""
-    ref = load_reference()
     if kind == "batching":
         arrival, p, o = _workload(params, n, rng)
-        prof = _profiles(params.gpus, ref)[0]
+        prof = _profiles(params.gpus)[0]
         mb = int(prof["max_batch"])
         actions = rng.integers(0, mb + 1, size=4 * n)  # drawn up front: no RNG in the timing
 
@@ -137,7 +127,7 @@ def reference_requests_per_s(kind, params, n, rng, repeats=3):
     else:
         serving = params.serving if kind == "autoscaling" else params
         arrival, p, o = _workload(serving, n, rng)
-        profiles = _profiles(serving.gpus, ref)
+        profiles = _profiles(serving.gpus)
         gpu = rng.integers(0, len(profiles), size=n)
 
         def run():
