@@ -7,13 +7,16 @@ observation and reward consumed inside the scan (XLA would otherwise drop that w
     **warmed up** (it starts where `--warmup` earlier steps left the same environments);
   - the ratio to gymnax's Breakout-MinAtar measured by the same harness, env count and run;
   - requests/s (arrivals handled per second, `info["arrived"]`) against the pure-Python
-    reference (`tests/reference_sim.py`) on the same workload: the same GPUs, arrival rate
+    reference (`jaxserve/reference/sim.py`) on the same workload: the same GPUs, arrival rate
     and token law, random decisions;
   - state bytes per environment.
 Routing-v0 also runs on the dense batched engine path (`lanes.batched_path`, the GPU
 default) so both paths are compared on the same backend. `--ppo` adds PPO training steps/s on
 Routing-v0 (with its registered training defaults, and with CartPole-v1's exact PPO settings)
 against the same PureJaxRL-style PPO on CartPole-v1 at equal env count.
+
+The harness (`time_env`, `NoOpEnv`, the trace analysis) is `jaxserve.evaluation.benchmark`;
+this script holds the benchmark's workloads and modes.
 
 Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --num-steps 50 --warmup 150 --repeats 3 --ppo --ppo-envs 256 \
@@ -33,25 +36,18 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
-import resource
-import re
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import gymnax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
-from gymnax.environments import environment as gymnax_env
-from gymnax.environments import spaces as gymnax_spaces
 
 import jaxserve
 from jaxserve.core import arrivals as A
@@ -60,19 +56,13 @@ from jaxserve.core import lanes
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs.registry import make_llm_prefix_routing
+from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
+                                           make_runner, state_bytes, time_env)
+from jaxserve.reference import sim as ref
 
-ROOT = Path(__file__).resolve().parents[1]
 ROUTING = "Routing-v0 (8 GPUs, queue 64)"
 ROUTING_DENSE = "Routing-v0 (8 GPUs, queue 64), dense path"
 BREAKOUT = "Breakout-MinAtar"
-
-
-def load_reference(name: str = "reference_sim"):
-    """The pure-Python reference simulator, imported from tests/ by file path."""
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "tests" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def routing_env():
@@ -82,33 +72,6 @@ def routing_env():
         GPUProfile(c0=0.03, alpha=1.2e-4, beta=0.025, gamma=4e-4, max_batch=8, queue_cap=64,
                    name="slow")] * 4
     return jaxserve.make("Routing-v0", gpus=gpus, arrival_rate=12.0)
-
-
-def make_runner(env, params, num_steps, auto_reset=True):
-    """jit(vmap(scan)) of random-action steps from given states.
-
-    Returns `run(keys, states) -> (states, checksum, arrived)`: `arrived` counts the requests
-    that arrived (0 for gymnax environments). `auto_reset=False` calls `step_env` (no
-    auto-reset: the profile's measure of what the reset costs).
-    """
-
-    def one_env(key, state):
-        def step(carry, k):
-            state, acc, arrived = carry
-            k_a, k_s = jax.random.split(k)
-            a = env.action_space(params).sample(k_a)
-            if auto_reset:
-                obs, state, r, term, trunc, info = env.step(k_s, state, a, params)
-            else:
-                obs, state, r, term, info = env.step_env(k_s, state, a, params)
-            return (state, acc + obs.sum() + r,
-                    arrived + jnp.asarray(info.get("arrived", 0), jnp.int32)), None
-
-        (state, acc, arrived), _ = jax.lax.scan(
-            step, (state, jnp.float32(0.0), jnp.int32(0)), jax.random.split(key, num_steps))
-        return state, acc, arrived
-
-    return jax.jit(jax.vmap(one_env))
 
 
 def _cpu_description() -> dict:
@@ -129,57 +92,7 @@ def _cpu_description() -> dict:
     return out
 
 
-def _cpu_s() -> float:
-    """CPU seconds this process has used, all threads (user + system)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _best(fn, repeats, cpu=False):
-    """Best wall-clock seconds of `repeats` calls; with `cpu`, also the best CPU seconds."""
-    best, best_cpu = np.inf, np.inf
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter(), _cpu_s()
-        jax.block_until_ready(fn())
-        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, _cpu_s() - c0)
-    return (best, best_cpu) if cpu else best
-
-
-def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_reset=True):
-    """Compile time, env-steps/s from reset and after `warmup_steps`, arrivals per step.
-
-    Also the CPU time of the best from-reset call (`reset_cpu_s`): on a shared machine it
-    moves less with other jobs' load than wall-clock time does.
-    """
-    run = make_runner(env, params, num_steps, auto_reset)
-    keys = jax.random.split(jax.random.PRNGKey(0), num_envs)
-    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
-    t0 = time.perf_counter()
-    compiled = run.lower(keys, states).compile()
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(compiled(keys, states))  # first call: allocation, thread pools
-    reset_s, reset_cpu_s = _best(lambda: compiled(keys, states), repeats, cpu=True)
-    warm = states
-    for i in range(-(-warmup_steps // num_steps)):
-        warm = compiled(jax.random.split(jax.random.PRNGKey(i + 1), num_envs), warm)[0]
-    timed_keys = jax.random.split(jax.random.PRNGKey(10 ** 6), num_envs)
-    # Without warm-up the "warmed" figure is the from-reset one (not timed twice).
-    warm_s = _best(lambda: compiled(timed_keys, warm), repeats) if warmup_steps else reset_s
-    arrived = int(np.asarray(compiled(timed_keys, warm)[2]).sum())
-    total = num_envs * num_steps
-    return {"num_envs": num_envs, "num_steps": num_steps, "warmup_steps": warmup_steps,
-            "compile_s": compile_s, "reset_run_s": reset_s, "reset_cpu_s": reset_cpu_s,
-            "warm_run_s": warm_s,
-            "reset_steps_per_s": total / reset_s, "warm_steps_per_s": total / warm_s,
-            "arrivals_per_step": arrived / total}
-
-
-def state_bytes(env, params):
-    _, state = env.reset(jax.random.PRNGKey(0), params)
-    return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))
-
-
-def _profiles(gpus, ref):
+def _profiles(gpus):
     n = np.shape(gpus.c0)[-1]
     return [{k: float(np.asarray(getattr(gpus, k))[g]) for k in ref.PROFILE_KEYS}
             for g in range(n)]
@@ -202,10 +115,9 @@ def reference_requests_per_s(kind, params, n, rng, repeats=3):
     2026-12-02 one run of the same draw took 2.3x longer right after a 2 s idle (513k against
     1.18-1.27M requests/s back to back), and single runs inside the benchmark read 0.53-0.59M
     where repeated ones read ~1.2M (docs/benchmarks.md)."""
-    ref = load_reference()
     if kind == "batching":
         arrival, p, o = _workload(params, n, rng)
-        prof = _profiles(params.gpus, ref)[0]
+        prof = _profiles(params.gpus)[0]
         mb = int(prof["max_batch"])
         actions = rng.integers(0, mb + 1, size=4 * n)  # drawn up front: no RNG in the timing
 
@@ -215,12 +127,12 @@ def reference_requests_per_s(kind, params, n, rng, repeats=3):
     else:
         serving = params.serving if kind == "autoscaling" else params
         arrival, p, o = _workload(serving, n, rng)
-        profiles = _profiles(serving.gpus, ref)
+        profiles = _profiles(serving.gpus)
         gpu = rng.integers(0, len(profiles), size=n)
 
         def run():
             ref.simulate(arrival, p, o, gpu, profiles)
-    return n / _best(run, repeats)
+    return n / best_seconds(run, repeats)
 
 
 def ppo_steps_per_s(env_name, num_envs, total_steps, label=None, **hparams):
@@ -270,34 +182,6 @@ def environments():
          10, True),
         (BREAKOUT, *gymnax.make("Breakout-MinAtar"), None, 1, True),
     ]
-
-
-@struct.dataclass
-class _NoOpState:
-    time: jax.Array
-
-
-class NoOpEnv(gymnax_env.Environment):
-    """An environment that does nothing but consume its action (Routing-v0's shapes: 8
-    actions, 51 observation features): what the harness alone costs per env-step (the key
-    split and action draw, gymnax's auto-reset select, the scan)."""
-
-    def step_env(self, key, state, action, params):
-        obs = jnp.zeros(51, jnp.float32) + action
-        return obs, _NoOpState(state.time + action), jnp.float32(0.0), jnp.bool_(False), {}
-
-    def reset_env(self, key, params):
-        return jnp.zeros(51, jnp.float32), _NoOpState(jnp.int32(0))
-
-    def is_terminal(self, state, params):
-        return jnp.bool_(False)
-
-    def action_space(self, params=None):
-        return gymnax_spaces.Discrete(8)
-
-    @property
-    def default_params(self):
-        return gymnax_env.EnvParams(max_steps_in_episode=2 ** 30)
 
 
 def profile_routing(counts, steps, repeats):
@@ -449,22 +333,6 @@ def profile_llm(counts, steps, repeats, warmup):
     return out
 
 
-def hlo_op_summary(hlo_text: str) -> dict[str, str]:
-    """Each instruction of an optimized HLO module's text as `shape opcode [op_name]`, keyed
-    by instruction name: what a trace's `hlo_op` names refer to. `op_name` is JAX's path to
-    the operation (`jit(...)/vmap()/while/body/...`), which places it in the program."""
-    out = {}
-    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) ([a-z][\w\-]*)\(")
-    for line in hlo_text.splitlines():
-        m = pattern.match(line)
-        if not m:
-            continue
-        name, shape, opcode = m.groups()
-        op_name = re.search(r'op_name="([^"]*)"', line)
-        out[name] = f"{shape} {opcode}" + (f" [{op_name.group(1)}]" if op_name else "")
-    return out
-
-
 def _short(what: str, width: int = 150) -> str:
     """An op's description for a terminal line: its shape and opcode, then the end of its
     op_name path (the innermost, most telling part)."""
@@ -473,44 +341,6 @@ def _short(what: str, width: int = 150) -> str:
     room = max(width - len(head) - 3, 20)
     path = path.rstrip("]")
     return head + (f" [{'...' + path[-room:] if len(path) > room else path}]" if path else "")
-
-
-def aggregate_trace(xplane_path: str) -> dict[str, dict[str, float]]:
-    """Executions and self time (ns) of each XLA op in a `jax.profiler.trace` file.
-
-    Reads the events that carry an `hlo_op` stat (XLA CPU thunks), thread by thread, and
-    charges each op its self time (`self_times`). Events of several threads overlap in time,
-    so the sum is CPU time, not wall time.
-    """
-    data = jax.profiler.ProfileData.from_file(xplane_path)
-    lines = []
-    for plane in data.planes:
-        for line in plane.lines:
-            lines.append([(float(ev.start_ns), float(ev.duration_ns), str(stats["hlo_op"]))
-                          for ev in line.events if "hlo_op" in (stats := dict(ev.stats))])
-    return self_times(lines)
-
-
-def self_times(lines) -> dict[str, dict[str, float]]:
-    """`{op: {"count", "ns"}}` from events `(start_ns, duration_ns, op)`, one list per thread.
-
-    A control-flow op (`while`, `conditional`) is an event enclosing, on its thread, the
-    events of the ops it runs there; each event is charged its duration minus that of the
-    events directly nested in it. (XLA:CPU may run a loop body's ops on other threads; those
-    are not nested and are not subtracted.)
-    """
-    agg = defaultdict(lambda: {"count": 0, "ns": 0.0})
-    for events in lines:
-        stack = []  # [end, name] of the enclosing events
-        for start, dur, name in sorted(events, key=lambda e: (e[0], -e[1])):
-            while stack and stack[-1][0] <= start:
-                stack.pop()
-            if stack:
-                agg[stack[-1][1]]["ns"] -= dur
-            agg[name]["count"] += 1
-            agg[name]["ns"] += dur
-            stack.append([start + dur, name])
-    return dict(agg)
 
 
 def trace_routing(counts, steps, top=25):
@@ -531,7 +361,7 @@ def trace_routing(counts, steps, top=25):
         compiled = run.lower(keys, states).compile()
         ops = hlo_op_summary(compiled.as_text())
         jax.block_until_ready(compiled(keys, states))
-        wall = _best(lambda: compiled(keys, states), 3)
+        wall = best_seconds(lambda: compiled(keys, states), 3)
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d):
                 jax.block_until_ready(compiled(keys, states))
@@ -615,7 +445,7 @@ def prefix_bench(counts, steps, repeats):
             compiled = run.lower(routes).compile()
             compile_s = time.perf_counter() - t0
             res = jax.block_until_ready(compiled(routes))
-            best = _best(lambda: compiled(routes), repeats)
+            best = best_seconds(lambda: compiled(routes), repeats)
             state = CB.empty_replicas(r_n, 16, 8, True, blocks)
             nbytes = int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))
             row = {"num_envs": n, "steps": steps, "caching": caching, "decode_runs": skip,

@@ -1,4 +1,5 @@
-"""`scripts/bench.py`'s own machinery (no timing targets: those live in the benchmark)."""
+"""The benchmark harness's own machinery, `jaxserve.evaluation.benchmark` (no timing targets:
+those live in `scripts/bench.py`'s runs)."""
 
 import tempfile
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from scripts import bench
+from jaxserve.evaluation import benchmark as bench
 
 
 def _program(x):

@@ -2,7 +2,7 @@
 
 Workloads on a dyadic grid (arrivals on multiples of 1/4 s, coefficients powers of two, small
 token counts) make every time exactly representable in float32 and float64, so the engine must
-match `tests/reference_continuous.py` *exactly*: first-token and finish times, drops and
+match `jaxserve/reference/continuous.py` *exactly*: first-token and finish times, drops and
 preemption counts of every request. Tiny KV caches force preemptions; coarse arrival grids force
 ties between arrivals and iteration ends.
 """
@@ -18,7 +18,7 @@ import jaxserve
 from jaxserve.core import continuous as CB
 from jaxserve.core.replica import (ReplicaProfile, kv_blocks_for, replica_profile,
                                    stack_replicas, validate_replica)
-from tests import reference_continuous as ref
+from jaxserve.reference import continuous as ref
 
 N_REQ = 96  # one trace length for the exact tests: one compilation shared by all of them
 

@@ -1,4 +1,4 @@
-"""The JAX engine against the pure-Python event-by-event reference (`tests/reference_sim.py`).
+"""The JAX engine against the pure-Python event-by-event reference (`jaxserve/reference/sim.py`).
 
 Two kinds of workload:
 - a dyadic grid: arrival times on multiples of 1/4 s and service coefficients that are powers
@@ -15,7 +15,7 @@ import pytest
 
 import jaxserve
 from jaxserve.core.sources import trace_arrays
-from tests import reference_sim as ref
+from jaxserve.reference import sim as ref
 
 
 def profile_dicts(profiles):

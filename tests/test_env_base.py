@@ -11,6 +11,7 @@ import pytest
 import jaxserve
 from jaxserve import policies as P
 from jaxserve.envs import base
+from jaxserve.envs.registry import make_llm_prefix_routing
 
 
 @pytest.mark.parametrize("name,kind", [("Routing-v0", "routing"), ("Batching-v0", "batching"),
@@ -99,3 +100,11 @@ def test_static_fields_are_normalised_so_equal_configs_hash_equal():
     assert type(a.trace_len) is int and type(a.shaping_gamma) is float
     assert a == b and hash(a) == hash(b)
     assert env.replace_static(shaping_gamma=None).shaping_gamma is None
+
+
+def test_policy_kinds_are_defined_once():
+    assert P.KINDS is base.POLICY_KINDS and set(base.EVALUATED_KINDS) < set(base.POLICY_KINDS)
+    prefix, _ = make_llm_prefix_routing()
+    assert prefix.policy_kind in base.POLICY_KINDS and P.names(prefix.policy_kind)
+    with pytest.raises(ValueError, match="not a jaxserve"):
+        base.policy_kind(prefix)  # its routers are compared by scripts/prefix_routers.py

@@ -1,5 +1,6 @@
-"""Dependencies point one way: core <- traces <- envs <- workloads <- policies <- evaluation <-
-agents <- scripts.
+"""Dependencies point one way: reference <- core <- traces <- envs <- workloads <- policies <-
+evaluation <- agents <- scripts (`jaxserve.reference`, the pure-Python simulators the engines are
+tested against, imports nothing of jaxserve).
 
 Walks every module of `jaxserve`, `agents` and `scripts` with `ast` (imports at module top and
 inside functions alike, since a function-level import is a dependency too) and fails on an
@@ -14,8 +15,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("jaxserve.core", "jaxserve.traces", "jaxserve.envs", "jaxserve.workloads",
-          "jaxserve.policies", "jaxserve.evaluation", "agents", "scripts")
+LAYERS = ("jaxserve.reference", "jaxserve.core", "jaxserve.traces", "jaxserve.envs",
+          "jaxserve.workloads", "jaxserve.policies", "jaxserve.evaluation", "agents", "scripts")
 FRONT_DOORS = {"jaxserve": "jaxserve.evaluation", "jaxserve.gymnasium": "jaxserve.evaluation"}
 
 
@@ -78,4 +79,5 @@ def test_the_walk_sees_imports_that_point_up():
     assert sorted(targets) == ["agents", "jaxserve", "jaxserve.traces", "scripts.bench"]
     assert layer_of("scripts.bench") > layer_of("agents") > layer_of("jaxserve")
     assert layer_of("jaxserve.evaluation.stats") > layer_of("jaxserve.core.stats")
-    assert layer_of("jaxserve.core") == 0 and layer_of("numpy") is None
+    assert layer_of("jaxserve.core") == 1 and layer_of("numpy") is None
+    assert layer_of("jaxserve.reference.sim") < layer_of("jaxserve.core.replica")

@@ -1,5 +1,5 @@
 """The continuous engine with automatic prefix caching (`core/continuous.py`, `Replicas.pc`)
-against the event-by-event reference `tests/reference_prefix.py` (docs/prefix_caching.md).
+against the event-by-event reference `jaxserve/reference/prefix.py` (docs/prefix_caching.md).
 
 Dyadic workloads (arrivals on a 1/4 s grid, coefficients powers of two, 4-token blocks) make
 every time exact in float32 and float64, so the engine must equal the reference *exactly* per
@@ -25,8 +25,8 @@ from jaxserve.core.replica import ReplicaProfile, stack_replicas
 from jaxserve.core.types import Trace
 from jaxserve.evaluation.replay import replay_prefix, replay_prefix_arrays
 from jaxserve.traces.prefix import PrefixTrace, build_prefix_tree, kv_prefix
-from tests import reference_continuous as rc
-from tests.reference_prefix import simulate_prefix
+from jaxserve.reference import continuous as rc
+from jaxserve.reference.prefix import simulate_prefix
 from tests.test_reference_prefix import B, hand_profile, random_case
 
 N = 80  # requests per case (hand cases are padded with late private requests)
@@ -220,7 +220,7 @@ def test_coarse_hash_blocks_equal_reference():
 @pytest.mark.parametrize("seed", range(3))
 def test_caching_off_is_todays_engine(seed):
     """Without a prefix cache the driver runs the unchanged engine path: equal per request
-    to `jaxserve.replay` on LLMRouting-v0 and to `tests/reference_continuous.py`."""
+    to `jaxserve.replay` on LLMRouting-v0 and to `jaxserve/reference/continuous.py`."""
     arrival, prompt, output, replica, profiles, prefix = random_case(seed, n=N)
     profs = [ReplicaProfile(**p) for p in profiles]
     got, _ = both(arrival, prompt, output, replica, profiles, prefix, caching=False)

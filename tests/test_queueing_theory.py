@@ -14,7 +14,7 @@ import pytest
 
 import jaxserve
 from jaxserve.core import arrivals as A
-from tests.reference_sim import mg1_mean_wait
+from jaxserve.reference.sim import mg1_mean_wait
 
 PROFILE = jaxserve.GPUProfile(c0=0.05, alpha=1e-4, beta=0.01, gamma=0.0, delta=0.0,
                               max_batch=1, queue_cap=64, timeout=0.0)

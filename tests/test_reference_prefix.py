@@ -1,5 +1,5 @@
-"""The prefix-caching reference (`tests/reference_prefix.py`) against hand-computed cases and
-against `tests/reference_continuous.py`.
+"""The prefix-caching reference (`jaxserve/reference/prefix.py`) against hand-computed cases and
+against `jaxserve/reference/continuous.py`.
 
 Hand cases use dyadic coefficients (c0 = 0.5 s, alpha = 1/16 s per token, the rest 0) and
 4-token blocks, so every time below is exact in binary floating point: an iteration computing
@@ -9,8 +9,8 @@ Hand cases use dyadic coefficients (c0 = 0.5 s, alpha = 1/16 s per token, the re
 import numpy as np
 import pytest
 
-from tests import reference_continuous as rc
-from tests.reference_prefix import random_shared_workload, simulate_prefix
+from jaxserve.reference import continuous as rc
+from jaxserve.reference.prefix import random_shared_workload, simulate_prefix
 
 B = 4
 

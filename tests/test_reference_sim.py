@@ -1,4 +1,4 @@
-"""Hand-checkable tests of the pure-Python reference simulator (`tests/reference_sim.py`).
+"""Hand-checkable tests of the pure-Python reference simulator (`jaxserve/reference/sim.py`).
 
 The reference is the ground truth for the JAX engine, so these tests check it against numbers
 worked out by hand from `docs/contract_static.md`, against rule-level invariants recomputed from its
@@ -6,14 +6,11 @@ output, and against the Pollaczek-Khinchine formula.
 """
 
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from reference_sim import mg1_mean_wait, service_time, simulate, simulate_batching  # noqa: E402
+from jaxserve.reference.sim import mg1_mean_wait, service_time, simulate, simulate_batching
 
 
 def prof(**kw):

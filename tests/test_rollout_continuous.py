@@ -1,7 +1,7 @@
 """The rollout workload on continuous-batching replicas (`workloads.rollout`, issue 12 item 5).
 
 A hand-computed iteration (dyadic coefficients: exact in float32), and per-request equality
-with the event-by-event reference `tests/reference_continuous.py` for every continuous rule.
+with the event-by-event reference `jaxserve/reference/continuous.py` for every continuous rule.
 """
 
 import jax
@@ -12,7 +12,7 @@ import pytest
 from jaxserve.core import arrivals as A
 from jaxserve.core.replica import ReplicaProfile
 from jaxserve.workloads import rollout as W
-from tests import reference_continuous as ref
+from jaxserve.reference import continuous as ref
 
 # Iteration time c0 + alpha * tokens: a prefill of 2 x 8 tokens takes 0.75 s, a decode of 2
 # sequences 0.53125 s.

@@ -16,7 +16,7 @@ from jaxserve.core import arrivals as A
 from jaxserve.core.types import GPUProfile
 from jaxserve.core import stats
 from jaxserve.workloads import rollout as W
-from tests import reference_sim as ref
+from jaxserve.reference import sim as ref
 
 # Dyadic coefficients: every service time below is exact in float32 and float64.
 PROF = GPUProfile(c0=0.5, alpha=2.0 ** -10, alpha2=0.0, beta=2.0 ** -4, gamma=2.0 ** -8,
@@ -210,7 +210,7 @@ def test_vmap_over_replicas_and_rules_matches_per_point_runs():
 @pytest.mark.parametrize("timeout", [0.0, 3.0])
 def test_schedules_match_reference_simulator(timeout):
     """Given the routing each rule chose, the engine's schedule equals the event-by-event
-    reference (`tests/reference_sim.py`) fed the requests in routing (queue) order."""
+    reference (`jaxserve/reference/sim.py`) fed the requests in routing (queue) order."""
     rng = np.random.default_rng(int(timeout) + 7)
     prompt = np.rint(rng.lognormal(np.log(256), 0.5, K)).clip(1)
     output = np.rint(rng.lognormal(np.log(200), 1.2, K)).clip(1, 4096)

@@ -120,7 +120,7 @@ def test_kv_prefix_at_vllm_block_size(tmp_path):
 def test_kv_prefix_drives_the_prefix_reference(tmp_path):
     """Rows 1 and 4 share 3 hash blocks: the later one (arriving after the first finished) hits
     every full 16-token block of the first's prompt that its cap allows."""
-    from tests.reference_prefix import simulate_prefix
+    from jaxserve.reference.prefix import simulate_prefix
 
     mt = load_mooncake(write(tmp_path, ROWS))
     prof = dict(c0=0.5, alpha=2.0 ** -10, alpha2=0.0, beta=0.0, gamma=0.0, delta=0.0,
@@ -156,7 +156,7 @@ def test_real_prefixes_through_the_reference_under_pressure():
     """The first 40 conversation requests (16-token KV blocks from kv_prefix) on one replica of
     1200 blocks: the block pool's invariants hold after every change (audit), with hits,
     evictions and preemptions of requests holding shared blocks all present."""
-    from tests.reference_prefix import simulate_prefix
+    from jaxserve.reference.prefix import simulate_prefix
 
     mt = load_mooncake(REAL / "conversation_trace.jsonl.gz")
     n = 40

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import jax
@@ -26,6 +25,7 @@ from jaxserve.core.types import GPUProfile, Trace
 from jaxserve.core.sources import trace_arrays
 from jaxserve.envs.registry import routing_gpus
 from jaxserve.evaluation.replay import replay_windows
+from jaxserve.reference.sim import simulate
 from jaxserve.traces import (
     burstgpt_like,
     burstgpt_profile,
@@ -52,8 +52,6 @@ from jaxserve.traces import (
     windows,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_sim import simulate  # noqa: E402
 
 TRACES = Path(os.environ.get("JAXSERVE_TRACES_DIR")
               or Path(__file__).resolve().parents[2] / "shared" / "traces")

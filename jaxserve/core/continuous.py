@@ -43,7 +43,7 @@ from flax import struct
 from jaxserve.core import queues as Q
 from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
-from jaxserve.core.replica import ReplicaProfile
+from jaxserve.core.replica import ReplicaProfile, iteration_time
 
 
 @struct.dataclass
@@ -454,10 +454,9 @@ def _apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
     prefill = on & ~decoding
     comp_f = r2.comp.astype(jnp.float32)
     num_dec = decoding.sum(-1).astype(jnp.float32)
-    iter_time = (prof.c0 + prof.alpha * n_f.sum(-1)
-                 + prof.alpha2 * jnp.where(prefill, n_f * (comp_f + n_f), 0.0).sum(-1)
-                 + prof.beta * (num_dec > 0) + prof.gamma * num_dec
-                 + prof.delta * jnp.where(decoding, len2.astype(jnp.float32), 0.0).sum(-1))
+    iter_time = iteration_time(
+        prof, n_f.sum(-1), jnp.where(prefill, n_f * (comp_f + n_f), 0.0).sum(-1), num_dec,
+        jnp.where(decoding, len2.astype(jnp.float32), 0.0).sum(-1))
     if blocks is None:
         valid2 = idx < r2.count[:, None]
         blocks = jnp.where(valid2, _cdiv(r2.comp + r2.sched, b), 0).sum(-1)
@@ -1028,6 +1027,8 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     k_max = jnp.where(pure & ~admit, jnp.clip(left - 1, 0, RUN_CAP), 0)
 
     nf = n.astype(jnp.float32)
+    # Iteration j is `replica.iteration_time(prof, n, 0, n, sum L + n j)` expanded (n > 0
+    # decodes, so beta is on); kept in this float order so the skip's results stay the same.
     a_t = (prof.c0 + prof.beta + (prof.alpha + prof.gamma) * nf
            + prof.delta * jnp.where(valid, length, 0).sum(-1).astype(jnp.float32))
     b_t = prof.delta * nf

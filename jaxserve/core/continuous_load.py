@@ -15,7 +15,8 @@ Full-batch model for requests of `p` prompt and `o` output tokens on one replica
     capacity = B / T  (req/s),   work per request = T / B  (s)
 
 (`alpha2 B p^2` is the attention cost of unchunked prompts; with chunking the true cost is
-between half and all of it.)
+between half and all of it.) Every closed form here is `core.replica.iteration_time` summed over
+a run of iterations, expanded by hand.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def _slowdown(prof: ReplicaProfile, n, blocks) -> jax.Array:
 
 
 def _prefill_time(prof: ReplicaProfile, tokens) -> jax.Array:
-    """Seconds of iteration time `tokens` prefill tokens add (`alpha p + alpha2 p^2`)."""
+    """Seconds of iteration time `tokens` prefill tokens add (`alpha p + alpha2 p^2`, the
+    prefill terms of `replica.iteration_time` for an unchunked prompt)."""
     return prof.alpha * tokens + prof.alpha2 * tokens * tokens
 
 

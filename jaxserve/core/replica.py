@@ -88,6 +88,28 @@ class ReplicaProfile:
     name: str = struct.field(pytree_node=False, default="custom")
 
 
+
+def iteration_time(prof: ReplicaProfile, tokens, prefill_attention, decodes, decode_context):
+    """Seconds one continuous-batching iteration lasts (the formula in this module's docstring,
+    `docs/contract_continuous.md`):
+
+        T = c0 + alpha * tokens + alpha2 * prefill_attention
+              + beta * [decodes > 0] + gamma * decodes + delta * decode_context
+
+    Args (per replica, broadcasting against `prof`'s leaves):
+      tokens: tokens computed in the iteration, prefill and decode (`sum n`).
+      prefill_attention: `sum_{prefilling} n (C + n)` over the prefilling requests, each
+        computing `n` tokens after `C` computed ones (tokens^2).
+      decodes: decoding sequences in the iteration (a count, as a float).
+      decode_context: tokens of context the decodes read, `sum_{decoding} L`.
+
+    The engine's step (`core.continuous`) computes every iteration with it. Closed forms over
+    runs of iterations (`core.continuous`'s decode-run skip, `core.continuous_load`'s
+    estimates) expand it algebraically, in another float order, and say so where they do.
+    """
+    return (prof.c0 + prof.alpha * tokens + prof.alpha2 * prefill_attention
+            + prof.beta * (decodes > 0) + prof.gamma * decodes + prof.delta * decode_context)
+
 def validate_replica(profile: ReplicaProfile, where: str = "ReplicaProfile") -> None:
     """Raises ValueError naming the field if a profile (scalar or stacked) is invalid.
 

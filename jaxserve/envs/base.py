@@ -8,8 +8,9 @@
   Everything a user may sweep is an array leaf of the params, so `vmap` over params needs no
   recompile. The mixin also carries the lean auto-reset `step` of the serving environments.
 * `policy_kind`: each environment class names the family of registered policies that act in
-  it (`"routing"`, `"batching"`, `"autoscaling"`; None for an environment without
-  registered heuristics, such as LLMRouting-v0, whose heuristics are plain functions). The
+  it (one of `POLICY_KINDS`: `"routing"`, `"batching"`, `"autoscaling"`, `"prefix_routing"`;
+  None for an environment without registered heuristics, such as LLMRouting-v0, whose
+  heuristics are plain functions). The
   harness, the CLIs and the policy registry read this attribute instead of switching on
   classes.
 * `with_static(env, **changes)`: `env.replace_static(...)` cached, the one place a variant of
@@ -34,18 +35,25 @@ from gymnax.environments import spaces
 from jaxserve.core import rng
 from jaxserve.envs import common
 
-POLICY_KINDS = ("routing", "batching", "autoscaling")
+# Every family of registered policies, defined here once (`policies.registry` reads it as
+# `KINDS`): an environment class's `policy_kind` is one of them or None.
+POLICY_KINDS = ("routing", "batching", "autoscaling", "prefix_routing")
+# The families the evaluation harness and CLIs handle (`policy_kind`); LLMPrefixRouting-v0's
+# "prefix_routing" routers are evaluated by `scripts/prefix_routers.py` instead.
+EVALUATED_KINDS = POLICY_KINDS[:3]
 FEATURE_CLIP = 1e3  # keeps time features finite and inside the observation space at any load
 
 
 def policy_kind(env: Any) -> str:
-    """The registered-policy family of `env` (its `policy_kind` attribute).
+    """The registered-policy family of `env` (its `policy_kind` attribute), one of
+    `EVALUATED_KINDS`.
 
     Raises:
-      ValueError: `env` is not a jaxserve environment with registered policies.
+      ValueError: `env` is not a jaxserve environment whose registered policies the
+        evaluation CLIs handle.
     """
     kind = getattr(env, "policy_kind", None)
-    if kind not in POLICY_KINDS:
+    if kind not in EVALUATED_KINDS:
         raise ValueError(f"not a jaxserve Routing, Batching or Autoscaling environment: "
                          f"{type(env).__name__}")
     return kind

@@ -230,7 +230,7 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
     def policy_kind(self) -> str | None:
         """"prefix_routing" with prefix caching (the registry kind of
         `policies.prefix_routing`); None otherwise (LLMRouting-v0's heuristics are plain
-        functions, `policies.llm_routing`). Not in `envs.base.POLICY_KINDS`: the evaluation
+        functions, `policies.llm_routing`). Not in `envs.base.EVALUATED_KINDS`: the evaluation
         CLIs (`envs.base.policy_kind`) refuse both LLM routing environments, as before."""
         return "prefix_routing" if self.prefix else None
 

@@ -11,7 +11,7 @@ import dataclasses
 import inspect
 from typing import Callable
 
-KINDS = ("routing", "batching", "autoscaling", "prefix_routing")
+from jaxserve.envs.base import POLICY_KINDS as KINDS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

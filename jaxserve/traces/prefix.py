@@ -132,7 +132,7 @@ def kv_prefix(mt: PrefixTrace, i: int, block_size: int) -> list[tuple[int, int]]
     KV block `j` (tokens `[j b, (j + 1) b)`) lying inside the prompt gets the id `(node of
     hash block q = floor(j b / T), j - q T / b)`, `T` the hash block size: blocks inside equal
     hash blocks are equal. Returns the ids of the `floor(prompt / b)` full KV blocks (the form
-    `tests/reference_prefix.simulate_prefix` takes as `prefix[i]`).
+    `jaxserve.reference.prefix.simulate_prefix` takes as `prefix[i]`).
 
     Raises ValueError unless `block_size` divides the hash block size.
     """

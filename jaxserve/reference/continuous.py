@@ -183,7 +183,7 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
         after every event instant (conservation tests).
       make_request, make_replica: optional factories `make_request(i, a, p, o)` and
         `make_replica(k, profile)` replacing `_Req` and `_Replica` (models extending this one,
-        e.g. `tests/reference_prefix.py`, pass subclasses and keep the objects they build).
+        e.g. `jaxserve/reference/prefix.py`, pass subclasses and keep the objects they build).
 
     Returns:
       dict of arrays: `first_token`, `finish` (NaN if dropped), `dropped`, `never_fit`,

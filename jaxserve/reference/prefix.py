@@ -1,7 +1,7 @@
 """Event-by-event reference of continuous batching with automatic prefix caching.
 
 Plain Python, float64, written from `docs/prefix_caching.md` (vLLM v1's rules), not from any
-JAX code. It extends `tests/reference_continuous.py` (the `MODEL_CONTINUOUS.md` reference) by
+JAX code. It extends `jaxserve/reference/continuous.py` (the `MODEL_CONTINUOUS.md` reference) by
 subclassing its request and replica and reusing its event loop, iteration-time formula and drop
 rules; what changes is the KV memory:
 
@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from tests.reference_continuous import REPLICA_KEYS, _Replica, _Req, simulate
+from jaxserve.reference.continuous import REPLICA_KEYS, _Replica, _Req, simulate
 
 __all__ = ["REPLICA_KEYS", "PrefixTree", "simulate_prefix"]
 
@@ -275,16 +275,16 @@ def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=
     Args:
       arrival, prompt, output, replica: per-request arrays (arrivals non-decreasing; seconds,
         tokens, tokens, replica index).
-      profiles: list of dicts with `REPLICA_KEYS` (as `tests/reference_continuous.py`).
+      profiles: list of dicts with `REPLICA_KEYS` (as `jaxserve/reference/continuous.py`).
       prefix: per request, a list of block ids naming its first full prompt blocks (block `j`
         is shared with every request whose list agrees on entries `0..j`); `len(prefix[i]) *
         block_size <= prompt[i]` is required (ValueError otherwise).
       caching: False disables lookup and caching (then this is `MODEL_CONTINUOUS.md`).
       audit: check the block pool's invariants (`audit_replica`) after every change.
-      check: as in `reference_continuous.simulate`.
+      check: as in `continuous.simulate`.
 
     Returns:
-      `reference_continuous.simulate`'s dict (`first_token`, `finish`, `dropped`, `never_fit`,
+      `continuous.simulate`'s dict (`first_token`, `finish`, `dropped`, `never_fit`,
       `preemptions`, per-replica `iterations`, `replica_preemptions`, `busy` (s), `kv_block_s`
       (distinct held blocks integrated over iterations), `kv_peak`) plus `cached_tokens` (per
       request, the list of cached tokens at each admission), per replica `hit_tokens`,

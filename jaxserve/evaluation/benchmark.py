@@ -1,0 +1,181 @@
+"""The benchmark harness: env-steps/s of a gymnax environment under jit(vmap(lax.scan)), the
+harness's own floor (`NoOpEnv`), and per-XLA-op analysis of a `jax.profiler` trace.
+
+`scripts/bench.py` runs it over the registered environments (docs/benchmarks.md has the
+figures); tests exercise its machinery without timing targets. Times are seconds (wall-clock
+unless named CPU), rates are env-steps per second.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from gymnax.environments import environment as gymnax_env
+from gymnax.environments import spaces as gymnax_spaces
+
+
+def make_runner(env, params, num_steps, auto_reset=True):
+    """jit(vmap(scan)) of random-action steps from given states.
+
+    Returns `run(keys, states) -> (states, checksum, arrived)`: `arrived` counts the requests
+    that arrived (0 for gymnax environments). `auto_reset=False` calls `step_env` (no
+    auto-reset: the profile's measure of what the reset costs).
+    """
+
+    def one_env(key, state):
+        def step(carry, k):
+            state, acc, arrived = carry
+            k_a, k_s = jax.random.split(k)
+            a = env.action_space(params).sample(k_a)
+            if auto_reset:
+                obs, state, r, term, trunc, info = env.step(k_s, state, a, params)
+            else:
+                obs, state, r, term, info = env.step_env(k_s, state, a, params)
+            return (state, acc + obs.sum() + r,
+                    arrived + jnp.asarray(info.get("arrived", 0), jnp.int32)), None
+
+        (state, acc, arrived), _ = jax.lax.scan(
+            step, (state, jnp.float32(0.0), jnp.int32(0)), jax.random.split(key, num_steps))
+        return state, acc, arrived
+
+    return jax.jit(jax.vmap(one_env))
+
+
+def cpu_seconds() -> float:
+    """CPU seconds this process has used, all threads (user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def best_seconds(fn, repeats, cpu=False):
+    """Best wall-clock seconds of `repeats` calls; with `cpu`, also the best CPU seconds."""
+    best, best_cpu = np.inf, np.inf
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        jax.block_until_ready(fn())
+        best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, cpu_seconds() - c0)
+    return (best, best_cpu) if cpu else best
+
+
+def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_reset=True):
+    """Compile time, env-steps/s from reset and after `warmup_steps`, arrivals per step.
+
+    Also the CPU time of the best from-reset call (`reset_cpu_s`): on a shared machine it
+    moves less with other jobs' load than wall-clock time does.
+    """
+    run = make_runner(env, params, num_steps, auto_reset)
+    keys = jax.random.split(jax.random.PRNGKey(0), num_envs)
+    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
+    t0 = time.perf_counter()
+    compiled = run.lower(keys, states).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(compiled(keys, states))  # first call: allocation, thread pools
+    reset_s, reset_cpu_s = best_seconds(lambda: compiled(keys, states), repeats, cpu=True)
+    warm = states
+    for i in range(-(-warmup_steps // num_steps)):
+        warm = compiled(jax.random.split(jax.random.PRNGKey(i + 1), num_envs), warm)[0]
+    timed_keys = jax.random.split(jax.random.PRNGKey(10 ** 6), num_envs)
+    # Without warm-up the "warmed" figure is the from-reset one (not timed twice).
+    warm_s = best_seconds(lambda: compiled(timed_keys, warm), repeats) if warmup_steps else reset_s
+    arrived = int(np.asarray(compiled(timed_keys, warm)[2]).sum())
+    total = num_envs * num_steps
+    return {"num_envs": num_envs, "num_steps": num_steps, "warmup_steps": warmup_steps,
+            "compile_s": compile_s, "reset_run_s": reset_s, "reset_cpu_s": reset_cpu_s,
+            "warm_run_s": warm_s,
+            "reset_steps_per_s": total / reset_s, "warm_steps_per_s": total / warm_s,
+            "arrivals_per_step": arrived / total}
+
+
+def state_bytes(env, params):
+    """Bytes of one environment's state (a fresh reset), summed over its leaves."""
+    _, state = env.reset(jax.random.PRNGKey(0), params)
+    return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(state)))
+
+
+@struct.dataclass
+class _NoOpState:
+    time: jax.Array
+
+
+class NoOpEnv(gymnax_env.Environment):
+    """An environment that does nothing but consume its action (Routing-v0's shapes: 8
+    actions, 51 observation features): what the harness alone costs per env-step (the key
+    split and action draw, gymnax's auto-reset select, the scan)."""
+
+    def step_env(self, key, state, action, params):
+        obs = jnp.zeros(51, jnp.float32) + action
+        return obs, _NoOpState(state.time + action), jnp.float32(0.0), jnp.bool_(False), {}
+
+    def reset_env(self, key, params):
+        return jnp.zeros(51, jnp.float32), _NoOpState(jnp.int32(0))
+
+    def is_terminal(self, state, params):
+        return jnp.bool_(False)
+
+    def action_space(self, params=None):
+        return gymnax_spaces.Discrete(8)
+
+    @property
+    def default_params(self):
+        return gymnax_env.EnvParams(max_steps_in_episode=2 ** 30)
+
+
+def hlo_op_summary(hlo_text: str) -> dict[str, str]:
+    """Each instruction of an optimized HLO module's text as `shape opcode [op_name]`, keyed
+    by instruction name: what a trace's `hlo_op` names refer to. `op_name` is JAX's path to
+    the operation (`jit(...)/vmap()/while/body/...`), which places it in the program."""
+    out = {}
+    pattern = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+(?: \S+)*?) ([a-z][\w\-]*)\(")
+    for line in hlo_text.splitlines():
+        m = pattern.match(line)
+        if not m:
+            continue
+        name, shape, opcode = m.groups()
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        out[name] = f"{shape} {opcode}" + (f" [{op_name.group(1)}]" if op_name else "")
+    return out
+
+
+def aggregate_trace(xplane_path: str) -> dict[str, dict[str, float]]:
+    """Executions and self time (ns) of each XLA op in a `jax.profiler.trace` file.
+
+    Reads the events that carry an `hlo_op` stat (XLA CPU thunks), thread by thread, and
+    charges each op its self time (`self_times`). Events of several threads overlap in time,
+    so the sum is CPU time, not wall time.
+    """
+    data = jax.profiler.ProfileData.from_file(xplane_path)
+    lines = []
+    for plane in data.planes:
+        for line in plane.lines:
+            lines.append([(float(ev.start_ns), float(ev.duration_ns), str(stats["hlo_op"]))
+                          for ev in line.events if "hlo_op" in (stats := dict(ev.stats))])
+    return self_times(lines)
+
+
+def self_times(lines) -> dict[str, dict[str, float]]:
+    """`{op: {"count", "ns"}}` from events `(start_ns, duration_ns, op)`, one list per thread.
+
+    A control-flow op (`while`, `conditional`) is an event enclosing, on its thread, the
+    events of the ops it runs there; each event is charged its duration minus that of the
+    events directly nested in it. (XLA:CPU may run a loop body's ops on other threads; those
+    are not nested and are not subtracted.)
+    """
+    agg = defaultdict(lambda: {"count": 0, "ns": 0.0})
+    for events in lines:
+        stack = []  # [end, name] of the enclosing events
+        for start, dur, name in sorted(events, key=lambda e: (e[0], -e[1])):
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if stack:
+                agg[stack[-1][1]]["ns"] -= dur
+            agg[name]["count"] += 1
+            agg[name]["ns"] += dur
+            stack.append([start + dur, name])
+    return dict(agg)
