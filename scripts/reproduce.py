@@ -33,8 +33,9 @@ def build_parser():
     ap.add_argument("--figures", default=None,
                     help="figure folder (default: figures/ next to --out)")
     ap.add_argument("--fresh", action="store_true",
-                    help="with --only: write a page of just those sections (default: merge "
-                         "them into the existing page, keeping the other sections)")
+                    help="write a page of just the sections run (default: merge them into the "
+                         "existing page, keeping the sections not run: with --only, the "
+                         "others; without, those the budget skips)")
     ap.add_argument("--eval-seed", type=int, default=20261202, help="evaluation key seed")
     ap.add_argument("--no-progress", action="store_true", help="no stage lines")
     return ap
@@ -55,8 +56,10 @@ def main(argv=None) -> int:
         sections = run_experiments(ctx, only)
         out = Path(args.out)
         figs = Path(args.figures) if args.figures else out.parent / "figures"
-        path = write_results(sections, ctx, out, figs, time.perf_counter() - t0,
-                             merge=only is not None and not args.fresh)
+        # A run of every experiment keeps the sections its budget skips (e.g. the quick
+        # budget's (f) and (x), written by `--only`) unless --fresh.
+        merge = not args.fresh and (only is not None or bool(budget.skip))
+        path = write_results(sections, ctx, out, figs, time.perf_counter() - t0, merge=merge)
         failed = [s.key for s in sections if "failed" in s.data]
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)"
               + (f"; FAILED: {failed}" if failed else ""))

@@ -99,7 +99,7 @@ def test_unknown_experiment_is_an_error():
     ctx = Context(BUDGETS["tiny"], "x", progress=False)
     with pytest.raises(ValueError, match="unknown experiment"):
         run_experiments(ctx, ["zz"])
-    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e", "f", "w"]
+    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e", "f", "w", "x"]
 
 
 def test_capacity_from_sweep_takes_the_first_failure():

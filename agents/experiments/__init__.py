@@ -9,15 +9,16 @@ Modules: `budget` (quick, full and tiny budgets), `common` (training several see
 program, seed statistics, markdown tables), `scenarios` (every scenario, fixed up front with
 its reason), `routing` (a, c, e), `batching` (b), `generalisation` (d),
 `llm_routing` (f, skipped by the quick and tiny budgets unless named), `routing_win` (w:
-honest information, headroom, learned vs best heuristic), `report`.
+honest information, headroom, learned vs best heuristic), `ablation` (x: what (w)'s win rests
+on; skipped by the quick and tiny budgets unless named), `report`.
 """
 
 from agents.experiments.budget import BUDGETS, Budget
 from agents.experiments.common import Context, Section
 from agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
 # Importing the experiment modules registers them.
-from agents.experiments import (batching, generalisation, llm_routing, routing,  # noqa: F401,E402
-                                 routing_win)
+from agents.experiments import (ablation, batching, generalisation,  # noqa: F401,E402
+                                 llm_routing, routing, routing_win)
 
 __all__ = ["BUDGETS", "Budget", "Context", "EXPERIMENTS", "Section", "experiment",
            "run_experiments"]

@@ -91,12 +91,13 @@ def stack_params(params_list: Sequence[Any]) -> Any:
 
 def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
                     seeds: Sequence[int], total_steps: int, ctx: Context | None = None,
-                    checkpoints: int = 1):
+                    checkpoints: int = 1, **hparams):
     """Trains `algo` on every scenario x seed in ONE compiled program.
 
     The environment parameters are an argument of the program (vmapped over scenarios), the
     seeds an inner vmap; hyperparameters are `agents.defaults.ENV_DEFAULTS[env_name][algo]`,
-    as `agents.train` uses them, each run's key `jax.random.key(seed)`. With `checkpoints`
+    as `agents.train` uses them (`hparams` override them, e.g. `network="mlp"`), each run's
+    key `jax.random.key(seed)`. With `checkpoints`
     = K > 1 the updates run as K equal chunks (the same updates, in the same order) and the
     network after each chunk is kept: the policies of a budget curve.
 
@@ -111,7 +112,7 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     from agents.policy import LearnedPolicy
     from agents.trainer import run_updates
 
-    config = make_config(algo, env_name, env, int(total_steps), int(seeds[0]))
+    config = make_config(algo, env_name, env, int(total_steps), int(seeds[0]), **hparams)
     checkpoints = int(checkpoints)
     if checkpoints < 1 or config.num_updates % checkpoints:
         raise ValueError(f"checkpoints must be >= 1 and divide the {config.num_updates} "
