@@ -1,7 +1,8 @@
 """Is LLMAutoscaling-v0 learnable as registered? The measurement behind issue 25, item 3.
 
     python -m tests.llm_autoscaling_learnability [--steps N] [--seed S] [--eval-envs E]
-        [--eval-steps T] [--hpa-grid 0.5,0.7,0.9] [--ppo-set KEY=V ...] [--save FILE]
+        [--eval-steps T] [--hpa-grid 0.5,0.7,0.9] [--ppo-set KEY=V ...] [--set k=v ...]
+        [--no-eval] [--save FILE]
 
 On `jaxserve.make("LLMAutoscaling-v0")`, unmodified (4 OPT-13B A100-80GB slots, 15 s control
 intervals, diurnal Poisson arrivals of mean 6 req/s, 480 intervals per episode), it:
@@ -11,7 +12,9 @@ intervals, diurnal Poisson arrivals of mean 6 req/s, 480 intervals per episode),
    environment steps with key `--seed`, compiling it apart (`jit(...).lower().compile()`) so
    the run time per PPO update (16 envs x 128 intervals of rollout, then 4 epochs x 4
    minibatches) is printed without compilation. `--ppo-set` overrides `minimal_ppo.CONFIG`
-   entries (smoke runs only; the measurement uses none).
+   entries (smoke runs only; the measurement uses none). `--set` trains on
+   `make("LLMAutoscaling-v0", **sets)` instead (e.g. `latency_scale=100000.0`, a reward
+   scale); the evaluation always runs the registered scenario.
 2. Prints, per update, from the rollout the update trained on: the mean and std of the step
    reward (units of `latency_scale` = 1000 request-seconds), the fraction of steps ending an
    episode, the policy's entropy (nats; uniform over 4 actions is 1.386), the value's
@@ -68,6 +71,7 @@ def update_diagnostics(num_actions: int):
             done=traj.done.mean(),
             entropy=-(pi * jax.nn.log_softmax(logits)).sum(-1).mean(),
             explained_var=1 - jnp.var(targets - values) / (jnp.var(targets) + 1e-12),
+            target_mean=targets.mean(), value_mean=values.mean(),
             greedy_freq=jax.nn.one_hot(jnp.argmax(logits, -1), num_actions).mean((0, 1)),
             obs_mean=obs.mean(0), obs_sq=(obs ** 2).mean(0), obs_min=obs.min(0),
             obs_max=obs.max(0))
@@ -103,17 +107,23 @@ def main(argv=None):
     ap.add_argument("--tune-envs", type=int, default=4)
     ap.add_argument("--hpa-grid", default="0.5,0.7,0.9")
     ap.add_argument("--ppo-set", nargs="*", default=[], help="minimal_ppo CONFIG overrides")
+    ap.add_argument("--no-eval", action="store_true", help="stop after 2. (no evaluation)")
     ap.add_argument("--save", default=None, help="pickle the trained network params here")
+    ap.add_argument("--set", nargs="*", default=[],
+                    help="LLMAutoscaling-v0 overrides k=v for training only (the evaluation "
+                         "reports cost in request-seconds, which no reward scale changes)")
     a = ap.parse_args(argv)
     ppo_cfg = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in a.ppo_set)}
     env, params = jaxserve.make("LLMAutoscaling-v0")
+    env_overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in a.set)}
+    train_env, train_params = jaxserve.make("LLMAutoscaling-v0", **env_overrides)
     price = float(params.gpu_price)
     np.set_printoptions(precision=3, suppress=True)
     cfg = dict(CONFIG, **ppo_cfg, TOTAL_TIMESTEPS=a.steps)
     per_update = cfg["NUM_ENVS"] * cfg["NUM_STEPS"]
     n_up = a.steps // per_update
 
-    train, network = make_train(cfg, env, params, diagnostics=update_diagnostics(
+    train, network = make_train(cfg, train_env, train_params, diagnostics=update_diagnostics(
         env.num_actions))
     key = jax.random.PRNGKey(a.seed)
     t0 = time.perf_counter()
@@ -135,7 +145,8 @@ def main(argv=None):
     for i in range(n_up):
         print(f"  update {i:3d} reward {d['reward_mean'][i]:+.4f} / {d['reward_std'][i]:.4f} "
               f"done {d['done'][i]:.4f} entropy {d['entropy'][i]:.4f} EV "
-              f"{d['explained_var'][i]:+.2f} greedy {d['greedy_freq'][i]}")
+              f"{d['explained_var'][i]:+.2f} value target/value mean {d['target_mean'][i]:+.3g} "
+              f"/ {d['value_mean'][i]:+.3g} greedy {d['greedy_freq'][i]}")
     mean = d["obs_mean"].mean(0)
     std = np.sqrt(np.maximum(d["obs_sq"].mean(0) - mean ** 2, 0.0))
     print("  observation features over all training rollouts: mean / std / min / max")
@@ -143,6 +154,8 @@ def main(argv=None):
         print(f"    {j:2d} {name:24s} {mean[j]:9.4f} {std[j]:9.4f} {d['obs_min'][:, j].min():9.4f}"
               f" {d['obs_max'][:, j].max():9.4f}")
 
+    if a.no_eval:
+        return
     grid = [float(x) for x in a.hpa_grid.split(",")]
     t0 = time.perf_counter()
     tune = evaluate_autoscalers(env, params, {f"{g:g}": POL.get(
