@@ -1,7 +1,8 @@
 """LLMAutoscaling-v0: Autoscaling-v0's step over continuous-batching replicas (issue 12 item 5).
 
-GPU-seconds exact on a hand-computed case (dyadic iteration times), and one program vmapped
-over parameter lanes equal to each lane alone. The gymnax contract is tests/test_env_contract.py
+GPU-seconds exact on a hand-computed case (dyadic iteration times), one program vmapped
+over parameter lanes equal to each lane alone, and `evaluate_autoscalers` on it (exact
+latencies, requests in flight). The gymnax contract is tests/test_env_contract.py
 (parametrised over every registered id, this one included).
 """
 
