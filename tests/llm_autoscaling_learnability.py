@@ -18,7 +18,8 @@ intervals, diurnal Poisson arrivals of mean 6 req/s, 480 intervals per episode),
 2. Prints, per update, from the rollout the update trained on: the mean and std of the step
    reward (units of `latency_scale` = 1000 request-seconds), the fraction of steps ending an
    episode, the policy's entropy (nats; uniform over 4 actions is 1.386), the value's
-   explained variance and how often each action is the greedy one; and, over the whole
+   explained variance, the mean GAE value target and the mean value (reward units), and how
+   often each action is the greedy one; and, over the whole
    training, each observation feature's mean, std, min and max (`Autoscaling.FEATURES`), so
    constant or badly scaled features show.
 3. Tunes HPA's `target_utilization` over `--hpa-grid` on tuning episodes
@@ -140,7 +141,7 @@ def main(argv=None):
     if a.save:
         with open(a.save, "wb") as f:
             pickle.dump(jax.device_get(net_params), f)
-    print("2. per update (rollout it trained on): step reward mean/std (units of 1000 req-s), "
+    print("2. per update (rollout it trained on): step reward mean/std (units of latency_scale req-s, 1000 registered), "
           "done fraction, entropy (uniform 1.386), explained variance, greedy action freq")
     for i in range(n_up):
         print(f"  update {i:3d} reward {d['reward_mean'][i]:+.4f} / {d['reward_std'][i]:.4f} "
