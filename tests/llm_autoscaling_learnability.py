@@ -141,8 +141,9 @@ def main(argv=None):
     if a.save:
         with open(a.save, "wb") as f:
             pickle.dump(jax.device_get(net_params), f)
-    print("2. per update (rollout it trained on): step reward mean/std (units of latency_scale req-s, 1000 registered), "
-          "done fraction, entropy (uniform 1.386), explained variance, greedy action freq")
+    print("2. per update (rollout it trained on): step reward mean/std (units of "
+          "latency_scale req-s, 1000 registered), done fraction, entropy (uniform 1.386), "
+          "explained variance, value target / value means, greedy action freq")
     for i in range(n_up):
         print(f"  update {i:3d} reward {d['reward_mean'][i]:+.4f} / {d['reward_std'][i]:.4f} "
               f"done {d['done'][i]:.4f} entropy {d['entropy'][i]:.4f} EV "
