@@ -1,7 +1,8 @@
 """LLMAutoscaling-v0: Autoscaling-v0's step over continuous-batching replicas (issue 12 item 5).
 
-GPU-seconds exact on a hand-computed case (dyadic iteration times), and one program vmapped
-over parameter lanes equal to each lane alone. The gymnax contract is tests/test_env_contract.py
+GPU-seconds exact on a hand-computed case (dyadic iteration times), one program vmapped
+over parameter lanes equal to each lane alone, and `evaluate_autoscalers` on it (exact
+latencies, requests in flight). The gymnax contract is tests/test_env_contract.py
 (parametrised over every registered id, this one included).
 """
 
@@ -78,3 +79,26 @@ def test_vmap_over_params_equals_each_lane():
         for b, o in zip(batched, one):
             np.testing.assert_allclose(np.asarray(b[i]), np.asarray(o), rtol=1e-6, atol=1e-6)
     assert np.all(np.isfinite(np.asarray(batched[0])))
+
+
+def test_evaluate_autoscalers_counts_requests_in_flight():
+    """`evaluation.scaling.evaluate_autoscalers` runs on continuous replicas and counts the
+    requests still held at the end (it read the static engine's fields before)."""
+    from jaxserve import policies
+    from jaxserve.evaluation.scaling import evaluate_autoscalers
+
+    env, params = make_case()
+    pols = {"one": policies.get("fixed", env=env, replicas=1),
+            "three": policies.get("fixed", env=env, replicas=3)}
+    key = jax.random.PRNGKey(0)
+    # Both requests arrive at 0. Three replicas: one each, both finish at FINISH. One
+    # replica: they share its iterations (prefill 0.5 + 16 / 64 s, then 15 decodes of
+    # 0.5 + 2 / 64 s) and finish at 8.71875 s. Held after one 4 s interval, done after three.
+    early = evaluate_autoscalers(env, params, pols, key, num_envs=1, num_steps=1)
+    late = evaluate_autoscalers(env, params, pols, key, num_envs=1, num_steps=3)
+    for name in pols:
+        assert early[name]["in_flight"] == 2.0
+        assert late[name]["in_flight"] == 0.0
+        assert late[name]["drop_rate"] == 0.0
+    assert late["three"]["mean_latency"] == FINISH
+    assert late["one"]["mean_latency"] == 0.75 + 15 * 0.53125

@@ -81,8 +81,8 @@ def episode_totals(env: Autoscaling, policy: Callable, params: AutoscalingParams
     _, state, _, _, rows = run_episode(env, from_policy(policy, params), params, key,
                                        num_steps, fold=fold)
     totals = {k: v.sum() for k, v in rows.items()}
-    cl = state.cluster
-    totals["in_flight"] = (cl.queues.count + cl.servers.run_count).sum().astype(jnp.float32)
+    # Through the engine, so continuous-batching replicas (LLMAutoscaling-v0) count too.
+    totals["in_flight"] = env.ENGINE.held(state.cluster).sum().astype(jnp.float32)
     if env.log_capacity > 0:
         lg = state.log
         totals["latency"] = jnp.where(lg.batch >= 0, lg.wait + lg.service,
