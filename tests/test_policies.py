@@ -339,7 +339,10 @@ def test_sita_predictor_recovers_a_planted_threshold():
 def test_sita_predictor_fits_on_tuning_streams_only():
     from jaxserve.core.sources import is_tuning_key, tuning_key
     env, params = jaxserve.make("Routing-v0")
-    ev = jax.random.PRNGKey(11)
+    # Keys no other test marks: the tuning-key registry is per process, and xdist runs
+    # other tests (which mark PRNGKey(11) and (12)) in the same worker.
+    ev = jax.random.PRNGKey(3417)
+    assert not is_tuning_key(ev)
     tk = tuning_key(ev)
     pol = P.get("sita_predicted", env=env, params=params, key=tk)
     assert is_tuning_key(tk) and not is_tuning_key(ev)
@@ -347,7 +350,7 @@ def test_sita_predictor_fits_on_tuning_streams_only():
     with pytest.raises(ValueError, match="tun"):
         jaxserve.evaluate(env, params, pol, tk, 2, 8)
     # A fit given a fresh key marks it, so it cannot become an evaluation key later.
-    k2 = jax.random.PRNGKey(12)
+    k2 = jax.random.PRNGKey(3418)
     P.get("sita_prompt", env=env, params=params, key=k2)
     assert is_tuning_key(k2)
 

@@ -140,14 +140,20 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "r.md").exists()
 
 
-def test_budget_skip_leaves_out_the_llm_study_unless_named():
+def test_budget_skip_leaves_out_the_long_studies_unless_named():
+    """quick and tiny skip the LLM study (f) and the ablation (x); full runs every experiment;
+    naming a skipped one runs it."""
     from agents.experiments.registry import select
     keys = [e.key for e in EXPERIMENTS]
-    assert "f" in keys
-    quick = [e.key for e in select(None, BUDGETS["quick"].skip)]
-    assert "f" not in quick and quick == sorted(k for k in keys if k != "f")
+    long_ones = {"f", "x"}
+    assert long_ones <= set(keys)
+    for budget in ("quick", "tiny"):
+        assert set(BUDGETS[budget].skip) == long_ones
+        chosen = [e.key for e in select(None, BUDGETS[budget].skip)]
+        assert chosen == sorted(set(keys) - long_ones)
     assert [e.key for e in select(None, BUDGETS["full"].skip)] == sorted(keys)
-    assert [e.key for e in select(["f"], BUDGETS["quick"].skip)] == ["f"]
+    for k in sorted(long_ones):
+        assert [e.key for e in select([k], BUDGETS["quick"].skip)] == [k]
 
 
 def test_partial_run_merges_into_the_page(tmp_path):
