@@ -268,3 +268,27 @@ def test_train_scenarios_checkpoints_are_the_same_run_cut_into_parts():
                zip(jax.tree.leaves(first.params), jax.tree.leaves(final.params)))
     with pytest.raises(ValueError, match="checkpoints"):
         train_scenarios("Routing-v0", env, [params], "ppo", (0,), 2048, checkpoints=3)
+
+
+@pytest.mark.slow
+def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys):
+    """(x) through `python -m scripts.ablate` at the tiny budget: two variants that share one
+    training program (only a parameter differs), sita_tuned and least_marginal beside them,
+    the paired columns and the agreement diagnostics; bad input exits 2 without a traceback."""
+    from scripts.ablate import main
+    out = tmp_path / "x.md"
+    assert main(["--budget", "tiny", "--variants", "ppo,uninformative-estimate",
+                 "--seeds", "3", "--eval-seed", "5", "--out", str(out)]) == 0
+    text = out.read_text()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
+            if line.startswith("| ")}
+    assert {"ppo", "ppo, uninformative estimate", "sita_tuned", "least_marginal"} <= set(rows)
+    assert "seeds 3 (1)" in text and "PRNGKey(5)" in text
+    # The variant's paired difference against ppo, and agreement shares as percentages.
+    assert re.search(r"\| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\] \|",
+                     rows["ppo, uninformative estimate"])
+    assert re.search(r"\d+% / ", rows["ppo"])
+    assert main(["--budget", "tiny", "--variants", "ppo,nope"]) == 2
+    assert main(["--budget", "tiny", "--seeds", "4-1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown variant" in err and "--seeds" in err and "Traceback" not in err

@@ -1,24 +1,36 @@
 """Experiment (x): what the learned router's win in (w)'s short_bursts rests on (issue 25,
 item 4: ablations of the estimate feature, the shaping and the network).
 
-PPO is trained with (w)'s steps and hyperparameters, with more seeds (`SEEDS`), in four
-variants, each changing one thing:
+PPO is trained with (w)'s steps and hyperparameters, with more seeds (`SEEDS`), in variants
+that each change one thing:
   - `ppo`: (w)'s run (set network, potential-based shaping, noisy estimate sigma 1);
   - `ppo, MLP`: the flat MLP of PureJaxRL (`network="mlp"`) instead of the set network;
   - `ppo, no shaping`: the unshaped time-in-system reward (`shaping_gamma=None`);
+  - `ppo, shaping gamma 1`: the shaping term `phi(s') - phi(s)` without the
+    `(1 - gamma) * backlog` part the registered `shaping_gamma=0.99` adds each step;
   - `ppo, uninformative estimate`: the output-length estimate drawn with lognormal sigma 4
     (`estimate_noise=4`, the largest allowed) in training and evaluation, so that it says
     almost nothing of the true length; arrivals and tokens are unchanged (the estimate has
     its own uniform), so the rows stay paired.
-All variants and `sita_tuned` (fitted on tuning streams, as in (w)) route (w)'s evaluation
-streams of short_bursts (the same key); statistics are (w)'s seed x stream bootstrap. The
-share of short requests sent to the fast GPUs during bursts is (w)'s "why": the table shows
-whether a variant still does it.
+All variants, `sita_tuned` (fitted on tuning streams, as in (w)) and `least_marginal` (the
+greedy policy of the shaping potential) route (w)'s evaluation streams of short_bursts (the
+same key); statistics are (w)'s seed x stream bootstrap. Two diagnostics say what each
+variant does: the share of short requests sent to the fast GPUs during bursts ((w)'s "why"),
+and how often `least_marginal` and `sita_tuned` would have made the variant's decisions
+(`evaluation.agreement.action_agreement`, on the variant's own trajectories).
+
+`python -m scripts.ablate` runs chosen variants with chosen seeds and evaluation
+key outside `scripts/reproduce.py`: the confirmatory runs (fresh seeds, fresh streams) of a
+difference found here.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import sys
+import time
+from typing import Sequence
 
 import numpy as np
 
@@ -34,28 +46,34 @@ from agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _in
 # seeds and hyperparameters, other float rounding), a run-to-run spread as large as the
 # differences measured here, which 3 seeds cannot show.
 SEEDS = {"quick": tuple(range(8)), "full": tuple(range(10)), "tiny": (0,)}
-from jaxserve.core.stats import seed_env_bootstrap
-from jaxserve.envs.registry import ROUTING_SCENARIOS, make
-from jaxserve.evaluation import evaluate_many
-from jaxserve.policies.routing import gpu_speeds
+
+from jaxserve import policies  # noqa: E402
+from jaxserve.core.stats import seed_env_bootstrap  # noqa: E402
+from jaxserve.envs.registry import ROUTING_SCENARIOS, make  # noqa: E402
+from jaxserve.evaluation import evaluate_many  # noqa: E402
+from jaxserve.evaluation.agreement import action_agreement  # noqa: E402
+from jaxserve.policies.routing import gpu_speeds  # noqa: E402
 
 SCENARIO = "short_bursts"
 HEURISTIC = "sita_tuned"
+GREEDY = "least_marginal"  # the greedy policy of the shaping potential
 # (label, what changes, environment keywords, training hyperparameters)
 VARIANTS = (
     ("ppo", "nothing: (w)'s run", {}, {}),
     ("ppo, MLP", "flat MLP instead of the set network", {}, {"network": "mlp"}),
     ("ppo, no shaping", "unshaped time-in-system reward", {"shaping_gamma": None}, {}),
+    ("ppo, shaping gamma 1", "shaping without its (1 - gamma) x backlog part",
+     {"shaping_gamma": 1.0}, {}),
     ("ppo, uninformative estimate", "estimate noise sigma 4 instead of 1",
      {"estimate_noise": 4.0}, {}),
 )
 
 
-def _train_variants(seeds, steps, ctx) -> dict:
+def _train_variants(variants, seeds, steps, ctx) -> dict:
     """`{label: (env, params, [policy per seed])}`; variants that differ only in parameter
     values share one training program."""
     built = {lab: (make("Routing-v0", scenario=SCENARIO, **env_kw), hp)
-             for lab, _, env_kw, hp in VARIANTS}
+             for lab, _, env_kw, hp in variants}
     groups: dict = {}
     for lab, ((env, _), hp) in built.items():
         groups.setdefault((env.shaping_gamma, tuple(sorted(hp.items()))), []).append(lab)
@@ -76,20 +94,34 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%" if np.isfinite(x) else "none arrived"
 
 
-@experiment("x", "Ablations: what the learned router's win in short_bursts rests on")
-def ablation(ctx: Context) -> Section:
+def _agreement_cell(agree: dict, names, ref: str, phase: int) -> str:
+    """Mean over a variant's seeds of the share of decisions `ref` would have made too."""
+    vals = [agree[n][ref]["by_phase"][phase] for n in names]
+    return _pct(float(np.mean(vals)))
+
+
+def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = None,
+                 key_salt: int | None = None) -> tuple[str, dict]:
+    """Trains `variants` (`VARIANTS`' rows; the first is the baseline of the paired column)
+    with `seeds` (default `SEEDS[budget]`), evaluates them beside `sita_tuned` and
+    `least_marginal` on short_bursts, and returns the markdown body and the numbers."""
     b = ctx.budget
-    seeds, steps = SEEDS[b.name], WIN_BUDGETS[b.name][1]
+    seeds = SEEDS[b.name] if seeds is None else tuple(int(x) for x in seeds)
+    steps = WIN_BUDGETS[b.name][1]
     eval_envs, eval_steps, warmup = WIN_EVAL[b.name]
     t_envs, t_steps, t_warm = WIN_TUNE[b.name]
-    trained = _train_variants(seeds, steps, ctx)
-    env, params, _ = trained["ppo"]
+    trained = _train_variants(variants, seeds, steps, ctx)
+    first = variants[0][0]
+    env, params, _ = trained[first]
     # (w)'s key for this scenario, so the rows sit on (w)'s streams.
-    key = ctx.eval_key(70 + list(ROUTING_SCENARIOS).index(SCENARIO))
+    salt = 70 + list(ROUTING_SCENARIOS).index(SCENARIO) if key_salt is None else key_salt
+    key = ctx.eval_key(salt)
     tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
-    heur = {HEURISTIC: routing_heuristics(env, params, key, tune)[HEURISTIC]}
-    ctx.log(f"  evaluating (x) {len(VARIANTS)} variants")
+    heur = {HEURISTIC: routing_heuristics(env, params, key, tune)[HEURISTIC],
+            GREEDY: policies.get(GREEDY)}
+    ctx.log(f"  evaluating (x) {len(variants)} variants")
     res: dict = {}
+    agree: dict = {}
     by_params: dict = {}
     for lab, (_, p, pols) in trained.items():
         by_params.setdefault(float(np.asarray(p.estimate_noise)), (p, {}))[1].update(
@@ -98,58 +130,158 @@ def ablation(ctx: Context) -> Section:
         extra = heur if noise == float(np.asarray(params.estimate_noise)) else {}
         res.update(evaluate_many(env, p, {**pols, **extra}, key, eval_envs, eval_steps,
                                  warmup=warmup))
+        # The references read the variant's own estimate: they are asked, never scored.
+        agree.update(action_agreement(env, p, pols, heur, key, eval_envs, eval_steps,
+                                      warmup=warmup))
     speed = np.asarray(gpu_speeds(params))
     fast = speed >= speed.max() * (1 - 1e-6)
-    base = np.stack([res[k]["per_env"][LATENCY] for k in seed_names(res, "ppo")])
+    base = np.stack([res[k]["per_env"][LATENCY] for k in seed_names(res, first)])
     heur_lat = res[HEURISTIC]["per_env"][LATENCY]
     rows, data = [], {}
-    for lab, what, _, _ in VARIANTS:
+    for lab, what, _, _ in variants:
         names = seed_names(res, lab)
         lat = np.stack([res[k]["per_env"][LATENCY] for k in names])
         m = seed_env_bootstrap(lat)
-        d_base = seed_env_bootstrap(lat - base) if lab != "ppo" else None
+        d_base = seed_env_bootstrap(lat - base) if lab != first else None
         d_heur = seed_env_bootstrap(lat - heur_lat[None])
         share = _to_fast_shares(res, names, fast)
         burst_short = share[1, 0] if share.shape[0] > 1 else np.nan
         rows.append([lab, what, f"{m['mean']:.3g} [{m['low']:.3g}, {m['high']:.3g}]",
                      " / ".join(str(int(res[k]["dropped"])) for k in names),
                      "" if d_base is None else _interval(d_base), _interval(d_heur),
-                     _pct(burst_short)])
+                     _pct(burst_short)]
+                    + [f"{_agreement_cell(agree, names, r, 0)} / "
+                       f"{_agreement_cell(agree, names, r, 1)}" for r in (GREEDY, HEURISTIC)])
         data[lab] = {"mean": m["mean"], "low": m["low"], "high": m["high"],
                      "diff_vs_ppo": None if d_base is None else
                      {k: d_base[k] for k in ("mean", "low", "high")},
                      "diff_vs_heuristic": {k: d_heur[k] for k in ("mean", "low", "high")},
-                     "burst_short_to_fast": float(burst_short)}
-    hm = seed_env_bootstrap(heur_lat[None])
-    hshare = _to_fast_shares(res, [HEURISTIC], fast)
-    rows.append([HEURISTIC, "the best heuristic of (w), fitted on tuning streams",
-                 f"{hm['mean']:.3g} [{hm['low']:.3g}, {hm['high']:.3g}]",
-                 str(int(res[HEURISTIC]["dropped"])), "", "",
-                 _pct(hshare[1, 0])])
-    data[HEURISTIC] = {"mean": hm["mean"], "burst_short_to_fast": float(hshare[1, 0])}
+                     "burst_short_to_fast": float(burst_short),
+                     "agreement": {r: [float(np.mean([agree[n][r]["by_phase"][ph]
+                                                      for n in names])) for ph in (0, 1)]
+                                   for r in (GREEDY, HEURISTIC)}}
+    for h, what in ((HEURISTIC, "the best heuristic of (w), fitted on tuning streams"),
+                    (GREEDY, "the greedy policy of the shaping potential")):
+        hm = seed_env_bootstrap(res[h]["per_env"][LATENCY][None])
+        d = seed_env_bootstrap(res[h]["per_env"][LATENCY][None] - heur_lat[None])
+        hshare = _to_fast_shares(res, [h], fast)
+        rows.append([h, what, f"{hm['mean']:.3g} [{hm['low']:.3g}, {hm['high']:.3g}]",
+                     str(int(res[h]["dropped"])), "", "" if h == HEURISTIC else _interval(d),
+                     _pct(hshare[1, 0]), "", ""])
+        data[h] = {"mean": hm["mean"], "low": hm["low"], "high": hm["high"],
+                   "burst_short_to_fast": float(hshare[1, 0])}
     verdicts = []
-    for lab, *_ in VARIANTS[1:]:
+    for lab, *_ in variants[1:]:
         d = data[lab]["diff_vs_ppo"]
-        verdicts.append(f"{lab}: {_interval(d)} s against (w)'s PPO ("
+        verdicts.append(f"{lab}: {_interval(d)} s against {first} ("
                         + ("worse" if d["low"] > 0 else "better" if d["high"] < 0
+                           else "no difference resolved") + ")")
+    for lab, *_ in variants:
+        d = data[lab]["diff_vs_heuristic"]
+        verdicts.append(f"{lab} against {HEURISTIC}: {_interval(d)} s ("
+                        + ("loses" if d["low"] > 0 else "wins" if d["high"] < 0
                            else "no difference resolved") + ")")
     body = "\n\n".join([
         made_by(ctx, "x"),
-        f"Scenario `{SCENARIO}` ((w)'s evaluation streams and key: {eval_envs} streams of "
-        f"{eval_steps} requests, first {warmup} excluded). Each PPO variant changes one "
-        f"thing and is trained with (w)'s steps and hyperparameters: {len(seeds)} seeds "
-        f"(more than (w)'s, see below) of {steps} env steps each. Drop-"
+        f"Scenario `{SCENARIO}` ({eval_envs} streams of {eval_steps} requests, first "
+        f"{warmup} excluded; evaluation key `fold_in(PRNGKey({ctx.eval_seed}), {salt})`"
+        f"{', (w)' + chr(39) + 's' if key_salt is None else ''}). Each PPO variant changes "
+        f"one thing and is trained with (w)'s steps and hyperparameters: seeds "
+        f"{_seed_text(seeds)} of {steps} env steps each. Drop-"
         "inclusive mean latency (s) with the seed x stream 95% bootstrap CI; paired "
-        "differences on the same streams. The last column is (w)'s \"why\": the share of "
-        "short requests (true class) sent to a fastest GPU while a burst lasts. Why more "
-        "seeds: (w)'s PPO on this scenario scored 10.9 s (a win over sita_tuned, paired -1.11 "
-        "[-1.63, -0.46] s, commit 3c6a1c5) when trained in its own program and 12.0 s (no "
-        "difference) when trained in one program with (w)'s other scenarios: the same seeds "
-        "and hyperparameters, different float rounding. A 3-seed interval did not cover that "
-        "spread.",
+        "differences on the same streams. \"Short requests to fast GPUs in bursts\" is (w)'s "
+        "\"why\": the share of short requests (true class) sent to a fastest GPU while a "
+        f"burst lasts. The last two columns (quiet / burst phase) are the share of the "
+        f"variant's decisions that `{GREEDY}` (the GPU where the shaping potential grows "
+        f"least: the step-by-step greedy choice of the shaped reward) and `{HEURISTIC}` "
+        "would have made in the same state, on the variant's own trajectories, means over "
+        "seeds. Why many seeds: (w)'s PPO on this scenario scored 10.9 s (a win over "
+        "sita_tuned, paired -1.11 [-1.63, -0.46] s, commit 3c6a1c5) when trained in its own "
+        "program and 12.0 s (no difference) when trained in one program with (w)'s other "
+        "scenarios: the same seeds and hyperparameters, different float rounding. A 3-seed "
+        "interval did not cover that spread.",
         table(["policy", "what changes", "drop-incl. mean latency (s)", "drops",
-               "variant - ppo (s, paired, 95% CI)", f"variant - {HEURISTIC} (s, paired)",
-               "short requests to fast GPUs in bursts"], rows),
+               f"variant - {first} (s, paired, 95% CI)", f"- {HEURISTIC} (s, paired)",
+               "short requests to fast GPUs in bursts",
+               f"agrees with {GREEDY} (quiet / burst)",
+               f"agrees with {HEURISTIC} (quiet / burst)"], rows),
         "Reading (measured above): " + "; ".join(verdicts) + "."])
+    return body, data
+
+
+def _seed_text(seeds) -> str:
+    s = list(seeds)
+    if len(s) > 2 and s == list(range(s[0], s[-1] + 1)):
+        return f"{s[0]}-{s[-1]} ({len(s)})"
+    return ", ".join(map(str, s)) + f" ({len(s)})"
+
+
+@experiment("x", "Ablations: what the learned router's win in short_bursts rests on")
+def ablation(ctx: Context) -> Section:
+    body, data = run_ablation(ctx)
     return Section("(x) Ablations: what the learned router's win in short_bursts rests on",
                    body, data=data)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m scripts.ablate`: chosen variants, seeds and evaluation key."""
+    from agents.experiments.budget import BUDGETS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    known = {short_name(v[0]): v for v in VARIANTS}
+    ap.add_argument("--variants", default=",".join(known),
+                    help="comma-separated short names of VARIANTS; the first is the paired "
+                         f"baseline (known: {', '.join(known)})")
+    ap.add_argument("--seeds", default=None,
+                    help="training seeds, e.g. 8-23 or 0,1,2 (default: SEEDS of the budget)")
+    ap.add_argument("--eval-seed", type=int, default=Context.eval_seed,
+                    help="evaluation key seed (tuning streams are derived from it)")
+    ap.add_argument("--budget", default="quick", choices=sorted(BUDGETS))
+    ap.add_argument("--out", default=None, help="write the markdown section to this file")
+    args = ap.parse_args(argv)
+    labels = [x.strip() for x in args.variants.split(",") if x.strip()]
+    bad = [x for x in labels if x not in known]
+    if bad or not labels:
+        print(f"error: unknown variant(s) {bad}; known: {list(known)}", file=sys.stderr)
+        return 2
+    try:
+        seeds = _parse_seeds(args.seeds)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = "python -m scripts.ablate " + " ".join(
+        a if " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
+    ctx = Context(budget=BUDGETS[args.budget], command=command, eval_seed=args.eval_seed)
+    t0 = time.perf_counter()
+    body, _ = run_ablation(ctx, [known[x] for x in labels], seeds)
+    text = f"{body}\n\n*Wall time: {time.perf_counter() - t0:.0f} s.*\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+def short_name(label: str) -> str:
+    """A variant's command-line name: "ppo, no shaping" -> "no-shaping", "ppo" -> "ppo"."""
+    return "ppo" if label == "ppo" else label.split(", ", 1)[1].lower().replace(" ", "-")
+
+
+def _parse_seeds(spec: str | None):
+    """`"8-23"` -> 8..23, `"0,1,2"` -> (0, 1, 2), None -> None; ValueError otherwise."""
+    if spec is None:
+        return None
+    try:
+        if "-" in spec:
+            lo, hi = (int(x) for x in spec.split("-", 1))
+            if hi < lo:
+                raise ValueError
+            return tuple(range(lo, hi + 1))
+        return tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--seeds takes 'a-b' or 'a,b,c' with non-negative integers, got "
+                         f"{spec!r}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

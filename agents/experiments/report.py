@@ -44,6 +44,18 @@ drop requests. Latency is where routing shows, and it shows most when request si
 (head-of-line blocking in static batches).
 """
 
+# Results that scripts/reproduce.py does not write, listed so that this page indexes them all.
+OTHER_PAGES = """\
+**Other results pages.** Results that `scripts/reproduce.py` does not write live beside their
+environments:
+- [docs/continuous.md](continuous.md): LLM routing and autoscaling (LLMRouting-v0,
+  LLMAutoscaling-v0).
+- [docs/scaling.md](scaling.md): the rollout-serving workload and Autoscaling-v0.
+- [docs/prefix_caching.md](prefix_caching.md): LLMPrefixRouting-v0.
+- [docs/benchmarks.md](benchmarks.md): speed (env-steps/s, compile time, PPO training
+  throughput).
+"""
+
 
 # Routers' information and the heuristic set changed at these commits (issue 25): a section
 # written before one of them is flagged in the preamble until it is regenerated.
@@ -232,6 +244,7 @@ def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
     summary = headline_summary(data)
     if summary:
         lines += [summary]
+    lines += ["", OTHER_PAGES]
     note = stale_note(blocks)
     if note:
         lines += [note]

@@ -18,7 +18,8 @@ something to the scenario — sita, tuned_static, smdp_optimal — need them). `
 lists them; `register(name, kind)` adds one.
 
 Routing (`routing.py`): random, round_robin, weighted_round_robin, jsq, least_work_left, sed,
-power_of_two, join_idle_queue, sita (+ `fit_sita`), sita_prompt and sita_predicted (SITA on a
+power_of_two, least_marginal (the greedy policy of the shaping potential), join_idle_queue,
+sita (+ `fit_sita`), sita_prompt and sita_predicted (SITA on a
 predicted output length), sita_tuned (registered by `jaxserve.evaluation.tuning`: SITA's
 orientation and a spill threshold chosen by simulation); and two ORACLES given true output
 lengths, sed_oracle and least_work_left_oracle (references, not realisable baselines).
