@@ -198,10 +198,12 @@ def test_slo_reward_counts_match_replay_metrics():
     p = params.replace(trace=trace_arrays(tr))
     for e in (with_static(env, trace_len=n), trace_env(env, n)):
         obs, state = e.reset_env(jax.random.PRNGKey(0), p)
+        # Jitted: op by op, each step's engine loop dispatched ~150 s of small ops.
+        step = jax.jit(lambda k, s, p_: e.step_env(k, s, P.jsq_requests(None, None, s, p_),
+                                                   p_))
         met = missed = dropped = 0
         for i in range(n):
-            a = P.jsq_requests(None, obs, state, p)
-            obs, state, r, term, info = e.step_env(jax.random.PRNGKey(i), state, a, p)
+            obs, state, r, term, info = step(jax.random.PRNGKey(i), state, p)
             met += int(info["slo_attained"])
             missed += int(info["slo_missed"])
             dropped += int(info["dropped"])
