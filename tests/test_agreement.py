@@ -53,6 +53,22 @@ def test_agreement_is_measured_on_the_evaluated_trajectory(bursty):
     assert out["rr"]["all"] == pytest.approx(expected, abs=1e-12)
 
 
+def test_agreement_by_group(bursty):
+    """With every GPU in one group every decision agrees; with the identity grouping the
+    shares are the exact-GPU ones."""
+    env, params = bursty
+    key = jax.random.PRNGKey(10)
+    pols = {"jsq": P.get("jsq")}
+    refs = {"rr": P.get("round_robin")}
+    one = action_agreement(env, params, pols, refs, key, 2, 48, groups=[0] * env.num_gpus)
+    assert one["jsq"]["rr"]["all"] == 1.0
+    ident = action_agreement(env, params, pols, refs, key, 2, 48,
+                             groups=list(range(env.num_gpus)))
+    assert ident == action_agreement(env, params, pols, refs, key, 2, 48)
+    with pytest.raises(ValueError, match="groups"):
+        action_agreement(env, params, pols, refs, key, 2, 48, groups=[0, 1])
+
+
 def test_bad_input(bursty):
     env, params = bursty
     key = jax.random.PRNGKey(9)

@@ -273,16 +273,20 @@ def test_train_scenarios_checkpoints_are_the_same_run_cut_into_parts():
 @pytest.mark.slow
 def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys):
     """(x) through `python -m scripts.ablate` at the tiny budget: two variants that share one
-    training program (only a parameter differs), sita_tuned and least_marginal beside them,
-    the paired columns and the agreement diagnostics; bad input exits 2 without a traceback."""
+    training program (only a parameter differs) and an imitation warm start (its own
+    program, with its clone's row), sita_tuned and least_marginal beside them, the paired
+    columns and the agreement diagnostics; bad input exits 2 without a traceback."""
     from scripts.ablate import main
     out = tmp_path / "x.md"
-    assert main(["--budget", "tiny", "--variants", "ppo,uninformative-estimate",
+    assert main(["--budget", "tiny", "--variants",
+                 "ppo,uninformative-estimate,imitation-warm-start",
                  "--seeds", "3", "--eval-seed", "5", "--out", str(out)]) == 0
     text = out.read_text()
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
             if line.startswith("| ")}
-    assert {"ppo", "ppo, uninformative estimate", "sita_tuned", "least_marginal"} <= set(rows)
+    assert {"ppo", "ppo, uninformative estimate", "ppo, imitation warm start",
+            "ppo, imitation warm start: the clone, before PPO", "sita_tuned",
+            "least_marginal"} <= set(rows)
     assert "seeds 3 (1)" in text and "PRNGKey(5)" in text
     # The variant's paired difference against ppo, and agreement shares as percentages.
     assert re.search(r"\| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\] \|",
@@ -290,5 +294,7 @@ def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys):
     assert re.search(r"\d+% / ", rows["ppo"])
     assert main(["--budget", "tiny", "--variants", "ppo,nope"]) == 2
     assert main(["--budget", "tiny", "--seeds", "4-1"]) == 2
+    assert main(["--budget", "tiny", "--heuristic", "sed_oracle"]) == 2
     err = capsys.readouterr().err
-    assert "unknown variant" in err and "--seeds" in err and "Traceback" not in err
+    assert "unknown variant" in err and "--seeds" in err and "unknown heuristic" in err
+    assert "Traceback" not in err

@@ -67,27 +67,58 @@ VARIANTS = (
     ("ppo, uninformative estimate", "estimate noise sigma 4 instead of 1",
      {"estimate_noise": 4.0}, {}),
 )
+# Not ablations of (w)'s run, so not in (x) itself: PPO started from a clone of the
+# heuristic (`agents.imitation`), chosen with `scripts.ablate --variants`.
+IMITATION_VARIANTS = (
+    ("ppo, imitation warm start", "starts from a clone of the heuristic (agents.imitation)",
+     {}, {"imitate": True}),
+    ("ppo, imitation warm start, no shaping", "the clone's start, unshaped reward",
+     {"shaping_gamma": None}, {"imitate": True}),
+)
+ALL_VARIANTS = VARIANTS + IMITATION_VARIANTS
+# The imitation warm start: demonstration steps per training environment, full-batch Adam
+# steps and their learning rate (a clone of sita_predicted on bursty scored 11.3 s against
+# SITA's 11.2 s with these).
+IMITATION = {"num_steps": 512, "epochs": 300, "lr": 3e-3}
 
 
-def _train_variants(variants, seeds, steps, ctx) -> dict:
-    """`{label: (env, params, [policy per seed])}`; variants that differ only in parameter
-    values share one training program."""
-    built = {lab: (make("Routing-v0", scenario=SCENARIO, **env_kw), hp)
+def _train_variants(variants, seeds, steps, ctx, scenario: str = SCENARIO,
+                    heuristic=None) -> tuple[dict, dict]:
+    """`({label: (env, params, [policy per seed])}, {label: [clone per seed]})`; variants
+    that differ only in parameter values share one training program; an imitation variant
+    (`"imitate": True`) starts from a clone of `heuristic` (its own program) and its clones
+    (the networks before PPO) are returned too."""
+    built = {lab: (make("Routing-v0", scenario=scenario, **env_kw), dict(hp))
              for lab, _, env_kw, hp in variants}
     groups: dict = {}
     for lab, ((env, _), hp) in built.items():
-        groups.setdefault((env.shaping_gamma, tuple(sorted(hp.items()))), []).append(lab)
-    out = {}
+        solo = (lab,) if hp.get("imitate") else ()
+        groups.setdefault((env.shaping_gamma, tuple(sorted(hp.items())), solo), []).append(lab)
+    out, clones = {}, {}
     for labs in groups.values():
         (env, _), hp = built[labs[0]]
-        trained, _ = train_scenarios("Routing-v0", env, [built[lab][0][1] for lab in labs],
-                                     "ppo", seeds, steps, ctx, **hp)
-        for lab, pols in zip(labs, trained):
+        imitation = None
+        if hp.pop("imitate", False):
+            if heuristic is None:
+                raise ValueError("an imitation variant needs the heuristic to imitate")
+            imitation = {"policy": heuristic, **IMITATION}
+        trained, curves = train_scenarios("Routing-v0", env,
+                                          [built[lab][0][1] for lab in labs], "ppo", seeds,
+                                          steps, ctx, imitation=imitation, **hp)
+
+        def named(pols, lab, tag=""):
             # "ppo, MLP-s0": the seed names evaluation tables use.
-            pols = [dataclasses.replace(p, name=f"{lab}-s{p.name.rsplit('-s', 1)[1]}")
-                    for p in pols]
-            out[lab] = (built[lab][0][0], built[lab][0][1], pols)
-    return out
+            return [dataclasses.replace(p, name=f"{lab}{tag}-s{p.name.split('-s', 1)[1]}"
+                                        .split("@")[0]) for p in pols]
+
+        for i, lab in enumerate(labs):
+            out[lab] = (built[lab][0][0], built[lab][0][1], named(trained[i], lab))
+            if imitation is not None:
+                clones[lab] = named(curves["imitation_policies"][i], lab, CLONE_TAG)
+    return out, clones
+
+
+CLONE_TAG = ": the clone, before PPO"
 
 
 def _pct(x: float) -> str:
@@ -101,44 +132,55 @@ def _agreement_cell(agree: dict, names, ref: str, phase: int) -> str:
 
 
 def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = None,
-                 key_salt: int | None = None) -> tuple[str, dict]:
-    """Trains `variants` (`VARIANTS`' rows; the first is the baseline of the paired column)
-    with `seeds` (default `SEEDS[budget]`), evaluates them beside `sita_tuned` and
-    `least_marginal` on short_bursts, and returns the markdown body and the numbers."""
+                 key_salt: int | None = None, scenario: str = SCENARIO,
+                 heuristic: str = HEURISTIC) -> tuple[str, dict]:
+    """Trains `variants` (`ALL_VARIANTS`' rows; the first is the baseline of the paired
+    column) with `seeds` (default `SEEDS[budget]`), evaluates them beside `heuristic`
+    (fitted on tuning streams) and `least_marginal` on `scenario`, and returns the markdown
+    body and the numbers."""
     b = ctx.budget
     seeds = SEEDS[b.name] if seeds is None else tuple(int(x) for x in seeds)
     steps = WIN_BUDGETS[b.name][1]
     eval_envs, eval_steps, warmup = WIN_EVAL[b.name]
     t_envs, t_steps, t_warm = WIN_TUNE[b.name]
-    trained = _train_variants(variants, seeds, steps, ctx)
-    first = variants[0][0]
-    env, params, _ = trained[first]
+    # The heuristic, fitted on tuning streams of the base scenario, before training: an
+    # imitation variant starts from a clone of it.
+    base_env, base_params = make("Routing-v0", scenario=scenario)
     # (w)'s key for this scenario, so the rows sit on (w)'s streams.
-    salt = 70 + list(ROUTING_SCENARIOS).index(SCENARIO) if key_salt is None else key_salt
+    salt = 70 + list(ROUTING_SCENARIOS).index(scenario) if key_salt is None else key_salt
     key = ctx.eval_key(salt)
     tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
-    heur = {HEURISTIC: routing_heuristics(env, params, key, tune)[HEURISTIC],
+    heur = {heuristic: routing_heuristics(base_env, base_params, key, tune)[heuristic],
             GREEDY: policies.get(GREEDY)}
+    trained, clones = _train_variants(variants, seeds, steps, ctx, scenario, heur[heuristic])
+    first = variants[0][0]
+    env, params, _ = trained[first]
     ctx.log(f"  evaluating (x) {len(variants)} variants")
+    speed = np.asarray(gpu_speeds(params))
+    fast = speed >= speed.max() * (1 - 1e-6)
+    tiers = np.unique(np.round(speed / speed.max(), 6), return_inverse=True)[1].astype(np.int32)
     res: dict = {}
     agree: dict = {}
     by_params: dict = {}
     for lab, (_, p, pols) in trained.items():
         by_params.setdefault(float(np.asarray(p.estimate_noise)), (p, {}))[1].update(
-            {pol.name: pol for pol in pols})
+            {pol.name: pol for pol in [*pols, *clones.get(lab, [])]})
     for noise, (p, pols) in by_params.items():
         extra = heur if noise == float(np.asarray(params.estimate_noise)) else {}
         res.update(evaluate_many(env, p, {**pols, **extra}, key, eval_envs, eval_steps,
                                  warmup=warmup))
         # The references read the variant's own estimate: they are asked, never scored.
+        # Agreement on the GPU's speed tier: SITA picks the GPU inside a tier by least work
+        # left, a detail that says nothing of where a policy sends which requests.
         agree.update(action_agreement(env, p, pols, heur, key, eval_envs, eval_steps,
-                                      warmup=warmup))
-    speed = np.asarray(gpu_speeds(params))
-    fast = speed >= speed.max() * (1 - 1e-6)
+                                      warmup=warmup, groups=tiers))
     base = np.stack([res[k]["per_env"][LATENCY] for k in seed_names(res, first)])
-    heur_lat = res[HEURISTIC]["per_env"][LATENCY]
+    heur_lat = res[heuristic]["per_env"][LATENCY]
     rows, data = [], {}
-    for lab, what, _, _ in variants:
+    labelled = [(lab, what) for lab, what, _, _ in variants]
+    labelled += [(lab + CLONE_TAG, f"the network `{lab}` starts from: fitted to {heuristic}'s "
+                  "decisions") for lab in clones]
+    for lab, what in labelled:
         names = seed_names(res, lab)
         lat = np.stack([res[k]["per_env"][LATENCY] for k in names])
         m = seed_env_bootstrap(lat)
@@ -151,7 +193,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
                      "" if d_base is None else _interval(d_base), _interval(d_heur),
                      _pct(burst_short)]
                     + [f"{_agreement_cell(agree, names, r, 0)} / "
-                       f"{_agreement_cell(agree, names, r, 1)}" for r in (GREEDY, HEURISTIC)])
+                       f"{_agreement_cell(agree, names, r, 1)}" for r in (GREEDY, heuristic)])
         data[lab] = {"mean": m["mean"], "low": m["low"], "high": m["high"],
                      "diff_vs_ppo": None if d_base is None else
                      {k: d_base[k] for k in ("mean", "low", "high")},
@@ -159,33 +201,35 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
                      "burst_short_to_fast": float(burst_short),
                      "agreement": {r: [float(np.mean([agree[n][r]["by_phase"][ph]
                                                       for n in names])) for ph in (0, 1)]
-                                   for r in (GREEDY, HEURISTIC)}}
-    for h, what in ((HEURISTIC, "the best heuristic of (w), fitted on tuning streams"),
+                                   for r in (GREEDY, heuristic)}}
+    for h, what in ((heuristic, "fitted on tuning streams"),
                     (GREEDY, "the greedy policy of the shaping potential")):
         hm = seed_env_bootstrap(res[h]["per_env"][LATENCY][None])
         d = seed_env_bootstrap(res[h]["per_env"][LATENCY][None] - heur_lat[None])
         hshare = _to_fast_shares(res, [h], fast)
         rows.append([h, what, f"{hm['mean']:.3g} [{hm['low']:.3g}, {hm['high']:.3g}]",
-                     str(int(res[h]["dropped"])), "", "" if h == HEURISTIC else _interval(d),
+                     str(int(res[h]["dropped"])), "", "" if h == heuristic else _interval(d),
                      _pct(hshare[1, 0]), "", ""])
         data[h] = {"mean": hm["mean"], "low": hm["low"], "high": hm["high"],
                    "burst_short_to_fast": float(hshare[1, 0])}
     verdicts = []
-    for lab, *_ in variants[1:]:
+    for lab, _ in labelled[1:]:
         d = data[lab]["diff_vs_ppo"]
         verdicts.append(f"{lab}: {_interval(d)} s against {first} ("
                         + ("worse" if d["low"] > 0 else "better" if d["high"] < 0
                            else "no difference resolved") + ")")
-    for lab, *_ in variants:
+    for lab, _ in labelled:
         d = data[lab]["diff_vs_heuristic"]
-        verdicts.append(f"{lab} against {HEURISTIC}: {_interval(d)} s ("
+        verdicts.append(f"{lab} against {heuristic}: {_interval(d)} s ("
                         + ("loses" if d["low"] > 0 else "wins" if d["high"] < 0
                            else "no difference resolved") + ")")
+    same_streams = (": (w)'s streams" if key_salt is None and ctx.eval_seed == Context.eval_seed
+                    else ": not (w)'s streams")
     body = "\n\n".join([
         made_by(ctx, "x"),
-        f"Scenario `{SCENARIO}` ({eval_envs} streams of {eval_steps} requests, first "
+        f"Scenario `{scenario}` ({eval_envs} streams of {eval_steps} requests, first "
         f"{warmup} excluded; evaluation key `fold_in(PRNGKey({ctx.eval_seed}), {salt})`"
-        f"{', (w)' + chr(39) + 's' if key_salt is None else ''}). Each PPO variant changes "
+        f"{same_streams}). Each PPO variant changes "
         f"one thing and is trained with (w)'s steps and hyperparameters: seeds "
         f"{_seed_text(seeds)} of {steps} env steps each. Drop-"
         "inclusive mean latency (s) with the seed x stream 95% bootstrap CI; paired "
@@ -193,18 +237,18 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
         "\"why\": the share of short requests (true class) sent to a fastest GPU while a "
         f"burst lasts. The last two columns (quiet / burst phase) are the share of the "
         f"variant's decisions that `{GREEDY}` (the GPU where the shaping potential grows "
-        f"least: the step-by-step greedy choice of the shaped reward) and `{HEURISTIC}` "
-        "would have made in the same state, on the variant's own trajectories, means over "
-        "seeds. Why many seeds: (w)'s PPO on this scenario scored 10.9 s (a win over "
+        f"least: the step-by-step greedy choice of the shaped reward) and `{heuristic}` "
+        "would have sent to the same kind of GPU (speed tier) in the same state, on the "
+        "variant's own trajectories, means over seeds. Why many seeds: (w)'s PPO on short_bursts scored 10.9 s (a win over "
         "sita_tuned, paired -1.11 [-1.63, -0.46] s, commit 3c6a1c5) when trained in its own "
         "program and 12.0 s (no difference) when trained in one program with (w)'s other "
         "scenarios: the same seeds and hyperparameters, different float rounding. A 3-seed "
         "interval did not cover that spread.",
         table(["policy", "what changes", "drop-incl. mean latency (s)", "drops",
-               f"variant - {first} (s, paired, 95% CI)", f"- {HEURISTIC} (s, paired)",
+               f"variant - {first} (s, paired, 95% CI)", f"- {heuristic} (s, paired)",
                "short requests to fast GPUs in bursts",
-               f"agrees with {GREEDY} (quiet / burst)",
-               f"agrees with {HEURISTIC} (quiet / burst)"], rows),
+               f"same GPU type as {GREEDY} (quiet / burst)",
+               f"same GPU type as {heuristic} (quiet / burst)"], rows),
         "Reading (measured above): " + "; ".join(verdicts) + "."])
     return body, data
 
@@ -228,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agents.experiments.budget import BUDGETS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    known = {short_name(v[0]): v for v in VARIANTS}
-    ap.add_argument("--variants", default=",".join(known),
+    known = {short_name(v[0]): v for v in ALL_VARIANTS}
+    ap.add_argument("--variants", default=",".join(short_name(v[0]) for v in VARIANTS),
                     help="comma-separated short names of VARIANTS; the first is the paired "
                          f"baseline (known: {', '.join(known)})")
     ap.add_argument("--seeds", default=None,
@@ -237,6 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--eval-seed", type=int, default=Context.eval_seed,
                     help="evaluation key seed (tuning streams are derived from it)")
     ap.add_argument("--budget", default="quick", choices=sorted(BUDGETS))
+    ap.add_argument("--scenario", default=SCENARIO, choices=sorted(ROUTING_SCENARIOS),
+                    help=f"Routing-v0 scenario (default {SCENARIO})")
+    ap.add_argument("--heuristic", default=HEURISTIC,
+                    help=f"the heuristic compared with and imitated (default {HEURISTIC}); a "
+                         "registered routing policy")
     ap.add_argument("--out", default=None, help="write the markdown section to this file")
     args = ap.parse_args(argv)
     labels = [x.strip() for x in args.variants.split(",") if x.strip()]
@@ -249,11 +298,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    heuristics = [n for n in policies.names("routing") if "oracle" not in n]
+    if args.heuristic not in heuristics:
+        print(f"error: unknown heuristic {args.heuristic!r}; known: {heuristics}",
+              file=sys.stderr)
+        return 2
     command = "python -m scripts.ablate " + " ".join(
         a if " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
     ctx = Context(budget=BUDGETS[args.budget], command=command, eval_seed=args.eval_seed)
     t0 = time.perf_counter()
-    body, _ = run_ablation(ctx, [known[x] for x in labels], seeds)
+    body, _ = run_ablation(ctx, [known[x] for x in labels], seeds, scenario=args.scenario,
+                           heuristic=args.heuristic)
     text = f"{body}\n\n*Wall time: {time.perf_counter() - t0:.0f} s.*\n"
     print(text)
     if args.out:
@@ -264,7 +319,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def short_name(label: str) -> str:
     """A variant's command-line name: "ppo, no shaping" -> "no-shaping", "ppo" -> "ppo"."""
-    return "ppo" if label == "ppo" else label.split(", ", 1)[1].lower().replace(" ", "-")
+    if label == "ppo":
+        return "ppo"
+    return label.split(", ", 1)[1].lower().replace(", ", "-").replace(" ", "-")
 
 
 def _parse_seeds(spec: str | None):

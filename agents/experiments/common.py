@@ -91,7 +91,7 @@ def stack_params(params_list: Sequence[Any]) -> Any:
 
 def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
                     seeds: Sequence[int], total_steps: int, ctx: Context | None = None,
-                    checkpoints: int = 1, **hparams):
+                    checkpoints: int = 1, imitation: dict | None = None, **hparams):
     """Trains `algo` on every scenario x seed in ONE compiled program.
 
     The environment parameters are an argument of the program (vmapped over scenarios), the
@@ -107,8 +107,15 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
       the env steps per update under `"env_steps"` and the timings; with `checkpoints` > 1,
       also `"checkpoint_policies"` (`[i][s][c]`, the last one the final policy) and
       `"checkpoint_steps"` (env steps at each checkpoint).
+
+    With `imitation = {"policy": heuristic, "num_steps": T, "epochs": K, "lr": lr}` each run
+    starts from the network fitted to the heuristic's decisions (`agents.imitation.imitate`:
+    T steps of its num_envs training environments, K full-batch Adam steps) instead of the
+    random initialisation; one scenario only (a fitted heuristic belongs to its scenario).
+    The fitted networks are kept as `curves["imitation_policies"]` (`[i][s]`).
     """
     from agents.defaults import ALGOS, make_config
+    from agents.imitation import imitate
     from agents.policy import LearnedPolicy
     from agents.trainer import run_updates
 
@@ -120,17 +127,34 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     chunk = config.num_updates // checkpoints
     network = ALGOS[algo][1](config, env, params_list[0]).network
     stacked = stack_params(params_list)
+    if imitation is not None:
+        imitation = dict(imitation)
+        if len(params_list) != 1:
+            raise ValueError("imitation trains one scenario per program (its heuristic is "
+                             f"fitted to that scenario), got {len(params_list)}")
+        unknown = sorted(set(imitation) - {"policy", "num_steps", "epochs", "lr"})
+        if unknown or not callable(imitation.get("policy")):
+            raise ValueError("imitation takes policy (callable), num_steps, epochs, lr; got "
+                             f"{sorted(imitation)}")
 
     def one(p, key):
         trainer = ALGOS[algo][1](config, env, p, network)
+        runner = trainer.init(key)
+        if imitation is not None:
+            runner = imitate(runner, env, p, imitation["policy"],
+                             num_steps=int(imitation.get("num_steps", 512)),
+                             epochs=int(imitation.get("epochs", 300)),
+                             lr=float(imitation.get("lr", 3e-3)), vf_coef=config.vf_coef,
+                             gamma=config.gamma, discount_time_s=config.discount_time_s)
+        # The start is an output only with imitation: the plain program stays as it was.
+        start = runner.train_state.params if imitation is not None else None
 
         def run_chunk(runner, _):
             runner, metrics = run_updates(trainer.update, runner, chunk)
             return runner, (runner.train_state.params, metrics["episode_return"])
 
-        _, (snapshots, returns) = jax.lax.scan(run_chunk, trainer.init(key), None,
-                                               checkpoints)
-        return snapshots, returns.reshape(-1)
+        _, (snapshots, returns) = jax.lax.scan(run_chunk, runner, None, checkpoints)
+        return (snapshots, start), returns.reshape(-1)
 
     keys = jax.vmap(jax.random.key)(jnp.asarray(seeds, jnp.uint32))
     program = jax.jit(jax.vmap(jax.vmap(one, in_axes=(None, 0)), in_axes=(0, None)))
@@ -138,13 +162,14 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     compiled = program.lower(stacked, keys).compile()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    snapshots, returns = jax.block_until_ready(compiled(stacked, keys))
+    (snapshots, starts), returns = jax.block_until_ready(compiled(stacked, keys))
     run_s = time.perf_counter() - t0
     if ctx is not None:
         ctx.log(f"  trained {algo} on {env_name}: {len(params_list)} scenario(s) x "
                 f"{len(seeds)} seed(s) x {config.num_updates * config.batch_size} steps "
                 f"(compile {compile_s:.0f} s, run {run_s:.0f} s)")
     snapshots = jax.device_get(snapshots)  # leaves (scenario, seed, checkpoint, ...)
+    starts = jax.device_get(starts)  # leaves (scenario, seed, ...); None without imitation
 
     def policy(i, s, c, name):
         return LearnedPolicy(network, jax.tree.map(lambda x: x[i, s, c], snapshots), True, name)
@@ -160,6 +185,11 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
         curves["checkpoint_policies"] = [
             [[policy(i, s, c, f"{algo}-s{seed}@{c + 1}/{checkpoints}")
               for c in range(checkpoints)] for s, seed in enumerate(seeds)]
+            for i in range(len(params_list))]
+    if imitation is not None:
+        curves["imitation_policies"] = [
+            [LearnedPolicy(network, jax.tree.map(lambda x: x[i, s], starts), True,
+                           f"{algo}-s{seed}@imitation") for s, seed in enumerate(seeds)]
             for i in range(len(params_list))]
     return pols, curves
 

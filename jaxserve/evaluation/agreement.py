@@ -23,15 +23,16 @@ from jaxserve.evaluation.evaluate import (is_routing, make_streams_with_phase, s
 
 
 @partial(jax.jit, static_argnames=("env_t", "policies", "references"))
-def _agreements(env_t, policies, references, params, streams, keys):
-    """`(P, E, n, R)` bool: reference r's action equals policy p's at decision i of env e
-    (one program: the acting policy selected by `lax.switch`, as `evaluate_many` does)."""
+def _agreements(env_t, policies, references, params, streams, keys, groups):
+    """`(P, E, n, R)` bool: reference r's action is in the same group as policy p's at
+    decision i of env e (one program: the acting policy selected by `lax.switch`, as
+    `evaluate_many` does)."""
     return jax.vmap(lambda i: _agreements_of(env_t, switch_policy(policies, i), references,
-                                             params, streams, keys))(
+                                             params, streams, keys, groups))(
         jnp.arange(len(policies)))
 
 
-def _agreements_of(env_t, policy, references, params, streams, keys):
+def _agreements_of(env_t, policy, references, params, streams, keys, groups):
 
     def one(stream, key):
         p = params.replace(trace=stream)
@@ -44,7 +45,8 @@ def _agreements_of(env_t, policy, references, params, streams, keys):
             obs, state = carry
             kp, ke = jax.random.fold_in(k_pol, i), jax.random.fold_in(k_step, i)
             a = as_action(policy(kp, obs, state, p))
-            same = jnp.stack([as_action(r(kp, obs, state, p)) == a for r in references])
+            same = jnp.stack([groups[as_action(r(kp, obs, state, p))] == groups[a]
+                              for r in references])
             obs, state, _, _, _ = env_t.step_env(ke, state, a, p)
             return (obs, state), same
 
@@ -56,7 +58,7 @@ def _agreements_of(env_t, policy, references, params, streams, keys):
 
 def action_agreement(env, params, policies: Mapping[str, Callable],
                      references: Mapping[str, Callable], key, num_envs: int = 16,
-                     num_steps: int = 1000, *, warmup: int = 0) -> dict:
+                     num_steps: int = 1000, *, warmup: int = 0, groups=None) -> dict:
     """Share of each policy's routing decisions that each reference policy would have made too.
 
     Args:
@@ -67,6 +69,11 @@ def action_agreement(env, params, policies: Mapping[str, Callable],
       key: the evaluation key (as `evaluate`'s; a tuning key is refused).
       num_envs, num_steps: streams and requests per stream; warmup: first decisions of each
         stream left out.
+      groups: optional group id per GPU (`(num_gpus,)` ints, e.g. speed tiers): two
+        decisions agree when their GPUs are in the same group. Default: each GPU its own
+        group (the same GPU). Where a rule picks a GPU inside a group by a detail (SITA: least
+        work left within its size group), agreement by group says whether two policies send
+        a request to the same kind of GPU.
 
     Returns:
       `{policy: {reference: {"all": share in [0, 1], "by_phase": [share per arrival phase
@@ -80,12 +87,16 @@ def action_agreement(env, params, policies: Mapping[str, Callable],
         raise ValueError("action_agreement needs at least one policy and one reference")
     if not 0 <= int(warmup) < int(num_steps):
         raise ValueError(f"warmup must be in [0, num_steps), got {warmup} and {num_steps}")
+    num_gpus = int(env.num_actions)
+    groups = np.arange(num_gpus) if groups is None else np.asarray(groups)
+    if groups.shape != (num_gpus,) or not np.issubdtype(groups.dtype, np.integer):
+        raise ValueError(f"groups must be {num_gpus} integers (one per GPU), got {groups!r}")
     streams, keys, phases = make_streams_with_phase(key, params, int(num_envs), int(num_steps),
                                                     None)
     n = streams.gap.shape[1]
     same = np.asarray(_agreements(trace_env(env, n), tuple(policies.values()),
-                                  tuple(references.values()), params, streams,
-                                  keys))[:, :, int(warmup):]
+                                  tuple(references.values()), params, streams, keys,
+                                  jnp.asarray(groups, jnp.int32)))[:, :, int(warmup):]
     phases = np.asarray(phases)[:, int(warmup):]
     num_phases = int(np.asarray(params.arrivals.rates).shape[-1])
     out = {}
