@@ -54,6 +54,8 @@ environments:
 - [docs/prefix_caching.md](prefix_caching.md): LLMPrefixRouting-v0.
 - [docs/benchmarks.md](benchmarks.md): speed (env-steps/s, compile time, PPO training
   throughput).
+- [docs/confirmations.md](confirmations.md): (x)'s findings re-measured on fresh training
+  seeds and fresh evaluation streams (`python -m scripts.ablate`).
 """
 
 
