@@ -238,6 +238,21 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     assert "no difference resolved" in rows["tie"]
     assert all("sita, true lengths 9 | 1k: 19, 2k: 18 |" in r for r in rows.values())
     assert headline_summary({"a": {}}) == ""
+    # (x)'s best PPO variant (lowest mean; clones and least_marginal are not candidates) gets
+    # a row against (x)'s heuristic, with a note pointing to the confirmatory runs.
+    data["w"]["short_bursts"] = scen((0.1, -0.2, 0.4), [[0.2, 0.9], [0.5, 0.4]])
+    diff = {"mean": -1.2, "low": -1.9, "high": -0.6}
+    data["x"] = {"ppo": {"mean": 12.0, "diff_vs_heuristic": {"mean": 0.1, "low": -1, "high": 1}},
+                 "ppo, no shaping": {"mean": 10.8, "diff_vs_heuristic": diff},
+                 "ppo, x: the clone, before PPO": {"mean": 1.0, "diff_vs_heuristic": diff},
+                 "sita_tuned": {"mean": 12.0}, "least_marginal": {"mean": 17.0}}
+    text = headline_summary(data)
+    row = next(line for line in text.splitlines() if "(x)" in line and line.startswith("| "))
+    assert row.startswith("| short_bursts, (x): ppo, no shaping | ppo, no shaping 10.8 | "
+                          "sita_tuned 12 | -1.2 [-1.9, -0.6] | learned wins | "
+                          "sita, true lengths 9 |")
+    assert "confirmations.md" in text
+    del data["w"]["short_bursts"], data["x"]
     for d in data["w"].values():  # JSON turns NaN (no request of the class) into None
         d["to_fast"] = {k: [[np.nan if x is None else x for x in r] for r in v]
                         for k, v in d["to_fast"].items()}

@@ -125,8 +125,13 @@ def headline_summary(data: dict) -> str:
                     f"{diff['mean']:+.3g} [{diff['low']:+.3g}, {diff['high']:+.3g}] | {verdict} | "
                     + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
                     + f" {curve or 'not measured'} |")
+    x_row = _ablation_row(data.get("x") or {}, w.get("short_bursts") or {})
     if not rows:
         return ""
+    note = ([f"The (x) row is the best of (x)'s PPO variants on (w)'s short_bursts streams, "
+             "a training choice picked after seeing them: "
+             "[docs/confirmations.md](confirmations.md) re-measures it on fresh training "
+             "seeds and fresh evaluation streams.", ""] if x_row else [])
     return "\n".join([
         "**Summary: best learned router vs best honest heuristic** (section (w), drop-inclusive "
         "mean latency in s; paired difference with its 95% seed x stream bootstrap CI; the "
@@ -136,7 +141,29 @@ def headline_summary(data: dict) -> str:
         "",
         "| scenario | learned | best heuristic | learned - heuristic (95% CI) | verdict | "
         "best clairvoyant | learned along its budget curve (s) |",
-        "|---|---|---|---|---|---|---|", *rows, ""])
+        "|---|---|---|---|---|---|---|", *rows, *([x_row] if x_row else []), "", *note])
+
+
+def _ablation_row(x: dict, w_short: dict) -> str:
+    """The summary row of (x)'s best PPO variant (lowest mean) against (x)'s heuristic, with
+    (w)'s short_bursts clairvoyant reference; "" without (x) data."""
+    variants = {k: v for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" in v
+                and ": the clone" not in k}
+    heur = [k for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" not in v
+            and k != "least_marginal" and "mean" in v]
+    if not variants or len(heur) != 1:
+        return ""
+    best = min(variants, key=lambda k: variants[k]["mean"])
+    d, h = variants[best]["diff_vs_heuristic"], heur[0]
+    verdict = ("learned wins" if d["high"] < 0 else "heuristic wins" if d["low"] > 0
+               else "no difference resolved")
+    lat = w_short.get("latency") or {}
+    refs = {k: v for k, v in lat.items() if "true lengths" in k}
+    ref = min(refs, key=refs.get) if refs else None
+    return (f"| short_bursts, (x): {best} | {best} {variants[best]['mean']:.3g} | "
+            f"{h} {x[h]['mean']:.3g} | {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}] | "
+            f"{verdict} | " + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
+            + " not measured |")
 
 
 def _git_commit() -> str:
