@@ -132,12 +132,15 @@ def plot_learning_curve(curves: dict[str, np.ndarray], path: str | os.PathLike,
     plt.close(fig)
 
 
-def _metadata(env_name, overrides, algo, curves, wall, chunk):
-    return {"env_name": env_name, "env_overrides": jsonable_overrides(overrides), "algo": algo,
+def _metadata(env_name, overrides, algo, curves, wall, chunk, imitate=None):
+    meta = {"env_name": env_name, "env_overrides": jsonable_overrides(overrides), "algo": algo,
             "curves": _curves_to_json(curves), "wall_time_s": wall, "chunk_updates": chunk}
+    if imitate is not None:  # absent otherwise, so runs saved before the option still resume
+        meta["imitate"] = imitate
+    return meta
 
 
-def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo):
+def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo, imitate=None):
     if latest_step(ckpt_dir) is None:
         raise FileNotFoundError(f"resume=True but there is no checkpoint under {ckpt_dir}")
     template = jax.eval_shape(trainer.init, key)
@@ -146,7 +149,8 @@ def _restore(ckpt_dir: Path, trainer: Trainer, key, env_name, overrides, algo):
     except ValueError as e:
         raise ValueError(f"cannot resume: {e}") from None
     meta = ckpt.metadata
-    want = {"env_name": env_name, "env_overrides": jsonable_overrides(overrides), "algo": algo}
+    want = {"env_name": env_name, "env_overrides": jsonable_overrides(overrides), "algo": algo,
+            "imitate": imitate}
     got = {k: meta.get(k) for k in want}
     if got != want:
         raise ValueError(f"cannot resume: the checkpoint under {ckpt_dir} is of run {got}, "

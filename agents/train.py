@@ -43,6 +43,7 @@ import numpy as np
 from agents.checkpoint import save_checkpoint
 from agents.config import TrainConfig
 from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
+from agents import imitation
 from agents.envs import make_env
 from agents.policy import LearnedPolicy
 from agents.rollout import RunnerState
@@ -172,6 +173,7 @@ def train(
     chunk_updates: int | None = None,
     shard: bool = False,
     callback: Callable[[dict[str, Any]], Any] | None = None,
+    imitate: str | None = None,
     **hparams: Any,
 ) -> TrainResult:
     """Trains `algo` on `env_name`, in jitted chunks with progress, metrics and checkpoints.
@@ -199,6 +201,10 @@ def train(
       callback: called after each chunk with `{"updates", "num_updates", "env_steps",
         "metrics" (this chunk's, numpy), "runner_state"}`; returning True stops training
         early (the result then holds the updates done).
+      imitate: a registered heuristic of the environment's kind (e.g. "sita_predicted") to
+        start from: before the first update the network is fitted to its decisions
+        (`agents.imitation.imitate`, `imitation.DEFAULTS`; the heuristic fitted on a tuning
+        key of `seed`). Recorded in the checkpoint; a resume must name the same one.
       **hparams: config fields (`lr`, `ent_coef`, `clip_eps`, `hidden_sizes`, `network`...).
 
     Returns:
@@ -222,6 +228,11 @@ def train(
         raise ValueError(f"checkpoint_every must be >= 1 chunk, got {checkpoint_every}")
     key = jax.random.key(config.seed)
     main_process = jax.process_index() == 0
+    teacher = None
+    if imitate is not None:
+        if shard:
+            raise ValueError("imitate is not supported with shard=True yet")
+        teacher = imitation.heuristic(env, env_params, imitate, config.seed)
 
     out = None if out_dir is None else Path(out_dir)
     ckpt_dir = None if out is None else (out / CHECKPOINT_DIR).absolute()
@@ -230,7 +241,7 @@ def train(
     wall_before = 0.0
     if resume:
         runner, done, curves, wall_before = _restore(ckpt_dir, trainer, key, env_name,
-                                                     overrides, algo)
+                                                     overrides, algo, imitate)
     else:
         if ours:  # with overwrite (check_out_dir refused it otherwise)
             shutil.rmtree(ckpt_dir)
@@ -249,6 +260,15 @@ def train(
     bar = None
     if runner is None:
         runner = trainer.init(key)
+        if teacher is not None:
+            if show:
+                print(f"fitting the network to {imitate}'s decisions...", file=sys.stderr,
+                      flush=True)
+            opts = imitation.DEFAULTS
+            runner = jax.jit(lambda r: imitation.imitate(
+                r, env, env_params, teacher, num_steps=opts["num_steps"],
+                epochs=opts["epochs"], lr=opts["lr"], vf_coef=config.vf_coef,
+                gamma=config.gamma, discount_time_s=config.discount_time_s))(runner)
     compile_s = 0.0
     run_chunk = None
     chunks_done = 0
@@ -262,7 +282,7 @@ def train(
         nonlocal saving, last_saved
         saving = True
         meta = _metadata(env_name, overrides, algo, curves, wall_before
-                         + time.perf_counter() - t_start, chunk)
+                         + time.perf_counter() - t_start, chunk, imitate)
         save_checkpoint(ckpt_dir, step, runner, config, meta, max_to_keep=3)
         saving, last_saved = False, step
 

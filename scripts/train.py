@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated heuristics to compare (default: the env's baselines)")
     ap.add_argument("--sampled", action="store_true",
                     help="also evaluate the sampling (non-greedy) learned policy")
+    ap.add_argument("--imitate", default=None, metavar="HEURISTIC",
+                    help="start from a network fitted to this heuristic's decisions "
+                         "(agents.imitation), e.g. sita_predicted")
     ap.add_argument("--no-eval", action="store_true", help="train only")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
@@ -233,7 +236,8 @@ def run(args, argv) -> int:
                               num_envs=args.num_envs, progress=not args.no_progress,
                               out_dir=out, checkpoint_every=args.checkpoint_every,
                               resume=args.resume, overwrite=args.overwrite,
-                              chunk_updates=args.chunk_updates, **hparams)
+                              chunk_updates=args.chunk_updates, imitate=args.imitate,
+                              **hparams)
     except KeyboardInterrupt:
         print(f"jaxserve-train: interrupted; checkpoint in {out}/checkpoints, continue with the "
               f"same command plus --resume", file=sys.stderr)

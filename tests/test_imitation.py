@@ -71,3 +71,35 @@ def test_imitation_arguments_are_checked(bursty):
     with pytest.raises(ValueError, match="imitation takes"):
         train_scenarios("Routing-v0", env, [params], "ppo", (0,), 2048,
                         imitation={"policy": "sita"})
+
+
+def test_train_with_imitate_records_it_and_resume_checks_it(tmp_path, bursty):
+    """`agents.train(..., imitate=...)`: a run of one PPO update from the clone of
+    sita_predicted routes far better than JSQ (a network one update from random does not);
+    the checkpoint records the heuristic, and resuming without it (or with another) is
+    refused while resuming with it continues."""
+    import agents
+    env, params, _, key = bursty
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="cannot imitate 'sed_oracle'"):
+        agents.train("Routing-v0", {"scenario": "bursty"}, "ppo", total_steps=1024,
+                     progress=False, out_dir=out, imitate="sed_oracle")
+    assert not out.exists()
+    with pytest.raises(ValueError, match="shard"):
+        agents.train("Routing-v0", None, "ppo", total_steps=1024, progress=False,
+                     shard=True, imitate="jsq")
+    # Stopped after its first update (a checkpoint is saved there).
+    res = agents.train("Routing-v0", {"scenario": "bursty"}, "ppo", total_steps=2048,
+                       progress=False, out_dir=out, imitate="sita_predicted",
+                       chunk_updates=1, callback=lambda info: True)
+    lat = {k: v["mean_latency_incl_drops"] for k, v in jaxserve.evaluate_many(
+        env, params, {"ppo": res.policy, "jsq": P.get("jsq")}, key, num_envs=4,
+        num_steps=512, warmup=32).items()}
+    assert lat["ppo"] < 0.5 * lat["jsq"], lat
+    with pytest.raises(ValueError, match="cannot resume.*imitate"):
+        agents.train("Routing-v0", {"scenario": "bursty"}, "ppo", total_steps=2048,
+                     progress=False, out_dir=out, resume=True, chunk_updates=1)
+    more = agents.train("Routing-v0", {"scenario": "bursty"}, "ppo", total_steps=2048,
+                        progress=False, out_dir=out, resume=True, imitate="sita_predicted",
+                        chunk_updates=1)
+    assert more.resumed_from == 1

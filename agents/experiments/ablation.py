@@ -40,6 +40,7 @@ from agents.experiments.registry import experiment
 from agents.experiments.routing import routing_heuristics
 from agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _interval,
                                             _to_fast_shares)
+from agents.imitation import DEFAULTS as IMITATION_DEFAULTS
 
 # Training seeds per budget name (steps per seed are (w)'s). More than (w)'s 3: at 3 seeds
 # (w)'s short_bursts PPO scored 10.9 s in one training program and 12.0 s in another (same
@@ -76,10 +77,6 @@ IMITATION_VARIANTS = (
      {"shaping_gamma": None}, {"imitate": True}),
 )
 ALL_VARIANTS = VARIANTS + IMITATION_VARIANTS
-# The imitation warm start: demonstration steps per training environment, full-batch Adam
-# steps and their learning rate (a clone of sita_predicted on bursty scored 11.3 s against
-# SITA's 11.2 s with these).
-IMITATION = {"num_steps": 512, "epochs": 300, "lr": 3e-3}
 
 
 def _train_variants(variants, seeds, steps, ctx, scenario: str = SCENARIO,
@@ -101,7 +98,7 @@ def _train_variants(variants, seeds, steps, ctx, scenario: str = SCENARIO,
         if hp.pop("imitate", False):
             if heuristic is None:
                 raise ValueError("an imitation variant needs the heuristic to imitate")
-            imitation = {"policy": heuristic, **IMITATION}
+            imitation = {"policy": heuristic, **IMITATION_DEFAULTS}
         trained, curves = train_scenarios("Routing-v0", env,
                                           [built[lab][0][1] for lab in labs], "ppo", seeds,
                                           steps, ctx, imitation=imitation, **hp)
@@ -239,11 +236,12 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
         f"variant's decisions that `{GREEDY}` (the GPU where the shaping potential grows "
         f"least: the step-by-step greedy choice of the shaped reward) and `{heuristic}` "
         "would have sent to the same kind of GPU (speed tier) in the same state, on the "
-        "variant's own trajectories, means over seeds. Why many seeds: (w)'s PPO on short_bursts scored 10.9 s (a win over "
-        "sita_tuned, paired -1.11 [-1.63, -0.46] s, commit 3c6a1c5) when trained in its own "
-        "program and 12.0 s (no difference) when trained in one program with (w)'s other "
-        "scenarios: the same seeds and hyperparameters, different float rounding. A 3-seed "
-        "interval did not cover that spread.",
+        "variant's own trajectories, means over seeds. Why many seeds: (w)'s PPO on "
+        "short_bursts scored 10.9 s (a win over sita_tuned, paired -1.11 [-1.63, -0.46] s, "
+        "commit 3c6a1c5) when trained in its own program and 12.0 s (no difference) when "
+        "trained in one program with (w)'s other scenarios: the same seeds and "
+        "hyperparameters, different float rounding. A 3-seed interval did not cover that "
+        "spread.",
         table(["policy", "what changes", "drop-incl. mean latency (s)", "drops",
                f"variant - {first} (s, paired, 95% CI)", f"- {heuristic} (s, paired)",
                "short requests to fast GPUs in bursts",
