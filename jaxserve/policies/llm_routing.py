@@ -18,12 +18,7 @@ import jax.numpy as jnp
 
 from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
-
-
-def in_system(state) -> jax.Array:
-    """Requests at each replica, waiting plus running, `(R,)` int32."""
-    c = state.cluster
-    return c.queues.count + c.run.count
+from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
 
 
 def would_drop(state, params) -> jax.Array:
@@ -37,16 +32,6 @@ def _argmin_open(cost, state, params) -> jax.Array:
     bad = would_drop(state, params)
     cost = jnp.where(bad & ~bad.all(), jnp.inf, cost)
     return jnp.argmin(cost).astype(jnp.int32)
-
-
-def random_policy(key, obs, state, params):
-    """Uniformly random replica."""
-    return jax.random.randint(key, (), 0, state.cluster.num_replicas, dtype=jnp.int32)
-
-
-def round_robin(key, obs, state, params):
-    """Request `i` to replica `i mod R`."""
-    return (state.pending.req_id % state.cluster.num_replicas).astype(jnp.int32)
 
 
 def jsq_requests(key, obs, state, params):
@@ -81,16 +66,6 @@ def vllm_dp(key, obs, state, params):
     """vLLM's data-parallel load-balancing score: `4 * waiting + running`, the lowest wins."""
     c = state.cluster
     return _argmin_open(4 * c.queues.count + c.run.count, state, params)
-
-
-def power_of_two(key, obs, state, params):
-    """Two distinct replicas drawn uniformly; the one with fewer requests (first on ties)."""
-    n = state.cluster.num_replicas
-    k1, k2 = jax.random.split(key)
-    i = jax.random.randint(k1, (), 0, n, dtype=jnp.int32)
-    j = (i + jax.random.randint(k2, (), 1, max(n, 2), dtype=jnp.int32)) % n
-    count = in_system(state)
-    return jnp.where(count[j] < count[i], j, i).astype(jnp.int32)
 
 
 def make_sita_prompt(threshold: float = 512.0):

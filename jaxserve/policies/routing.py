@@ -36,15 +36,10 @@ from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.service import full_batch_rate, per_request_work, single_request_time
 from jaxserve.envs.routing import marginal_backlog
+from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
 from jaxserve.policies.registry import Policy, register
 
 _GOLDEN = np.uint32(2654435769)  # floor(2**32 / golden ratio): Fibonacci hashing
-
-
-def in_system(state) -> jax.Array:
-    """Requests at each GPU, waiting plus running, `(num_gpus,)` int32."""
-    cl = state.cluster
-    return cl.queues.count + cl.servers.run_count
 
 
 def _full(state, params) -> jax.Array:
@@ -86,17 +81,6 @@ def gpu_speeds(params) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- policies
-
-def random_policy(key, obs, state, params):
-    """Uniformly random GPU."""
-    n = state.cluster.num_gpus
-    return jax.random.randint(key, (), 0, n, dtype=jnp.int32)
-
-
-def round_robin(key, obs, state, params):
-    """GPU `req_id mod num_gpus` of the pending request (its index in the episode)."""
-    return (state.pending.req_id % state.cluster.num_gpus).astype(jnp.int32)
-
 
 def weighted_round_robin(key, obs, state, params):
     """Deterministic by `req_id`: GPU shares proportional to `gpu_speeds(params)`.
@@ -172,16 +156,6 @@ def sed_oracle(key, obs, state, params):
     fastest_idle = jnp.argmin(jnp.where(idle, own, jnp.inf)).astype(jnp.int32)
     busy_best = _argmin_open(_oracle_queued_work(state, params) + own, state, params)
     return jnp.where(idle.any(), fastest_idle, busy_best)
-
-
-def power_of_two(key, obs, state, params):
-    """Two distinct GPUs drawn uniformly; the one with fewer requests (the first drawn on ties)."""
-    n = state.cluster.num_gpus
-    k1, k2 = jax.random.split(key)
-    i = jax.random.randint(k1, (), 0, n, dtype=jnp.int32)
-    j = (i + jax.random.randint(k2, (), 1, max(n, 2), dtype=jnp.int32)) % n
-    count = in_system(state)
-    return jnp.where(count[j] < count[i], j, i).astype(jnp.int32)
 
 
 def make_join_idle_queue(fallback: str = "random"):

@@ -1,0 +1,46 @@
+"""Routers that read nothing engine-specific, written once for every routing environment.
+
+Routing-v0 (static batches, `core.cluster.Cluster`) and the LLM environments (continuous
+batching, `core.continuous.Replicas`) share them: each needs only the number of servers, the
+pending request's index and the requests each server holds. Signature of every jaxserve
+policy: `policy(key, obs, state, params) -> int32 server index`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def num_servers(state) -> int:
+    """GPUs (Routing-v0) or replicas (LLM environments) of `state.cluster`; a Python int."""
+    c = state.cluster
+    return c.num_gpus if hasattr(c, "num_gpus") else c.num_replicas
+
+
+def in_system(state) -> jax.Array:
+    """Requests at each server, waiting plus running, `(num_servers,)` int32."""
+    c = state.cluster
+    running = c.servers.run_count if hasattr(c, "servers") else c.run.count
+    return c.queues.count + running
+
+
+def random_policy(key, obs, state, params):
+    """Uniformly random server."""
+    return jax.random.randint(key, (), 0, num_servers(state), dtype=jnp.int32)
+
+
+def round_robin(key, obs, state, params):
+    """Server `req_id mod N` of the pending request (its index in the episode or trace)."""
+    return (state.pending.req_id % num_servers(state)).astype(jnp.int32)
+
+
+def power_of_two(key, obs, state, params):
+    """Two distinct servers drawn uniformly; the one with fewer requests (the first drawn on
+    ties)."""
+    n = num_servers(state)
+    k1, k2 = jax.random.split(key)
+    i = jax.random.randint(k1, (), 0, n, dtype=jnp.int32)
+    j = (i + jax.random.randint(k2, (), 1, max(n, 2), dtype=jnp.int32)) % n
+    count = in_system(state)
+    return jnp.where(count[j] < count[i], j, i).astype(jnp.int32)
