@@ -30,13 +30,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxserve.policies.llm_routing import POLICIES
+
 DEFAULT_TRACE = "conv"
 TRACE_FILES = {"conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
                "code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv"}
-# Heuristics compared (names of `policies.llm_routing.POLICIES`; SITA gets its threshold from
-# the training window).
-HEURISTICS = ("round_robin", "jsq_requests", "jsq_tokens", "least_kv", "vllm_dp",
-              "power_of_two", "sita_prompt")
+# Heuristics compared: every router of `policies.llm_routing.POLICIES` but `random` (one list,
+# so a router added there is in the study; `least_marginal`, the greedy policy of the shaping
+# potential, measured strongest on LLMRouting-v0's defaults). SITA gets its threshold from
+# the training window.
+HEURISTICS = tuple(n for n in POLICIES if n != "random")
 METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
            "slo_attainment", "goodput", "dropped", "e2e_mean_drop_charged")
 # Higher is better for these; lower for the rest.
@@ -208,7 +211,7 @@ def run_study(*, trace: str = DEFAULT_TRACE, load: float = 0.8, seeds: Sequence[
     """
     import agents
     import jaxserve
-    from jaxserve.policies.llm_routing import POLICIES, make_sita_prompt
+    from jaxserve.policies.llm_routing import make_sita_prompt
 
     t0 = time.perf_counter()
     seeds = [int(s) for s in seeds]
