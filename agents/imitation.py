@@ -19,12 +19,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from agents.returns import gae
 from agents.rollout import RunnerState, categorical_log_prob, step_discount
 from jaxserve import policies
 from jaxserve.core.sources import tuning_key
 
 # Demonstration steps per training environment, full-batch Adam steps and their learning rate
-# (a clone of sita_predicted on bursty scored 11.3 s against SITA's 11.2 s with these).
+# (with these a clone of sita_predicted on bursty scored 9.89 s against SITA's 9.58 s:
+# docs/confirmations.md, section C).
 DEFAULTS = {"num_steps": 512, "epochs": 300, "lr": 3e-3}
 
 
@@ -65,18 +67,14 @@ def demonstrations(runner: RunnerState, env: Any, env_params: Any, policy: Calla
         obs2, env_state, reward, term, trunc, info = vstep(jax.random.split(k_env, num_envs),
                                                            env_state, action, env_params)
         disc = jnp.broadcast_to(step_discount(gamma, discount_time_s, info), reward.shape)
-        cont = disc * (1.0 - jnp.logical_or(term, trunc).astype(jnp.float32))
-        return (env_state, obs2, key), (obs, action, reward.astype(jnp.float32), cont)
+        return (env_state, obs2, key), (obs, action, reward.astype(jnp.float32), disc, term,
+                                        jnp.logical_or(term, trunc))
 
-    (env_state, obs, key), (o, a, r, cont) = jax.lax.scan(
+    (env_state, obs, key), (o, a, r, disc, term, done) = jax.lax.scan(
         step, (runner.env_state, runner.obs, runner.key), None, num_steps)
-
-    def back(g, x):
-        r_t, c_t = x
-        g = r_t + c_t * g
-        return g, g
-
-    _, returns = jax.lax.scan(back, jnp.zeros_like(r[0]), (r, cont), reverse=True)
+    # Monte Carlo returns cut at episode ends: GAE with lambda 1 and zero values.
+    zeros = jnp.zeros_like(r)
+    _, returns = gae(r, zeros, zeros, term, done, disc, 1.0)
     return runner._replace(env_state=env_state, obs=obs, key=key), o, a, returns
 
 
@@ -117,3 +115,14 @@ def imitate(runner: RunnerState, env: Any, env_params: Any, policy: Callable, *,
 
     (params, _), _ = jax.lax.scan(fit, (ts.params, tx.init(ts.params)), None, epochs)
     return runner._replace(train_state=ts.replace(params=params))
+
+
+def warm_start(runner: RunnerState, env: Any, env_params: Any, policy: Callable, config: Any,
+               **options: Any) -> RunnerState:
+    """`imitate` with the agent's own value weight and discounting (`config.vf_coef`,
+    `gamma`, `discount_time_s`) and `DEFAULTS` for the options not given (`num_steps`,
+    `epochs`, `lr`)."""
+    opts = {**DEFAULTS, **options}
+    return imitate(runner, env, env_params, policy, num_steps=int(opts["num_steps"]),
+                   epochs=int(opts["epochs"]), lr=float(opts["lr"]), vf_coef=config.vf_coef,
+                   gamma=config.gamma, discount_time_s=config.discount_time_s)

@@ -40,10 +40,10 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from agents import imitation
 from agents.checkpoint import save_checkpoint
 from agents.config import TrainConfig
 from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
-from agents import imitation
 from agents.envs import make_env
 from agents.policy import LearnedPolicy
 from agents.rollout import RunnerState
@@ -264,11 +264,8 @@ def train(
             if show:
                 print(f"fitting the network to {imitate}'s decisions...", file=sys.stderr,
                       flush=True)
-            opts = imitation.DEFAULTS
-            runner = jax.jit(lambda r: imitation.imitate(
-                r, env, env_params, teacher, num_steps=opts["num_steps"],
-                epochs=opts["epochs"], lr=opts["lr"], vf_coef=config.vf_coef,
-                gamma=config.gamma, discount_time_s=config.discount_time_s))(runner)
+            runner = jax.jit(lambda r: imitation.warm_start(r, env, env_params, teacher,
+                                                            config))(runner)
     compile_s = 0.0
     run_chunk = None
     chunks_done = 0

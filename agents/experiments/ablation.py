@@ -40,7 +40,6 @@ from agents.experiments.registry import experiment
 from agents.experiments.routing import routing_heuristics
 from agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _interval,
                                             _to_fast_shares)
-from agents.imitation import DEFAULTS as IMITATION_DEFAULTS
 
 # Training seeds per budget name (steps per seed are (w)'s). More than (w)'s 3: at 3 seeds
 # (w)'s short_bursts PPO scored 10.9 s in one training program and 12.0 s in another (same
@@ -98,7 +97,7 @@ def _train_variants(variants, seeds, steps, ctx, scenario: str = SCENARIO,
         if hp.pop("imitate", False):
             if heuristic is None:
                 raise ValueError("an imitation variant needs the heuristic to imitate")
-            imitation = {"policy": heuristic, **IMITATION_DEFAULTS}
+            imitation = {"policy": heuristic}  # imitation.DEFAULTS for the rest
         trained, curves = train_scenarios("Routing-v0", env,
                                           [built[lab][0][1] for lab in labs], "ppo", seeds,
                                           steps, ctx, imitation=imitation, **hp)

@@ -115,8 +115,7 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     The fitted networks are kept as `curves["imitation_policies"]` (`[i][s]`).
     """
     from agents.defaults import ALGOS, make_config
-    from agents.imitation import DEFAULTS as IMITATION_DEFAULTS
-    from agents.imitation import imitate
+    from agents.imitation import warm_start
     from agents.policy import LearnedPolicy
     from agents.trainer import run_updates
 
@@ -142,11 +141,8 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
         trainer = ALGOS[algo][1](config, env, p, network)
         runner = trainer.init(key)
         if imitation is not None:
-            opts = {**IMITATION_DEFAULTS, **imitation}
-            runner = imitate(runner, env, p, imitation["policy"],
-                             num_steps=int(opts["num_steps"]), epochs=int(opts["epochs"]),
-                             lr=float(opts["lr"]), vf_coef=config.vf_coef,
-                             gamma=config.gamma, discount_time_s=config.discount_time_s)
+            opts = {k: v for k, v in imitation.items() if k != "policy"}
+            runner = warm_start(runner, env, p, imitation["policy"], config, **opts)
         # The start is an output only with imitation: the plain program stays as it was.
         start = runner.train_state.params if imitation is not None else None
 

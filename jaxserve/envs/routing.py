@@ -266,15 +266,18 @@ def _backlog_per_gpu(cluster: C.Cluster, gpus, joining=None) -> jax.Array:
     estimate)`, each GPU's term as if that request had joined its queue (alone)."""
     q, s, w = cluster.queues, cluster.servers, cluster.waiting
     run_left = jnp.where(s.run_count > 0, jnp.maximum(s.est_end, 0.0), 0.0)
+    # Written in expected_backlog's original order, so the potential's program is unchanged.
     n = q.count.astype(jnp.float32)
+    if joining is not None:  # static
+        n = n + 1.0
+    b = jnp.maximum(gpus.max_batch, 1).astype(jnp.float32)
+    nb = jnp.maximum(jnp.ceil(n / b), 1.0)
     # Clipped at 0: the running sums may round a hair below it before the queue empties.
     sum_p, sum_p2 = jnp.maximum(w.prompt_sum, 0.0), jnp.maximum(w.prompt_sq_sum, 0.0)
     o_max = w.estimate_max
     if joining is not None:  # static: the potential itself never takes this branch
         p, est = joining
-        n, sum_p, sum_p2, o_max = n + 1.0, sum_p + p, sum_p2 + p * p, jnp.maximum(o_max, est)
-    b = jnp.maximum(gpus.max_batch, 1).astype(jnp.float32)
-    nb = jnp.maximum(jnp.ceil(n / b), 1.0)
+        sum_p, sum_p2, o_max = sum_p + p, sum_p2 + p * p, jnp.maximum(o_max, est)
     t_all = (nb * gpus.c0 + gpus.alpha * sum_p + gpus.alpha2 * sum_p2
              + o_max * (nb * gpus.beta + gpus.gamma * n + gpus.delta * sum_p))
     return s.run_count * run_left + n * (run_left + t_all * (nb + 1.0) / (2.0 * nb))
