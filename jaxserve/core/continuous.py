@@ -41,8 +41,9 @@ import numpy as np
 from flax import struct
 
 from jaxserve.core import queues as Q
-from jaxserve.core.lanes import compacted_while
+from jaxserve.core.lanes import batch_max, compacted_while
 from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.tree import select
 from jaxserve.core.replica import ReplicaProfile, iteration_time
 
 
@@ -343,26 +344,38 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
     need = jnp.where(n > 0, _cdiv(run.comp + n, b) - held, 0)
     demand = _cumsum(need)
     free0 = prof.kv_blocks - held.sum(-1)
-    suffix = jnp.concatenate([_cumsum(held[:, ::-1])[:, ::-1],
-                              jnp.zeros((r_n, 1), jnp.int32)], -1)  # (R, S+1): H(e)
-    # H is non-increasing in e; e > count is excluded with a huge negative H.
-    e_ok = jnp.arange(s_n + 1)[None, :] <= run.count[:, None]
-    h_neg = jnp.where(e_ok, -suffix, jnp.int32(2 ** 30))  # non-decreasing
-    x_neg = free0[:, None] - demand
-    big_e = jax.vmap(lambda h, x: jnp.searchsorted(h, x, side="right", method="scan"))(
-        h_neg, x_neg).astype(jnp.int32) - 1  # (R, S): #{e <= count: H(e) >= D_i - F} - 1
-    sched = (n > 0) & (big_e > idx)
-    s = sched.sum(-1)
-    n_at_s = jnp.take_along_axis(n, jnp.minimum(s, s_n - 1)[:, None], -1)[:, 0]
-    stop_self = (s < run.count) & (n_at_s > 0)
-    e_prev = jnp.where(s > 0, jnp.take_along_axis(big_e, jnp.maximum(s - 1, 0)[:, None],
-                                                  -1)[:, 0], run.count)
-    keep = jnp.where(stop_self, s, jnp.minimum(e_prev, run.count))
+
+    def search():
+        suffix = jnp.concatenate([_cumsum(held[:, ::-1])[:, ::-1],
+                                  jnp.zeros((r_n, 1), jnp.int32)], -1)  # (R, S+1): H(e)
+        # H is non-increasing in e; e > count is excluded with a huge negative H.
+        e_ok = jnp.arange(s_n + 1)[None, :] <= run.count[:, None]
+        h_neg = jnp.where(e_ok, -suffix, jnp.int32(2 ** 30))  # non-decreasing
+        x_neg = free0[:, None] - demand
+        big_e = jax.vmap(lambda h, x: jnp.searchsorted(h, x, side="right", method="scan"))(
+            h_neg, x_neg).astype(jnp.int32) - 1  # (R, S): #{e <= count: H(e) >= D_i - F} - 1
+        sched = (n > 0) & (big_e > idx)
+        s = sched.sum(-1)
+        n_at_s = jnp.take_along_axis(n, jnp.minimum(s, s_n - 1)[:, None], -1)[:, 0]
+        stop_self = (s < run.count) & (n_at_s > 0)
+        e_prev = jnp.where(s > 0, jnp.take_along_axis(big_e, jnp.maximum(s - 1, 0)[:, None],
+                                                      -1)[:, 0], run.count)
+        keep = jnp.where(stop_self, s, jnp.minimum(e_prev, run.count))
+        used = jnp.where(s > 0, jnp.take_along_axis(demand, jnp.maximum(s - 1, 0)[:, None],
+                                                    -1)[:, 0], 0)
+        return keep, jnp.where(sched, n, 0), used
+
+    def fits():
+        # Every budgeted request's new blocks fit (D_{S-1} <= F): the search above would find
+        # E_i = count for every i, so all of them run and nobody is preempted.
+        return run.count, n, demand[:, -1]
+
+    # The search (a log-depth scan per slot) runs only when some replica of the batch is
+    # short of blocks (`lanes.batch_max`: one conditional under vmap).
+    short = (go & (demand[:, -1] > free0)).any()
+    keep, n_run, used = jax.lax.cond(batch_max(short), search, fits)
     npre = jnp.where(go, run.count - keep, 0)
     preempted = npre > 0
-    n_run = jnp.where(sched, n, 0)
-    used = jnp.where(s > 0, jnp.take_along_axis(demand, jnp.maximum(s - 1, 0)[:, None],
-                                                -1)[:, 0], 0)
     k1 = prof.max_tokens - n_run.sum(-1)
     free1 = free0 - used  # valid where nothing was preempted
 
@@ -420,10 +433,17 @@ def _apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
     victims = Q.Request(arrival=take(run.arrival), prompt=take(run.prompt),
                         output=take(run.output), estimate=take(run.estimate),
                         size_class=jnp.zeros_like(v_idx), req_id=take(run.req_id))
-    new_head = (q.head - npre) % q.capacity
-    q_gen = _front_fill(rep.q_gen, new_head, npre, take(run.gen))
-    q_pre = _front_fill(rep.q_pre, new_head, npre, take(run.pre) + 1)
-    queues = _push_front(q, npre, victims)
+
+    def push_victims():
+        new_head = (q.head - npre) % q.capacity
+        return (_front_fill(rep.q_gen, new_head, npre, take(run.gen)),
+                _front_fill(rep.q_pre, new_head, npre, take(run.pre) + 1),
+                _push_front(q, npre, victims))
+
+    # Rewriting the waiting buffers costs O(queue slots) per replica: done only when some
+    # replica of the batch preempted (one conditional under vmap, `lanes.batch_max`).
+    q_gen, q_pre, queues = jax.lax.cond(batch_max((npre > 0).any()), push_victims,
+                                        lambda: (rep.q_gen, rep.q_pre, q))
     adm_est = jnp.where(admit, win.estimate, 0.0).sum(-1)
     queues = Q.pop_front(queues, a, jnp.zeros((r_n,), jnp.float32), adm_est)
 
@@ -1160,6 +1180,28 @@ def _due(rep: Replicas, horizon):
     return end, jnp.any(end | sched)
 
 
+def _gate(active, new, old):
+    """`advance`'s loop carry: `new` where the lane is `active`, else `old`, selecting every
+    leaf but the waiting buffers (`queues`' slot arrays, `q_gen`, `q_pre`: O(queue slots)
+    per replica) and the request log (O(requests)). A pass over an inactive lane (no event
+    due: nothing ends, nothing is scheduled) writes the buffers only through victims pushed
+    back and the log only at first tokens and finishes, none of which happen there, so their
+    values are unchanged and need no select (which would copy them every pass)."""
+    rep_new, rep_old = new[0], old[0]
+    q_new, q_old = rep_new.queues, rep_old.queues
+    buffers = dict(arrival=q_new.arrival, prompt=q_new.prompt, output=q_new.output,
+                   estimate=q_new.estimate, req_id=q_new.req_id)
+    strip = lambda r, q: r.replace(  # noqa: E731
+        queues=q.replace(arrival=None, prompt=None, output=None, estimate=None, req_id=None),
+        q_gen=None, q_pre=None)
+    picked = select(active, (strip(rep_new, q_new),) + tuple(new[1:3]) + tuple(new[4:]),
+                    (strip(rep_old, q_old),) + tuple(old[1:3]) + tuple(old[4:]))
+    rep = picked[0]
+    rep = rep.replace(queues=rep.queues.replace(**buffers), q_gen=rep_new.q_gen,
+                      q_pre=rep_new.q_pre)
+    return (rep,) + tuple(picked[1:3]) + (new[3],) + tuple(picked[3:])
+
+
 def zero_extras() -> dict:
     """Continuous-batching counters reported next to `StepMetrics` in `info` (`boundaries`:
     the engine loop's boundary passes in the step, see `advance`)."""
@@ -1201,9 +1243,10 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
         raise ValueError("tables (the trace's PrefixTables) are required with prefix caching")
     decode_runs = decode_runs and not prefix
 
-    def body(carry, consts):
+    def body(carry, consts, active):
         prof, horizon, slo_s, tables = consts
         rp, m, ex, lg, end, _ = carry
+        before = carry
         rp, m, ex, lg = _end_iteration(rp, end, slo_s, m, ex, lg)
         has_work = (rp.queues.count + rp.run.count) > 0
         t = jnp.maximum(rp.t_end, 0.0)
@@ -1221,7 +1264,7 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
         if audit:
             ex = {**ex, "audit_failures": ex["audit_failures"]
                   + (~prefix_audit(rp, prof).all()).astype(jnp.int32)}
-        return (rp, m, ex, lg, *_due(rp, horizon))
+        return _gate(active, (rp, m, ex, lg, *_due(rp, horizon)), before)
 
     ex0 = zero_extras()
     if audit:
@@ -1232,7 +1275,8 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     # decode iterations fit in the gap), so the loop compacts its lanes.
     rep, m, ex, log, *_ = compacted_while(lambda c, _: c[-1], body, carry,
                                           (prof, jnp.asarray(horizon, jnp.float32),
-                                           jnp.asarray(slo_s, jnp.float32), tables))
+                                           jnp.asarray(slo_s, jnp.float32), tables),
+                                          gated=True)
     finite = jnp.isfinite(horizon)
     h = jnp.where(finite, horizon, 0.0)
     part = jnp.where(rep.in_iter & finite, h - jnp.maximum(rep.t_start, 0.0), 0.0)

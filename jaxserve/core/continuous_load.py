@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxserve.core import continuous as CB
 from jaxserve.core import queues as Q
+from jaxserve.core.lanes import batch_max
 from jaxserve.core.replica import ReplicaProfile
 
 
@@ -86,16 +87,45 @@ def queued_work(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
 
 
 
-def _present(rep: CB.Replicas, prof: ReplicaProfile):
-    """Per-request quantities of every request present, `(R, max_seqs + slots)` each: running
-    slots in admission order, then the waiting queue front to back. Returns (valid, age (s),
-    output estimate, decodes left `k`, prefill tokens left, per-iteration decode cost `c`
-    (s), KV blocks it needs at its estimated full length)."""
+# Widths of the request windows the estimates below read: the smallest running-slot and
+# waiting-slot widths holding every request present in the batch (`lanes.batch_max`), so
+# their pairwise decode term costs O(present^2) instead of O((max_seqs + queue slots)^2). At
+# the registered defaults (64 running slots, 128 waiting) a replica holds ~5-20 requests and
+# rarely more than a few waiting, and the full-width term was a third of LLMRouting-v0's step
+# (docs/benchmarks.md).
+_RUN_WINDOWS = (8, 16, 32, 64, 128, 256, 512, 1024)
+_WAIT_WINDOWS = (8, 64)
+
+
+def _widths(candidates, full: int) -> list[int]:
+    """The candidate widths below `full`, then `full`."""
+    return [m for m in candidates if m < full] + [full]
+
+
+def _windowed(rep: CB.Replicas, fn):
+    """`fn(m_r, m_w)` at the smallest windows of running and waiting slots that hold every
+    replica's requests, over the whole batch under `vmap` (one conditional: `lanes.batch_max`).
+    `fn` must compute the same values at every window holding the requests."""
+    run_w = _widths(_RUN_WINDOWS, rep.max_seqs)
+    wait_w = _widths(_WAIT_WINDOWS, rep.queues.capacity)
+    need_r, need_w = rep.run.count.max(), rep.queues.count.max()
+    i_r = batch_max(sum((need_r > m).astype(jnp.int32) for m in run_w[:-1]))
+    i_w = batch_max(sum((need_w > m).astype(jnp.int32) for m in wait_w[:-1]))
+    branches = [lambda m_r=m_r, m_w=m_w: fn(m_r, m_w) for m_r in run_w for m_w in wait_w]
+    return jax.lax.switch(i_r * len(wait_w) + i_w, branches)
+
+
+def _present(rep: CB.Replicas, prof: ReplicaProfile, m_r: int, m_w: int):
+    """Per-request quantities of every request present, `(R, m_r + m_w)` each: the first `m_r`
+    running slots in admission order, then the first `m_w` waiting slots front to back (the
+    windows must hold every request present). Returns (valid, age (s), output estimate,
+    decodes left `k`, prefill tokens left, per-iteration decode cost `c` (s), KV blocks it
+    needs at its estimated full length); empty slots hold 0."""
     run, q = rep.run, rep.queues
     col = jax.tree.map(lambda x: x[:, None], prof)
-    r_valid = jnp.arange(rep.max_seqs)[None, :] < run.count[:, None]
-    w_valid, win = Q.front(q, q.capacity)
-    cat = lambda a, b: jnp.concatenate([jnp.asarray(a, jnp.float32),  # noqa: E731
+    r_valid = jnp.arange(m_r)[None, :] < run.count[:, None]
+    w_valid, win = Q.front(q, m_w)
+    cat = lambda a, b: jnp.concatenate([jnp.asarray(a[:, :m_r], jnp.float32),  # noqa: E731
                                         jnp.asarray(b, jnp.float32)], -1)
     valid = jnp.concatenate([r_valid, w_valid], -1)
     prompt = cat(run.prompt, win.prompt)
@@ -141,7 +171,21 @@ def remaining_times(rep: CB.Replicas, prof: ReplicaProfile):
       the request finishes, whether the slot holds a request, seconds since its arrival, its
       output estimate (tokens); the waiting slots hold the queue in order.
     """
-    valid, age, est, k, pre, c, blocks = _present(rep, prof)
+    s, w = rep.max_seqs, rep.queues.capacity
+
+    def at(m_r, m_w):
+        out = _remaining(rep, prof, m_r, m_w)
+        pad = lambda x: jnp.concatenate([  # noqa: E731
+            jnp.pad(x[:, :m_r], ((0, 0), (0, s - m_r))),
+            jnp.pad(x[:, m_r:], ((0, 0), (0, w - m_w)))], -1)
+        return tuple(pad(x) for x in out)
+
+    return _windowed(rep, at)
+
+
+def _remaining(rep: CB.Replicas, prof: ReplicaProfile, m_r: int, m_w: int):
+    """`remaining_times` over windows of `m_r` running and `m_w` waiting slots."""
+    valid, age, est, k, pre, c, blocks = _present(rep, prof, m_r, m_w)
     shared = jnp.minimum(k[..., :, None], k[..., None, :])  # (R, N, N): decodes run together
     decode = (prof.c0 + prof.beta)[:, None] * k + (shared * c[..., None, :]).sum(-1)
     stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
@@ -150,14 +194,16 @@ def remaining_times(rep: CB.Replicas, prof: ReplicaProfile):
     return finish, valid, age, est
 
 
+
+
 def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
     """Expected remaining time-in-system of every request present, summed (s); a scalar.
 
     The sum of `remaining_times`: the potential of LLMRouting-v0's reward shaping, the
     continuous-batching counterpart of `envs.routing.expected_backlog`.
     """
-    finish, *_ = remaining_times(rep, prof)
-    return finish.sum().astype(jnp.float32)
+    return _windowed(rep, lambda m_r, m_w: _remaining(rep, prof, m_r, m_w)[0].sum()
+                     ).astype(jnp.float32)
 
 
 def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -> jax.Array:
@@ -165,8 +211,14 @@ def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -
     tokens and output estimate `estimate` joined it, `(R,)` float32 (s): its own estimated
     latency there plus the delay it adds to the requests present (a longer decode iteration
     while they share it, its prefill stall, a larger slowdown)."""
-    valid, _, _, k, pre, c, blocks = _present(rep, prof)
-    finish, *_ = remaining_times(rep, prof)
+    return _windowed(rep, lambda m_r, m_w: _marginal(rep, prof, prompt, estimate, m_r, m_w))
+
+
+def _marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate, m_r: int,
+              m_w: int) -> jax.Array:
+    """`marginal_backlog` over windows of `m_r` running and `m_w` waiting slots."""
+    valid, _, _, k, pre, c, blocks = _present(rep, prof, m_r, m_w)
+    finish, *_ = _remaining(rep, prof, m_r, m_w)
     p = jnp.asarray(prompt, jnp.float32)
     kx = jnp.maximum(jnp.asarray(estimate, jnp.float32), 1.0)
     cx = prof.alpha + prof.gamma + prof.delta * (p + kx / 2.0)
@@ -191,6 +243,9 @@ def expected_slo_misses(rep: CB.Replicas, prof: ReplicaProfile, slo_ttft_s,
     its arrival; one whose age plus `remaining_times` exceeds that deadline (`o` its output
     estimate) is counted. The potential of LLMRouting-v0's shaped SLO reward.
     """
-    finish, valid, age, est = remaining_times(rep, prof)
-    deadline = slo_ttft_s + slo_tpot_s * jnp.maximum(est - 1.0, 0.0)
-    return (valid & (age + finish > deadline)).sum().astype(jnp.float32)
+    def at(m_r, m_w):
+        finish, valid, age, est = _remaining(rep, prof, m_r, m_w)
+        deadline = slo_ttft_s + slo_tpot_s * jnp.maximum(est - 1.0, 0.0)
+        return (valid & (age + finish > deadline)).sum().astype(jnp.float32)
+
+    return _windowed(rep, at)

@@ -84,6 +84,26 @@ def active_order(active: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     return order, before[-1] + row[-1]
 
 
+@jax.custom_batching.custom_vmap
+def batch_max(x: jax.Array) -> jax.Array:
+    """`x` itself; under `vmap`, the maximum of `x` over the mapped axis, *unbatched*.
+
+    For choosing a static size shared by a whole batch: `lax.switch(batch_max(i), branches)`
+    stays one conditional under `vmap` (each branch runs vmapped, once), where a switch on a
+    per-lane index becomes a select that runs every branch. Each lane then gets a size at
+    least as large as it needs itself, so a branch must compute the same function at every
+    size it may be given (only the padding differs). Inside `compacted_while` the batch is
+    the lanes of the current phase or chunk.
+    """
+    return x
+
+
+@batch_max.def_vmap
+def _batch_max_rule(axis_size, in_batched, x):
+    (batched,) = in_batched
+    return (jnp.max(x, axis=0) if batched else x), False
+
+
 DENSE_FRACTION = 4  # the dense phase runs while more than 1/DENSE_FRACTION of lanes are active
 # Batches of at most this many lanes run the plain masked loop: their one chunk would be the
 # whole batch, so compaction would only add a second compiled loop (evaluation programs of a
