@@ -1057,9 +1057,12 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
         kf = k.astype(jnp.float32)
         return kf * a_t + b_t * (kf * (kf - 1.0) * 0.5)
 
-    def ok(k):
-        return ((blocks_after(k) <= free0) & (t + (t_lo + dur(k)) <= horizon)
+    def time_ok(k):
+        return ((t + (t_lo + dur(k)) <= horizon)
                 & ((k == 0) | (t + (t_lo + dur(k - 1)) < horizon)))
+
+    def ok(k):
+        return (blocks_after(k) <= free0) & time_ok(k)
 
     def halve(_, lo_hi):  # the largest k in [lo, hi] with ok(k); ok is monotone, ok(0)
         lo, hi = lo_hi
@@ -1067,7 +1070,28 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
         good = ok(mid)
         return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
 
-    k, _ = jax.lax.fori_loop(0, RUN_CAP.bit_length(), halve, (jnp.zeros_like(k_max), k_max))
+    def search():
+        return jax.lax.fori_loop(0, RUN_CAP.bit_length(), halve,
+                                 (jnp.zeros_like(k_max), k_max))[0]
+
+    # Usually the run ends at the horizon: the largest k with dur(k) <= room is the stable
+    # root of b k^2 / 2 + (a - b / 2) k = room, checked exactly (time_ok) at its neighbours.
+    # Where the neighbours do not bracket it, or the KV blocks bind first, the binary search
+    # above runs instead (for the whole batch: `lanes.batch_max`); both give the largest k
+    # with ok(k).
+    room = horizon - t - t_lo
+    lin = a_t - 0.5 * b_t
+    root = 2.0 * room / (lin + jnp.sqrt(lin * lin + 2.0 * b_t * jnp.maximum(room, 0.0)))
+    guess = jnp.where(jnp.isfinite(room), jnp.floor(jnp.clip(root, 0.0, float(RUN_CAP))),
+                      float(RUN_CAP)).astype(jnp.int32)
+    near = [jnp.clip(guess + d, 0, k_max) for d in range(-2, 3)]
+    near_ok = [time_ok(c) for c in near]
+    k_time = near[0]
+    for c, good in zip(near[1:], near_ok[1:]):
+        k_time = jnp.where(good, c, k_time)
+    settled = ((near_ok[0] | (near[0] == 0)) & (~near_ok[-1] | (near[-1] == k_max))
+               & (blocks_after(k_time) <= free0))
+    k = jax.lax.cond(batch_max(~settled.all()), search, lambda: k_time)
     skip = k > 0
     total = dur(k)
     # KV block-seconds: sum_j T_j H(j), H(j) = sum_i ceil((C_i + j + 1) / b). Request i's
