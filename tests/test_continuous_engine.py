@@ -540,3 +540,25 @@ def test_decode_runs_vmap_equals_loop():
         np.testing.assert_array_equal(np.asarray(logs.ttft[i], np.float64), ttft)
         np.testing.assert_array_equal(np.asarray(logs.e2e[i], np.float64), e2e)
         np.testing.assert_array_equal(np.asarray(logs.preemptions[i]), pre)
+
+
+def test_decode_run_length_at_any_horizon_equals_every_boundary():
+    """The skipped run's length comes from the horizon's closed-form root (checked at its
+    neighbours) or, where that does not settle it, the binary search: at every horizon the
+    skip runs exactly the iterations the every-boundary engine runs, and ends at its time."""
+    prof = ReplicaProfile(c0=0.5, alpha=0.0625, delta=2.0 ** -9, kv_blocks=64, block_size=4,
+                          max_seqs=4, max_tokens=64, chunked_prefill=True, watermark=0.0,
+                          queue_cap=4)
+    rep, p1 = _one_replica_state(prof, [(6, 40, 1), (3, 38, 3)], [])
+    horizons = jnp.asarray(np.linspace(0.05, 30.0, 97), jnp.float32)
+
+    def run(h, runs):
+        out, _, ex, _ = CB.advance(rep, p1, h, jnp.float32(jnp.inf), None, runs)
+        return out.iterations[0], out.t_end[0], out.run.gen[0], ex["boundaries"]
+
+    it1, t1, g1, b1 = jax.jit(jax.vmap(lambda h: run(h, True)))(horizons)
+    it0, t0, g0, b0 = jax.jit(jax.vmap(lambda h: run(h, False)))(horizons)
+    np.testing.assert_array_equal(it1, it0)
+    np.testing.assert_array_equal(g1, g0)
+    np.testing.assert_allclose(t1, t0, rtol=1e-6)
+    assert int(b1.max()) <= 4 < int(b0.max())  # the skip did run

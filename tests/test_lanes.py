@@ -205,3 +205,18 @@ def test_disabled_route_changes_nothing():
     chex.assert_trees_all_equal(jax.tree.map(lambda x: x[1], out),
                                 C.route(cl, gpus, req(0.0, 9), jnp.int32(1))[0])
     assert np.asarray(dropped).tolist() == [True, False]
+
+
+def test_batch_max_is_identity_alone_and_the_batch_max_under_vmap():
+    """`batch_max` returns its input unbatched, the maximum over the mapped axis under `vmap`
+    (unbatched, so a switch on it stays one conditional), and per outer lane under two."""
+    pick = lambda i: jax.lax.switch(  # noqa: E731
+        lanes.batch_max(i), [lambda: jnp.int32(10), lambda: jnp.int32(20),
+                             lambda: jnp.int32(30)])
+    assert int(pick(jnp.int32(1))) == 20
+    np.testing.assert_array_equal(jax.vmap(pick)(jnp.array([0, 1, 0])), [20, 20, 20])
+    np.testing.assert_array_equal(jax.vmap(jax.vmap(pick))(jnp.array([[0, 1], [0, 0]])),
+                                  [[20, 20], [10, 10]])
+    jaxpr = jax.make_jaxpr(jax.vmap(pick))(jnp.array([0, 1, 0]))
+    assert [e.primitive.name for e in jaxpr.eqns].count("cond") == 1
+    assert "select_n" not in str(jaxpr)

@@ -1,0 +1,100 @@
+"""The continuous-load estimates (`core.continuous_load`: the LLM envs' shaping potentials and
+marginal-backlog feature) read windows of running and waiting slots sized to the batch's
+largest replica (`lanes.batch_max`). They must equal the full-width pairwise formula, alone
+and under `vmap` over a batch whose lanes need different windows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core import continuous as CB
+from jaxserve.core import continuous_load as CL
+from jaxserve.core import queues as Q
+from jaxserve.core.replica import replica_profile, stack_replicas
+
+MAX_SEQS, QUEUE = 20, 40
+
+
+def _state(n_requests: int, seed: int, advance_s: float):
+    """Two replicas holding `n_requests` requests routed at t = 0 (alternately), then run for
+    `advance_s` seconds: some running, some waiting."""
+    rng = np.random.default_rng(seed)
+    prof = stack_replicas([replica_profile("opt13b-a100-80g", max_seqs=MAX_SEQS,
+                                           queue_cap=QUEUE)] * 2)
+    rep = CB.empty_replicas(2, QUEUE, MAX_SEQS)
+    for i in range(n_requests):
+        out = float(rng.integers(2, 400))
+        req = Q.Request(arrival=jnp.float32(-rng.uniform(0, 5)),
+                        prompt=jnp.float32(rng.integers(1, 200)), output=jnp.float32(out),
+                        estimate=jnp.float32(out * rng.uniform(0.5, 2.0)),
+                        size_class=jnp.int32(0), req_id=jnp.int32(i))
+        rep, dropped, _ = CB.route(rep, prof, req, jnp.int32(i % 2))
+        assert not bool(dropped)
+    rep, *_ = CB.advance(rep, prof, jnp.float32(advance_s), jnp.float32(jnp.inf))
+    return rep, prof
+
+
+def _full_width(rep, prof, prompt, estimate, slo_ttft, slo_tpot):
+    """The estimates over every slot (the pairwise formula of the module docstring, no
+    window): (remaining times, backlog, marginal backlog, expected SLO misses)."""
+    valid, age, est, k, pre, c, blocks = CL._present(rep, prof, rep.max_seqs,
+                                                     rep.queues.capacity)
+    shared = jnp.minimum(k[..., :, None], k[..., None, :])
+    decode = (prof.c0 + prof.beta)[:, None] * k + (shared * c[..., None, :]).sum(-1)
+    stall = CL._prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
+    slow = CL._slowdown(prof, valid.sum(-1), blocks.sum(-1))
+    finish = jnp.where(valid, (decode + stall[:, None]) * slow[:, None], 0.0)
+    p = jnp.float32(prompt)
+    kx = jnp.maximum(jnp.float32(estimate), 1.0)
+    cx = prof.alpha + prof.gamma + prof.delta * (p + kx / 2.0)
+    bx = jnp.ceil((p + kx) / prof.block_size.astype(jnp.float32))
+    stall_x = CL._prefill_time(prof, p)
+    n = valid.sum(-1)
+    slow1 = CL._slowdown(prof, n + 1, blocks.sum(-1) + bx)
+    base = finish.sum(-1) / slow
+    own = ((prof.c0 + prof.beta) * kx + (c * jnp.minimum(k, kx)).sum(-1) + cx * kx + stall
+           + stall_x)
+    marginal = (base + cx * jnp.minimum(k, kx).sum(-1) + n * stall_x + own) * slow1 - base * slow
+    deadline = slo_ttft + slo_tpot * jnp.maximum(est - 1.0, 0.0)
+    misses = (valid & (age + finish > deadline)).sum()
+    return finish, finish.sum(), marginal, misses
+
+
+def _windowed(rep, prof, prompt, estimate, slo_ttft, slo_tpot):
+    return (CL.remaining_times(rep, prof)[0], CL.expected_backlog(rep, prof),
+            CL.marginal_backlog(rep, prof, prompt, estimate),
+            CL.expected_slo_misses(rep, prof, slo_ttft, slo_tpot))
+
+
+def _check(got, want, exact=True):
+    finish, backlog, marginal, misses = got
+    if exact:  # same terms in the same order per row, one compiled program
+        np.testing.assert_array_equal(finish, want[0])
+    else:  # a vmapped program vectorises the row sums differently: float32 rounding
+        np.testing.assert_allclose(finish, want[0], rtol=1e-6)
+    # The backlog sums every slot: a different summation order, float32 rounding only.
+    np.testing.assert_allclose(backlog, want[1], rtol=1e-6)
+    # The marginal backlog is a difference of two sums of the replica's backlog's size: its
+    # rounding is relative to that sum (a few float32 ulps of it), not to the difference.
+    np.testing.assert_allclose(marginal, want[2], rtol=0, atol=4e-6 * float(want[1]))
+    assert int(misses) == int(want[3])
+
+
+def test_windows_equal_the_full_width_formula_alone_and_under_vmap():
+    args = (300.0, 120.0, 2.0, 0.1)
+    small = _state(6, 0, 0.5)  # the smallest windows (16 running, 8 waiting)
+    large = _state(2 * (MAX_SEQS + 12), 1, 2.0)  # full widths: 20 running, 60 waiting
+    assert int(small[0].run.count.max()) <= 16 and int(small[0].queues.count.max()) <= 8
+    assert int(large[0].run.count.max()) > 16 and int(large[0].queues.count.max()) > 8
+    for rep, prof in (small, large):
+        want = jax.jit(_full_width)(rep, prof, *args)
+        _check(jax.jit(_windowed)(rep, prof, *args), want)
+    # One batch holding both: every lane gets the large windows, results unchanged.
+    batch = jax.tree.map(lambda a, b: jnp.stack([a, b]), small[0], large[0])
+    got = jax.jit(jax.vmap(_windowed, in_axes=(0, None) + (None,) * 4))(batch, small[1],
+                                                                          *args)
+    for i, (rep, prof) in enumerate((small, large)):
+        _check(jax.tree.map(lambda x: x[i], got), jax.jit(_full_width)(rep, prof, *args),
+               exact=False)
