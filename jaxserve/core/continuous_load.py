@@ -90,11 +90,12 @@ def queued_work(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
 # Widths of the request windows the estimates below read: the smallest running-slot and
 # waiting-slot widths holding every request present in the batch (`lanes.batch_max`), so
 # their pairwise decode term costs O(present^2) instead of O((max_seqs + queue slots)^2). At
-# the registered defaults (64 running slots, 128 waiting) a replica usually holds under 16
-# running and a few waiting requests, and the full-width term was a third of LLMRouting-v0's
-# step (docs/benchmarks.md). Few widths, because each is a branch compiled into the step.
-_RUN_WINDOWS = (16, 64, 256, 1024)
-_WAIT_WINDOWS = (8,)
+# the registered defaults (64 running slots, 128 waiting) a replica holds ~5-30 running and
+# 0-60 waiting requests (more as random routing overloads some), and the full-width term was a
+# third of LLMRouting-v0's step (docs/benchmarks.md). Few widths, because each pair is a
+# branch compiled into the step.
+_RUN_WINDOWS = (16, 32, 64, 128, 256, 512, 1024)
+_WAIT_WINDOWS = (8, 32, 64)
 
 
 def _widths(candidates, full: int) -> list[int]:
