@@ -90,7 +90,12 @@ def test_windows_equal_the_full_width_formula_alone_and_under_vmap():
     assert int(large[0].run.count.max()) > 16 and int(large[0].queues.count.max()) > 64
     for rep, prof in (small, large):
         want = jax.jit(_full_width)(rep, prof, *args)
-        _check(jax.jit(_windowed)(rep, prof, *args), want)
+        got = jax.jit(_windowed)(rep, prof, *args)
+        _check(got, want)
+        # The step's combined call gives the two separate ones' values.
+        both = jax.jit(CL.backlog_and_marginal)(rep, prof, *args[:2])
+        np.testing.assert_array_equal(both[0], got[1])
+        np.testing.assert_array_equal(both[1], got[2])
     # One batch holding both: every lane gets the large windows, results unchanged.
     batch = jax.tree.map(lambda a, b: jnp.stack([a, b]), small[0], large[0])
     got = jax.jit(jax.vmap(_windowed, in_axes=(0, None) + (None,) * 4))(batch, small[1],

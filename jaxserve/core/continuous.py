@@ -43,8 +43,8 @@ from flax import struct
 from jaxserve.core import queues as Q
 from jaxserve.core.lanes import batch_max, compacted_while
 from jaxserve.core.metrics import StepMetrics
-from jaxserve.core.tree import select
 from jaxserve.core.replica import ReplicaProfile, iteration_time
+from jaxserve.core.tree import select
 
 
 @struct.dataclass

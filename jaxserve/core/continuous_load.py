@@ -195,8 +195,6 @@ def _remaining(rep: CB.Replicas, prof: ReplicaProfile, m_r: int, m_w: int):
     return finish, valid, age, est
 
 
-
-
 def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
     """Expected remaining time-in-system of every request present, summed (s); a scalar.
 
@@ -213,6 +211,19 @@ def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -
     latency there plus the delay it adds to the requests present (a longer decode iteration
     while they share it, its prefill stall, a larger slowdown)."""
     return _windowed(rep, lambda m_r, m_w: _marginal(rep, prof, prompt, estimate, m_r, m_w))
+
+
+def backlog_and_marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt,
+                         estimate) -> tuple[jax.Array, jax.Array]:
+    """`(expected_backlog, marginal_backlog)` of one cluster from one window (their pairwise
+    term computed once): what LLMRouting-v0's step needs for its shaping potential and its
+    observation of the next request."""
+    def at(m_r, m_w):
+        finish = _remaining(rep, prof, m_r, m_w)[0]
+        return (finish.sum().astype(jnp.float32),
+                _marginal(rep, prof, prompt, estimate, m_r, m_w))
+
+    return _windowed(rep, at)
 
 
 def _marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate, m_r: int,

@@ -309,20 +309,28 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             reward = (-cost / params.latency_scale).astype(jnp.float32)
         else:
             reward = common.reward_from(metrics, params)
-        backlog = jnp.float32(0.0)
-        if self.shaping_gamma is not None:
-            backlog = (params.slo_miss_s * CL.expected_slo_misses(
-                cluster, params.gpus, params.slo_ttft_s, params.slo_tpot_s) if slo
-                else CL.expected_backlog(cluster, params.gpus))
+        backlog, added = jnp.float32(0.0), None
+        if self.shaping_gamma is not None and slo:
+            backlog = params.slo_miss_s * CL.expected_slo_misses(
+                cluster, params.gpus, params.slo_ttft_s, params.slo_tpot_s)
+        elif self.shaping_gamma is not None:
+            # The potential and the next observation's marginal-backlog feature read the same
+            # cluster: one pass of their shared pairwise term.
+            backlog, added = CL.backlog_and_marginal(cluster, params.gpus, req.prompt,
+                                                     jnp.maximum(req.estimate, 1.0))
         reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
         state = LLMRoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
                                 time=state.time + 1, log=log, backlog=backlog,
                                 horizon=state.horizon, slo_busy=busy, slo_output=out)
-        return self.get_obs(state, params), state, reward, exhausted, {**metrics.as_dict(),
-                                                                       **extra}
+        return (self._observe(state, params, added), state, reward, exhausted,
+                {**metrics.as_dict(), **extra})
 
     def get_obs(self, state, params=None, key=None):
-        rows = replica_features(state.cluster, state.pending, params)
+        return self._observe(state, params)
+
+    def _observe(self, state, params, added=None):
+        """`get_obs`, with the marginal-backlog feature's input `added` when the step has it."""
+        rows = replica_features(state.cluster, state.pending, params, added)
         if self.prefix:
             rows = jnp.concatenate([rows, prefix_features(state, params)], axis=-1)
         return jnp.concatenate([common.request_features(state.pending, params), rows.ravel()])
@@ -392,13 +400,16 @@ def episode_horizon(key: jax.Array, params: common.ServingParams) -> jax.Array:
     return jnp.where(params.trace.gap.shape[0] > 0, top, drawn)
 
 
-def replica_features(rep: CB.Replicas, pending: Request,
-                     params: common.ServingParams) -> jax.Array:
-    """The per-replica observation rows, `(num_replicas, 7)`; see `LLMRouting`'s docstring."""
+def replica_features(rep: CB.Replicas, pending: Request, params: common.ServingParams,
+                     added: jax.Array | None = None) -> jax.Array:
+    """The per-replica observation rows, `(num_replicas, 7)`; see `LLMRouting`'s docstring.
+    `added`: `continuous_load.marginal_backlog` of the pending request, if already computed."""
     prof = params.gpus
     kv = prof.kv_blocks.astype(jnp.float32)
-    est = jnp.maximum(pending.estimate, 1.0)
-    added = jnp.maximum(CL.marginal_backlog(rep, prof, pending.prompt, est), 1e-6)
+    if added is None:
+        added = CL.marginal_backlog(rep, prof, pending.prompt, jnp.maximum(pending.estimate,
+                                                                           1.0))
+    added = jnp.maximum(added, 1e-6)
     ts = params.time_scale
     rows = jnp.stack([
         rep.queues.count / jnp.maximum(prof.queue_cap, 1),
