@@ -27,6 +27,7 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --profile --profile-env LLMRouting-v0 --num-envs 256 --num-steps 20 \
       --warmup 40 --repeats 2     # LLMRouting-v0: decode runs on/off, no engine, boundaries
   python -m scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
+  python -m scripts.bench --trace --trace-env LLMPrefixRouting-v0 --num-envs 256 --num-steps 8
   python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
   python -m scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
@@ -343,8 +344,13 @@ def _short(what: str, width: int = 150) -> str:
     return head + (f" [{'...' + path[-room:] if len(path) > room else path}]" if path else "")
 
 
-def trace_routing(counts, steps, top=25):
-    """Per-XLA-op trace of the bench's compiled Routing-v0 scan (from reset, `steps` steps).
+TRACE_ENVS = ("Routing-v0", "LLMRouting-v0", "LLMPrefixRouting-v0")
+
+
+def trace_env(counts, steps, top=25, name="Routing-v0"):
+    """Per-XLA-op trace of the bench's compiled scan of `name` (from reset, `steps` steps;
+    Routing-v0: the issue's workload, `routing_env`; LLMRouting-v0: the registered defaults;
+    LLMPrefixRouting-v0: `make_llm_prefix_routing()`, prefix caching on).
 
     For each env count: op executions per step, traced op time (self time summed over
     threads, so CPU time) against the untraced wall time of the same call (tracing adds
@@ -352,7 +358,12 @@ def trace_routing(counts, steps, top=25):
     each with its share, executions per step, and shape/opcode/source line from the
     optimized HLO. The run is one call after a warm-up call, so compile is not in it.
     """
-    env, params = routing_env()
+    if name == "Routing-v0":
+        env, params = routing_env()
+    elif name == "LLMPrefixRouting-v0":
+        env, params = make_llm_prefix_routing()
+    else:
+        env, params = jaxserve.make(name)
     out = {}
     for n in counts:
         run = make_runner(env, params, steps)
@@ -379,7 +390,7 @@ def trace_routing(counts, steps, top=25):
                   "traced_op_us_per_step": total_ns / 1e3 / steps,
                   "untraced_wall_us_per_step": wall * 1e6 / steps,
                   "untraced_us_per_env_step": wall * 1e6 / env_steps, "top": rows[:top]}
-        print(f"trace Routing-v0 envs={n}: {execs:,.0f} op executions per step, traced op "
+        print(f"trace {name} envs={n}: {execs:,.0f} op executions per step, traced op "
               f"time {total_ns / 1e3 / steps:,.0f} us/step (CPU, all threads), untraced wall "
               f"{wall * 1e6 / steps:,.0f} us/step ({wall * 1e6 / env_steps:.2f} us/env-step)")
         for r in rows[:top]:
@@ -411,8 +422,8 @@ def prefix_bench(counts, steps, repeats):
     arrival, rebase) by the continuous engine with and without prefix caching, vmapped over
     environments that each replay the same shared-prefix stream under their own random
     routing, and the engine state's bytes per environment. 4 replicas of 64 blocks x 16
-    tokens, 8 running and 16 waiting slots. Rows: no caching (decode-run skip on, the
-    default, and off) and caching (skip always off)."""
+    tokens, 8 running and 16 waiting slots. Rows: without and with caching, each with the
+    decode-run skip on (the default) and off (a boundary per iteration)."""
     from jaxserve.core import continuous as CB
     from jaxserve.core.replica import ReplicaProfile, stack_replicas
     from jaxserve.evaluation.replay import replay_prefix_arrays
@@ -428,8 +439,7 @@ def prefix_bench(counts, steps, repeats):
     out = []
     for n in counts:
         routes = jnp.asarray(rng.integers(0, r_n, (n, steps)), jnp.int32)
-        # Without caching, with and without the decode-run skip (always off with caching).
-        for caching, skip in ((False, True), (False, False), (True, False)):
+        for caching, skip in ((False, True), (False, False), (True, True), (True, False)):
             blocks = 64 if caching else None
 
             @jax.jit
@@ -510,7 +520,9 @@ def main(argv=None):
     ap.add_argument("--prefix-env", action="store_true",
                     help="only LLMPrefixRouting-v0's default scenario, caching on/off")
     ap.add_argument("--trace", action="store_true",
-                    help="only trace Routing-v0's step per XLA op (jax.profiler)")
+                    help="only trace --trace-env's step per XLA op (jax.profiler)")
+    ap.add_argument("--trace-env", default="Routing-v0", choices=TRACE_ENVS,
+                    help="the environment --trace traces")
     ap.add_argument("--top", type=int, default=25, help="ops listed per env count (--trace)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
@@ -540,7 +552,7 @@ def main(argv=None):
         elif args.profile:
             res["profile"] = profile_routing(counts, steps, repeats)
         if args.trace:
-            res["trace"] = trace_routing(counts, steps, args.top)
+            res["trace"] = trace_env(counts, steps, args.top, args.trace_env)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res

@@ -141,27 +141,36 @@ def test_hand_cases_equal_reference(name):
         assert got["evictions"][0] >= 2
 
 
-def test_decode_blocks_evict_cached_blocks_without_a_skip():
-    """With prefix caching the closed-form decode-run skip is off (`advance`): B's decode
-    iterations each run a boundary, and the blocks they take evict A's cached blocks, so the
-    engine's boundaries count at least B's 18 decode iterations."""
+def test_decode_run_skip_takes_and_caches_blocks_as_every_boundary_does():
+    """B decodes 19 tokens on 6 blocks: its decode blocks take the fresh blocks, then evict
+    A's cached ones. The closed-form decode-run skip (`advance(decode_runs=True)`, the
+    default) must leave the block pool, the clocks and the counters exactly as a boundary per
+    iteration does (`decode_runs=False`: at least B's 18 decode iterations), with the pool
+    audit passing at every boundary, in far fewer boundaries."""
     prof = stack_replicas([ReplicaProfile(**hand_profile(kv_blocks=6))])
     tables = CB.prefix_tables(np.array([-1, 0]), np.array([1, 2]), B)
-    rep = CB.empty_replicas(1, 16, 4, True, prefix_blocks=6)
-    adv = jax.jit(lambda rep, h: CB.advance(rep, prof, h, 1.0, tables=tables, decode_runs=True,
-                                            audit=True))
     route = jax.jit(lambda rep, r, node: CB.route(rep, prof, r, 0, node=node, tables=tables))
     req = lambda i, p, o: Q.Request(  # noqa: E731
         arrival=jnp.float32(0.0), prompt=jnp.float32(p), output=jnp.float32(o),
         estimate=jnp.float32(o), size_class=jnp.int32(0), req_id=jnp.int32(i))
-    rep, _, _ = route(rep, req(0, 8, 1), 1)
-    rep, _, _, _ = adv(rep, 2.0)
-    rep = CB.rebase(rep, 2.0)
-    assert CB.block_accounting(rep, prof)["cached_unreferenced"].tolist() == [2]
-    rep, _, _ = route(rep, req(1, 4, 19), -1)
-    rep, _, ex, _ = adv(rep, jnp.inf)
-    assert int(ex["boundaries"]) >= 18 and int(ex["audit_failures"]) == 0
-    assert rep.pc.evictions.tolist() == [2]
+    ends = {}
+    for skip in (True, False):
+        adv = jax.jit(lambda rep, h: CB.advance(rep, prof, h, 1.0, tables=tables,
+                                                decode_runs=skip, audit=True))
+        rep = CB.empty_replicas(1, 16, 4, True, prefix_blocks=6)
+        rep, _, _ = route(rep, req(0, 8, 1), 1)
+        rep, _, _, _ = adv(rep, 2.0)
+        rep = CB.rebase(rep, 2.0)
+        assert CB.block_accounting(rep, prof)["cached_unreferenced"].tolist() == [2]
+        rep, _, _ = route(rep, req(1, 4, 19), -1)
+        rep, m, ex, _ = adv(rep, jnp.inf)
+        assert int(ex["audit_failures"]) == 0
+        assert rep.pc.evictions.tolist() == [2]
+        ends[skip] = (rep, m, ex)
+    (rep, m, ex), (rep0, m0, ex0) = ends[True], ends[False]
+    assert int(ex0["boundaries"]) >= 18 and int(ex["boundaries"]) <= 4
+    jax.tree.map(np.testing.assert_array_equal, rep, rep0)
+    jax.tree.map(np.testing.assert_array_equal, m, m0)
     with pytest.raises(ValueError, match="tables"):
         CB.advance(rep, prof, 1.0, 1.0)
 
@@ -176,6 +185,24 @@ def test_random_shared_prefix_workloads_equal_reference(seed):
     arrival, prompt, output, replica, profiles, prefix = random_case(seed, n=N)
     got, want = both(arrival, prompt, output, replica, profiles, prefix)
     assert_equal_to_reference(got, want, profiles, prompt)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_run_skip_equals_a_boundary_per_iteration(seed):
+    """On random shared-prefix workloads (eviction pressure, preemptions, shared blocks) the
+    closed-form decode-run skip gives every per-request and per-replica result of the
+    engine that runs a boundary per iteration, in fewer boundaries."""
+    arrival, prompt, output, replica, profiles, prefix = random_case(seed, n=N)
+    runs = [jaxserve.replay_prefix([ReplicaProfile(**p) for p in profiles],
+                                   prefix_trace(arrival, prompt, output, prefix), replica,
+                                   audit=True, decode_runs=skip, **SIZES)
+            for skip in (True, False)]
+    fast, slow = runs
+    assert fast["boundaries"] < slow["boundaries"], (fast["boundaries"], slow["boundaries"])
+    assert fast["audit_failures"] == slow["audit_failures"] == 0
+    for k in slow:
+        if k not in ("boundaries", "audit_failures"):
+            jax.tree.map(np.testing.assert_array_equal, fast[k], slow[k])
 
 
 def test_random_workloads_exercise_every_rule():

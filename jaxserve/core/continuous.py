@@ -675,6 +675,12 @@ def _free_blocks(pc, exists):
     return ((pc.ref == 0) & exists).sum()
 
 
+def _free_order(pc: PrefixCache, exists) -> jax.Array:
+    """One replica's free queue, head first: blocks by `stamp` among the existing blocks with
+    `ref = 0` (the rest after them). `(M,)` int32 block indices."""
+    return jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG)).astype(jnp.int32)
+
+
 def _release(pc: PrefixCache, slot) -> PrefixCache:
     """Frees slot `slot`'s blocks (rule 6): every `ref - 1`; of the blocks reaching 0, fresh
     ones go to the free queue's head and cached ones to its tail, both tail block first."""
@@ -698,7 +704,7 @@ def _take(pc: PrefixCache, exists, slot, n) -> PrefixCache:
     """Gives slot `slot` `n` blocks from the free queue's head (rule 5), appended after its
     `s_nblk` blocks; an identified block popped loses its identity (an eviction)."""
     m = pc.ref.shape[-1]
-    order = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG))
+    order = _free_order(pc, exists)
     j = jnp.arange(m, dtype=jnp.int32)
     nb = pc.s_nblk[slot]
     on = (j >= nb) & (j < nb + n)
@@ -782,7 +788,7 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     extra = jnp.where(n > 0, _cdiv(run.comp + n, b) - pc.s_nblk, 0)
     ends = jnp.cumsum(extra)
     fits = ends[-1] <= _free_blocks(pc, exists)
-    order = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG))
+    order = _free_order(pc, exists)
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     nb = pc.s_nblk[:, None]
     on = (j >= nb) & (j < nb + extra[:, None])  # (S, M)
@@ -990,13 +996,103 @@ def block_accounting(rep: Replicas, prof: ReplicaProfile) -> dict[str, jax.Array
             "held": ((pc.ref > 0) & exists).sum(-1).astype(jnp.int32)}
 
 
+def _run_head_check(pc: PrefixCache, prof: ReplicaProfile, tables: PrefixTables, head,
+                    count, k1, free1):
+    """One replica at a pure-decode boundary, with prefix caching: whether the waiting head
+    is admitted after the running pass took its blocks (rule 7.3's admission test of the
+    head: lookup, budget, watermark), and how many blocks a decode run may take from the free
+    queue without changing that test.
+
+    A run's decode iterations take the free queue's first blocks in order. The head's lookup
+    (its cached prefix `H` and the copy `first` of each of its blocks) changes only if a
+    taken block is one of its unreferenced hits `first[j]`, `j < H`: taking another copy or
+    a block past `H` leaves both, new identities are the running requests' private decode
+    blocks, and no block is released before a completion. So while the run takes fewer
+    blocks than the free-queue rank of the head's first unreferenced hit, the head needs the
+    same blocks and tokens while the free blocks only fall, and its admission keeps failing.
+
+    `head`: `(valid, length L, node, nshared, req_id)` of the waiting head; `k1` the budget
+    and `free1` the free blocks left after the running pass. Returns `(admit, the rank cap
+    in blocks (int32 max when no hit constrains), the free queue's order)`.
+    """
+    valid, ln, node, nshared, req_id = head
+    m = pc.ref.shape[-1]
+    b = prof.block_size
+    exists = jnp.arange(m) < prof.kv_blocks
+    owner, code = _identities(tables, node, nshared, req_id, b, m)
+    h, first = _lookup(pc, owner, code, (ln - 1) // b)
+    c_tok = h * b
+    rest = ln - c_tok
+    chunk = prof.chunked_prefill
+    n = jnp.where(chunk, jnp.minimum(rest, k1), rest)
+    unref_hit = (jnp.arange(m) < h) & (pc.ref[first] == 0)
+    need = _cdiv(c_tok + n, b) - h + unref_hit.sum()
+    could = valid & (count < prof.max_seqs) & (k1 > 0)
+    admit = could & (chunk | (rest <= k1)) & (free1 - need >= watermark_blocks(prof))
+    order = _free_order(pc, exists)
+    rank = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
+    cap = jnp.where(could, jnp.where(unref_hit, rank[first], _BIG).min(), _BIG)
+    return admit, cap, order
+
+
+def _run_blocks(pc: PrefixCache, order, comp, valid, req_id, k, b) -> PrefixCache:
+    """One replica's block pool after `k` pure-decode iterations of its running slots
+    (`valid`, `comp` tokens computed, one token scheduled each per iteration), given that
+    every block they take fits the free queue (its order `order`, see `_run_head_check`).
+
+    Per iteration the running pass gives each slot whose next token starts a block one block
+    from the free queue's head, in slot order (rule 5), then caches the blocks its token
+    fills (rule 2). Slot `i` takes at iterations `f_i + t b` (`f_i = (-C_i) mod b`) and
+    fills its block `C_i // b + t` at iterations `g_i + t b` (`g_i = (-C_i - 1) mod b`). In
+    every period of `b` iterations each of the `P` running slots takes (fills) once, in
+    order of `(f_i, i)` (`(g_i, i)`), so slot `i`'s `t`-th take is the free queue's block of
+    rank `t P + pos_i` and its `t`-th filled block gets insertion counter `born_ctr + t P +
+    pos'_i`: the state the per-iteration passes leave, in closed form. Decode blocks lie past
+    the prompt's shared blocks, so their identities are the request's private `(req_id, j)`.
+    With `k = 0` or no `valid` slot the pool is returned unchanged.
+    """
+    s_n, m = pc.s_blocks.shape
+    jj = jnp.arange(m, dtype=jnp.int32)[None, :]
+    slot = jnp.arange(s_n, dtype=jnp.int32)
+    p = valid.sum().astype(jnp.int32)  # every running slot decodes
+
+    def position(off):  # rank of each slot among the running ones, by (off, slot)
+        before = valid[None, :] & ((off[None, :] < off[:, None])
+                                   | ((off[None, :] == off[:, None])
+                                      & (slot[None, :] < slot[:, None])))
+        return before.sum(-1).astype(jnp.int32)[:, None]
+
+    f = (-comp) % b
+    takes = jnp.where(valid & (k > f), (k - 1 - f) // b + 1, 0)
+    nb = pc.s_nblk[:, None]
+    on = (jj >= nb) & (jj < nb + takes[:, None])  # (S, M)
+    picked = order[jnp.clip((jj - nb) * p + position(f), 0, m - 1)]
+    x = jnp.where(on, picked, m).ravel()
+    blocks = jnp.where(on, picked, pc.s_blocks)
+    evicted = (on & pc.cached[picked]).sum()
+    nc = pc.s_ncached[:, None]
+    full = (comp + k) // b
+    new = valid[:, None] & (jj >= nc) & (jj < full[:, None])
+    born = pc.born_ctr + (jj - nc) * p + position((-comp - 1) % b)
+    xs = jnp.where(new, blocks, m).ravel()
+    put = lambda a, v: a.at[xs].set(jnp.broadcast_to(v, new.shape).ravel(),  # noqa: E731
+                                    mode="drop")
+    return pc.replace(
+        ref=pc.ref.at[x].set(1, mode="drop"),
+        cached=put(pc.cached.at[x].set(False, mode="drop"), True),
+        owner=put(pc.owner, req_id[:, None]), code=put(pc.code, jj), born=put(pc.born, born),
+        born_ctr=pc.born_ctr + new.sum(), s_blocks=blocks, s_nblk=pc.s_nblk + takes,
+        s_ncached=jnp.where(valid, jnp.maximum(pc.s_ncached, full), pc.s_ncached),
+        evictions=pc.evictions + evicted)
+
+
 # Longest run of decode iterations skipped at one boundary (a binary search of
 # log2(RUN_CAP + 1) halvings finds its length); longer runs take several boundaries.
 RUN_CAP = 2 ** 14 - 1
 
 
 def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
-                t_lo: jax.Array, horizon: jax.Array):
+                t_lo: jax.Array, horizon: jax.Array, tables: PrefixTables | None = None):
     """Skips, in closed form, the run of pure-decode iterations whose schedule is fixed.
 
     At a boundary where every running request decodes (`g >= 1`, `C = L - 1`) and all fit
@@ -1027,22 +1123,37 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     decoding = valid & (run.gen >= 1) & (run.comp == length - 1)
     pure = go & (n > 0) & (decoding.sum(-1) == n) & (n <= prof.max_tokens)
     comp = jnp.where(valid, run.comp, 0)
-    held0 = jnp.where(valid, _cdiv(comp, b), 0).sum(-1)
-    free0 = prof.kv_blocks - held0
+    slot_blocks0 = jnp.where(valid, _cdiv(comp, b), 0).sum(-1)
 
     def blocks_after(k):  # extra blocks held after k decode iterations, D(k)
-        return jnp.where(valid, _cdiv(comp + k[:, None], b), 0).sum(-1) - held0
+        return jnp.where(valid, _cdiv(comp + k[:, None], b), 0).sum(-1) - slot_blocks0
 
     # The waiting head's admission at this boundary (the first iteration's blocks taken).
     w_valid, win = Q.front(rep.queues, 1)
-    h_len = win.prompt[:, 0].astype(jnp.int32) + rep.q_gen[
-        jnp.arange(n.shape[0]), rep.queues.head]
+    rows = jnp.arange(n.shape[0])
+    h_len = win.prompt[:, 0].astype(jnp.int32) + rep.q_gen[rows, rep.queues.head]
     k1 = prof.max_tokens - n
-    chunk = prof.chunked_prefill
-    h_n = jnp.where(chunk, jnp.minimum(h_len, k1), h_len)
-    free1 = free0 - blocks_after(jnp.ones_like(n))
-    admit = (w_valid[:, 0] & (n < prof.max_seqs) & (k1 > 0) & (chunk | (h_len <= k1))
-             & (free1 - _cdiv(h_n, prof.block_size) >= watermark_blocks(prof)))
+    d1 = blocks_after(jnp.ones_like(n))
+    if rep.pc is None:
+        held0 = slot_blocks0
+        free0 = prof.kv_blocks - held0
+        cap = free0
+        chunk = prof.chunked_prefill
+        h_n = jnp.where(chunk, jnp.minimum(h_len, k1), h_len)
+        admit = (w_valid[:, 0] & (n < prof.max_seqs) & (k1 > 0) & (chunk | (h_len <= k1))
+                 & (free0 - d1 - _cdiv(h_n, prof.block_size) >= watermark_blocks(prof)))
+    else:
+        # Held blocks count once however many requests share them; the run may also not
+        # take the head's unreferenced cache hits (`_run_head_check`).
+        pc = rep.pc
+        exists = jnp.arange(pc.ref.shape[-1])[None, :] < prof.kv_blocks[:, None]
+        held0 = ((pc.ref > 0) & exists).sum(-1).astype(jnp.int32)
+        free0 = prof.kv_blocks - held0
+        head = (w_valid[:, 0], h_len, pc.q_node[rows, rep.queues.head],
+                pc.q_nshared[rows, rep.queues.head], win.req_id[:, 0])
+        admit, guard, order = jax.vmap(_run_head_check, in_axes=(0, 0, None, 0, 0, 0, 0))(
+            pc, prof, tables, head, n, k1, free0 - d1)
+        cap = jnp.minimum(free0, guard)
     left = jnp.where(valid, run.output - run.gen, jnp.int32(2 ** 30)).min(-1)
     k_max = jnp.where(pure & ~admit, jnp.clip(left - 1, 0, RUN_CAP), 0)
 
@@ -1062,7 +1173,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
                 & ((k == 0) | (t + (t_lo + dur(k - 1)) < horizon)))
 
     def ok(k):
-        return (blocks_after(k) <= free0) & time_ok(k)
+        return (blocks_after(k) <= cap) & time_ok(k)
 
     def halve(_, lo_hi):  # the largest k in [lo, hi] with ok(k); ok is monotone, ok(0)
         lo, hi = lo_hi
@@ -1090,7 +1201,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     for c, good in zip(near[1:], near_ok[1:]):
         k_time = jnp.where(good, c, k_time)
     settled = ((near_ok[0] | (near[0] == 0)) & (~near_ok[-1] | (near[-1] == k_max))
-               & (blocks_after(k_time) <= free0))
+               & (blocks_after(k_time) <= cap))
     k = jax.lax.cond(batch_max(~settled.all()), search, lambda: k_time)
     skip = k > 0
     total = dur(k)
@@ -1108,10 +1219,14 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
           + bf * bf * (mf - 1.0) * mf * (2.0 * mf - 1.0) / 6.0)  # sum of j^2
     tail = (a_t[:, None] * (mf * kf - s1)
             + b_t[:, None] * (mf * kf * (kf - 1.0) * 0.5 - (s2 - s1) * 0.5))
-    h1 = jnp.where(valid, _cdiv(comp + 1, b), 0).sum(-1).astype(jnp.float32)
+    h1 = (held0 + d1).astype(jnp.float32)
     kv_s = h1 * total + tail.sum(-1)
     end_hi, end_lo = _add_time(t, t_lo, total)
     adv = jnp.where(valid & skip[:, None], k[:, None], 0)
+    if rep.pc is not None:
+        # A no-op where k = 0 (no select of the pool needed).
+        rep = rep.replace(pc=jax.vmap(_run_blocks)(rep.pc, order, comp, valid & skip[:, None],
+                                                   run.req_id, k, prof.block_size))
     rep = rep.replace(
         run=run.replace(gen=run.gen + adv, comp=run.comp + adv),
         t_start=jnp.where(skip, t + (t_lo + dur(k - 1)), rep.t_start),
@@ -1250,13 +1365,13 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     counts the trips.
 
     With prefix caching (`rep.pc` present) the scheduler is `_schedule_prefix` with the
-    trace's prefix tree `tables` (required), and the decode-run skip is off whatever
-    `decode_runs` says: a decode iteration takes its new blocks from the free queue, which
-    may evict cached blocks (rule 5) and caches the generated tokens' full blocks, so the
-    closed form's "free blocks only fall, admission keeps failing" does not carry over (the
-    free count includes cached blocks and a lookup's result changes with every eviction).
-    `audit` (tests) adds `extra["audit_failures"]`: boundaries at which some replica's block
-    pool failed `prefix_audit`.
+    trace's prefix tree `tables` (required). A skipped decode run then also carries out its
+    blocks' takes from the free queue (evicting cached blocks, rule 5) and the caching of
+    the blocks its tokens fill (`_run_blocks`), and ends before it would take one of the
+    waiting head's unreferenced cache hits, the one thing in the run that could change the
+    head's admission test (`_run_head_check`). `audit` (tests) adds
+    `extra["audit_failures"]`: boundaries at which some replica's block pool failed
+    `prefix_audit`.
 
     Returns:
       (replicas, StepMetrics of the window, extra counters (`zero_extras` keys), log).
@@ -1265,7 +1380,6 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     prefix = rep.pc is not None
     if prefix and tables is None:
         raise ValueError("tables (the trace's PrefixTables) are required with prefix caching")
-    decode_runs = decode_runs and not prefix
 
     def body(carry, consts, active):
         prof, horizon, slo_s, tables = consts
@@ -1277,7 +1391,7 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
         t_lo = jnp.where(rp.t_end > 0.0, rp.t_lo, 0.0)
         go = ~rp.in_iter & ~rp.stalled & has_work & (t < horizon)
         if decode_runs:
-            rp, t, t_lo, skipped = _decode_run(rp, prof, go, t, t_lo, horizon)
+            rp, t, t_lo, skipped = _decode_run(rp, prof, go, t, t_lo, horizon, tables)
             m = m.replace(busy_time=m.busy_time + skipped.sum())
             go = go & (t < horizon)  # a run may end exactly at the horizon
         if prefix:

@@ -282,20 +282,20 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
     `blocks` is set: the engine loop of LLMRouting-v0's step (route, advance to the next
     arrival, rebase) on its own, so it can carry each request's prefix node. Pure and
     jittable; vmaps over workloads (every array argument). `decode_runs=False` turns the
-    plain engine's decode-run skip off too (benchmarks; it is always off with caching).
+    engine's closed-form decode-run skip off (a boundary per iteration: tests, benchmarks).
 
     Returns:
       (final `Replicas`, `TokenLog` (with cached tokens when caching), dropped `(n,)`,
       never_fit `(n,)`, totals over the steps' info of the keys `continuous.PREFIX_EXTRAS`
       plus `audit_failures` (boundaries where `prefix_audit` failed; 0 unless `audit`); all
-      0 without caching).
+      0 without caching) and `boundaries` (the engine's boundary passes).
     """
     n = gaps.shape[0]
     rep = CB.empty_replicas(num_replicas, queue_buffer, max_seqs, True, blocks)
     log = CB.empty_log(n, prefix=blocks is not None)
     tab = tables if blocks is not None else None
 
-    keys = CB.PREFIX_EXTRAS + ("audit_failures",)
+    keys = CB.PREFIX_EXTRAS + ("audit_failures", "boundaries")
 
     def step(carry, x):
         rep, log, tot = carry
@@ -319,7 +319,8 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
 def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buffer: int = 8,
                   max_seqs: int | None = None, audit: bool = False,
                   prefix_blocks: int | None = None, tree_nodes: int | None = None,
-                  tree_depth: int | None = None) -> dict[str, np.ndarray]:
+                  tree_depth: int | None = None,
+                  decode_runs: bool = True) -> dict[str, np.ndarray]:
     """Replays a trace with prefix identity (`traces.prefix.PrefixTrace`) on continuous-
     batching replicas with automatic prefix caching (docs/prefix_caching.md), routing request
     `i` to `actions[i]`, and drains.
@@ -336,6 +337,8 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
       prefix_blocks, tree_nodes, tree_depth: static sizes (default: the largest `kv_blocks`,
         the tree's nodes and depth); larger values let differently sized cases share one
         compiled program (see `continuous.prefix_tables`).
+      decode_runs: False runs a boundary per iteration instead of skipping fixed decode runs
+        in closed form (same results; tests and benchmarks).
 
     Returns:
       `token_log`'s dict plus `cached_tokens` (tokens cached at the first admission, vLLM's
@@ -343,8 +346,8 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
       per replica `hit_tokens`, `evictions`, `shared_preemptions`, `lookup_tokens`,
       `lookup_blocks`, `hit_blocks`, `iterations`, `replica_preemptions`, `fresh`,
       `cached_unreferenced`, `held` (blocks after draining); `info`: the steps' info totals
-      of `continuous.PREFIX_EXTRAS` (ints); and `audit_failures` (int). The cache counters
-      are 0 without caching.
+      of `continuous.PREFIX_EXTRAS` (ints); `audit_failures` and `boundaries` (the engine's
+      boundary passes) (ints). The cache counters are 0 without caching.
 
     Raises:
       ValueError: invalid trace, profiles, actions, sizes or block sizes (naming the field).
@@ -386,7 +389,7 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
         prof, tables, jnp.asarray(gaps), jnp.asarray(tr.prompt_tokens, jnp.float32),
         jnp.asarray(tr.output_tokens, jnp.float32), jnp.asarray(node, jnp.int32),
         jnp.asarray(acts, jnp.int32), num_replicas=r_n, queue_buffer=int(queue_buffer),
-        max_seqs=max_seqs, blocks=blocks, audit=bool(audit))
+        max_seqs=max_seqs, blocks=blocks, audit=bool(audit), decode_runs=bool(decode_runs))
     out = token_log(tr, acts, log, np.asarray(dropped))
     out["never_fit"] = np.asarray(never, bool)
     zero_r = np.zeros(r_n, np.int64)
@@ -410,6 +413,7 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
     out["replica_preemptions"] = np.asarray(rep.preemptions, np.int64)
     out["info"] = {k: int(tot[k]) for k in CB.PREFIX_EXTRAS}
     out["audit_failures"] = int(tot["audit_failures"])
+    out["boundaries"] = int(tot["boundaries"])
     return out
 
 
