@@ -675,10 +675,20 @@ def _free_blocks(pc, exists):
     return ((pc.ref == 0) & exists).sum()
 
 
-def _free_order(pc: PrefixCache, exists) -> jax.Array:
-    """One replica's free queue, head first: blocks by `stamp` among the existing blocks with
-    `ref = 0` (the rest after them). `(M,)` int32 block indices."""
-    return jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG)).astype(jnp.int32)
+def _free_order(pc: PrefixCache, exists) -> tuple[jax.Array, jax.Array]:
+    """One replica's free queue, head first: the existing blocks with `ref = 0` by `stamp`
+    (the rest after them, by index). Returns `(order, rank)`: `order[r]` the block of rank
+    `r`, `rank[x]` the rank of block `x`; `(M,)` int32 each. Computed as `jnp.argsort`'s
+    stable order would be, from `O(M^2)` vector comparisons: XLA:CPU's sort is a scalar
+    comparator loop, several times slower at the `M` of a few hundred this engine is sized
+    for."""
+    m = pc.ref.shape[-1]
+    key = jnp.where((pc.ref == 0) & exists, pc.stamp, _BIG)
+    idx = jnp.arange(m, dtype=jnp.int32)
+    before = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None])
+                                               & (idx[None, :] < idx[:, None]))
+    rank = before.sum(-1).astype(jnp.int32)
+    return jnp.zeros((m,), jnp.int32).at[rank].set(idx), rank
 
 
 def _release(pc: PrefixCache, slot) -> PrefixCache:
@@ -704,7 +714,7 @@ def _take(pc: PrefixCache, exists, slot, n) -> PrefixCache:
     """Gives slot `slot` `n` blocks from the free queue's head (rule 5), appended after its
     `s_nblk` blocks; an identified block popped loses its identity (an eviction)."""
     m = pc.ref.shape[-1]
-    order = _free_order(pc, exists)
+    order, _ = _free_order(pc, exists)
     j = jnp.arange(m, dtype=jnp.int32)
     nb = pc.s_nblk[slot]
     on = (j >= nb) & (j < nb + n)
@@ -787,28 +797,38 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     n = jnp.clip(prof.max_tokens - (jnp.cumsum(rem) - rem), 0, rem)
     extra = jnp.where(n > 0, _cdiv(run.comp + n, b) - pc.s_nblk, 0)
     ends = jnp.cumsum(extra)
-    fits = ends[-1] <= _free_blocks(pc, exists)
-    order = _free_order(pc, exists)
+    total = ends[-1]
+    fits = total <= _free_blocks(pc, exists)
+    order, rank_of = _free_order(pc, exists)
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     nb = pc.s_nblk[:, None]
     on = (j >= nb) & (j < nb + extra[:, None])  # (S, M)
     picked = order[jnp.clip((ends - extra)[:, None] + j - nb, 0, m - 1)]
-    x = jnp.where(on, picked, m).ravel()
-    evicted = (on & pc.cached[picked]).sum()
     blocks = jnp.where(on, picked, pc.s_blocks)
-    pc = pc.replace(ref=pc.ref.at[x].set(1, mode="drop"),
-                    cached=pc.cached.at[x].set(False, mode="drop"), s_blocks=blocks,
-                    s_nblk=pc.s_nblk + extra, evictions=pc.evictions + evicted)
+    # The blocks taken are the free queue's first `total`: marked by their rank in it, with
+    # no scatter of the (S, M) block table.
+    taken = (pc.ref == 0) & exists & (rank_of < total)
+    pc = pc.replace(ref=jnp.where(taken, 1, pc.ref), cached=pc.cached & ~taken,
+                    s_blocks=blocks, s_nblk=pc.s_nblk + extra,
+                    evictions=pc.evictions + (taken & pc.cached).sum())
     owner, code = jax.vmap(lambda nd, ns, r: _identities(tables, nd, ns, r, b, m))(
         pc.s_node, pc.s_nshared, run.req_id)
     full = jnp.where(n > 0, (run.comp + n) // b, 0)
     nc = pc.s_ncached[:, None]
-    new = (j >= nc) & (j < full[:, None]) & ~pc.cached[blocks]
-    rank = (jnp.cumsum(new.ravel()) - 1).reshape(new.shape)
+    # A slot's blocks past its `s_ncached` are never identified (`prefix_audit` checks it),
+    # so its newly full blocks are the run `[s_ncached, full)`, ranked slot-major.
+    new = (j >= nc) & (j < full[:, None])
+    count = jnp.maximum(full - pc.s_ncached, 0)
+    rank = (_cumsum(count) - count)[:, None] + j - nc
+    # Each newly full block belongs to one slot: one scatter of its (slot, j) position, then
+    # gathers of the identities, instead of a scatter per field.
     xs = jnp.where(new, blocks, m).ravel()
-    put = lambda a, v: a.at[xs].set(v.ravel(), mode="drop")  # noqa: E731
-    pc = pc.replace(cached=put(pc.cached, jnp.ones_like(new)), owner=put(pc.owner, owner),
-                    code=put(pc.code, code), born=put(pc.born, pc.born_ctr + rank),
+    src = jnp.full((m,), -1, jnp.int32).at[xs].set(jnp.arange(xs.shape[0], dtype=jnp.int32),
+                                                   mode="drop")
+    hit = src >= 0
+    at = lambda a, v: jnp.where(hit, v.ravel()[jnp.maximum(src, 0)], a)  # noqa: E731
+    pc = pc.replace(cached=pc.cached | hit, owner=at(pc.owner, owner),
+                    code=at(pc.code, code), born=at(pc.born, pc.born_ctr + rank),
                     born_ctr=pc.born_ctr + new.sum(),
                     s_ncached=jnp.where(n > 0, jnp.maximum(pc.s_ncached, full), pc.s_ncached))
     return fits, pc, n
@@ -957,9 +977,9 @@ def _schedule_prefix(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables,
 def prefix_audit(rep: Replicas, prof: ReplicaProfile) -> jax.Array:
     """Per replica, whether the block pool is consistent (tests; `advance(audit=True)` checks
     it at every boundary): each block's `ref` equals the running slots holding it, no slot
-    holds a block twice, a running slot holds `ceil((C + scheduled) / b)` blocks whose
-    leading `s_ncached` are identified, blocks beyond `kv_blocks` are untouched, and
-    `fresh + cached_unreferenced + held = kv_blocks`. `(R,)` bool."""
+    holds a block twice, a running slot holds `ceil((C + scheduled) / b)` blocks of which
+    exactly the leading `s_ncached` are identified, blocks beyond `kv_blocks` are untouched,
+    and `fresh + cached_unreferenced + held = kv_blocks`. `(R,)` bool."""
     pc, run = rep.pc, rep.run
     r_n, s_n, m = pc.s_blocks.shape
     j = jnp.arange(m, dtype=jnp.int32)
@@ -973,9 +993,8 @@ def prefix_audit(rep: Replicas, prof: ReplicaProfile) -> jax.Array:
     held_ok = jnp.where(valid, pc.s_nblk == _cdiv(run.comp + run.sched,
                                                    prof.block_size[:, None]), True).all(-1)
     xc = jnp.minimum(x, m - 1)
-    ident_ok = (~on | (j[None, None, :] >= pc.s_ncached[:, :, None])
-                | jnp.take_along_axis(pc.cached, xc.reshape(r_n, -1), -1).reshape(x.shape)
-                ).all((-1, -2))
+    ident = jnp.take_along_axis(pc.cached, xc.reshape(r_n, -1), -1).reshape(x.shape)
+    ident_ok = (~on | (ident == (j[None, None, :] < pc.s_ncached[:, :, None]))).all((-1, -2))
     free = (pc.ref == 0) & exists
     fresh = (free & ~pc.cached).sum(-1)
     unref = (free & pc.cached).sum(-1)
@@ -1013,7 +1032,7 @@ def _run_head_check(pc: PrefixCache, prof: ReplicaProfile, tables: PrefixTables,
 
     `head`: `(valid, length L, node, nshared, req_id)` of the waiting head; `k1` the budget
     and `free1` the free blocks left after the running pass. Returns `(admit, the rank cap
-    in blocks (int32 max when no hit constrains), the free queue's order)`.
+    in blocks (int32 max when no hit constrains), the free queue (`_free_order`))`.
     """
     valid, ln, node, nshared, req_id = head
     m = pc.ref.shape[-1]
@@ -1029,16 +1048,22 @@ def _run_head_check(pc: PrefixCache, prof: ReplicaProfile, tables: PrefixTables,
     need = _cdiv(c_tok + n, b) - h + unref_hit.sum()
     could = valid & (count < prof.max_seqs) & (k1 > 0)
     admit = could & (chunk | (rest <= k1)) & (free1 - need >= watermark_blocks(prof))
-    order = _free_order(pc, exists)
-    rank = jnp.zeros((m,), jnp.int32).at[order].set(jnp.arange(m, dtype=jnp.int32))
-    cap = jnp.where(could, jnp.where(unref_hit, rank[first], _BIG).min(), _BIG)
-    return admit, cap, order
+    queue = _free_order(pc, exists)
+    cap = jnp.where(could, jnp.where(unref_hit, queue[1][first], _BIG).min(), _BIG)
+    return admit, cap, queue
 
 
-def _run_blocks(pc: PrefixCache, order, comp, valid, req_id, k, b) -> PrefixCache:
+# Blocks one slot may take (and fill) in a skipped decode run with prefix caching: the run
+# ends before a slot's next one, so `_run_blocks` works on `(S, RUN_BLOCKS)` arrays instead
+# of the `(S, M)` block table (a run is at most `RUN_BLOCKS * b` iterations, 512 at b = 128).
+RUN_BLOCKS = 4
+
+
+def _run_blocks(pc: PrefixCache, queue, comp, valid, req_id, k, b) -> PrefixCache:
     """One replica's block pool after `k` pure-decode iterations of its running slots
     (`valid`, `comp` tokens computed, one token scheduled each per iteration), given that
-    every block they take fits the free queue (its order `order`, see `_run_head_check`).
+    every block they take fits the free queue (`queue`: `_free_order`'s pair) and
+    no slot takes or fills more than `RUN_BLOCKS` blocks.
 
     Per iteration the running pass gives each slot whose next token starts a block one block
     from the free queue's head, in slot order (rule 5), then caches the blocks its token
@@ -1062,28 +1087,30 @@ def _run_blocks(pc: PrefixCache, order, comp, valid, req_id, k, b) -> PrefixCach
                                       & (slot[None, :] < slot[:, None])))
         return before.sum(-1).astype(jnp.int32)[:, None]
 
+    order, rank_of = queue
     f = (-comp) % b
     takes = jnp.where(valid & (k > f), (k - 1 - f) // b + 1, 0)
     nb = pc.s_nblk[:, None]
     on = (jj >= nb) & (jj < nb + takes[:, None])  # (S, M)
-    picked = order[jnp.clip((jj - nb) * p + position(f), 0, m - 1)]
-    x = jnp.where(on, picked, m).ravel()
-    blocks = jnp.where(on, picked, pc.s_blocks)
-    evicted = (on & pc.cached[picked]).sum()
+    blocks = jnp.where(on, order[jnp.clip((jj - nb) * p + position(f), 0, m - 1)],
+                       pc.s_blocks)
+    # The blocks taken are the free queue's first `sum takes`: marked by their rank in it.
+    taken = (pc.ref == 0) & (rank_of < takes.sum())
     nc = pc.s_ncached[:, None]
-    full = (comp + k) // b
-    new = valid[:, None] & (jj >= nc) & (jj < full[:, None])
-    born = pc.born_ctr + (jj - nc) * p + position((-comp - 1) % b)
-    xs = jnp.where(new, blocks, m).ravel()
+    t = jnp.arange(RUN_BLOCKS, dtype=jnp.int32)[None, :]
+    fills = jnp.where(valid, (comp + k) // b - pc.s_ncached, 0)
+    new = t < fills[:, None]  # (S, RUN_BLOCKS)
+    xs = jnp.where(new, jnp.take_along_axis(blocks, jnp.minimum(nc + t, m - 1), -1), m).ravel()
+    born = pc.born_ctr + t * p + position((-comp - 1) % b)
     put = lambda a, v: a.at[xs].set(jnp.broadcast_to(v, new.shape).ravel(),  # noqa: E731
                                     mode="drop")
     return pc.replace(
-        ref=pc.ref.at[x].set(1, mode="drop"),
-        cached=put(pc.cached.at[x].set(False, mode="drop"), True),
-        owner=put(pc.owner, req_id[:, None]), code=put(pc.code, jj), born=put(pc.born, born),
-        born_ctr=pc.born_ctr + new.sum(), s_blocks=blocks, s_nblk=pc.s_nblk + takes,
-        s_ncached=jnp.where(valid, jnp.maximum(pc.s_ncached, full), pc.s_ncached),
-        evictions=pc.evictions + evicted)
+        ref=jnp.where(taken, 1, pc.ref), cached=put(pc.cached & ~taken, True),
+        owner=put(pc.owner, req_id[:, None]), code=put(pc.code, nc + t),
+        born=put(pc.born, born), born_ctr=pc.born_ctr + fills.sum(), s_blocks=blocks,
+        s_nblk=pc.s_nblk + takes,
+        s_ncached=jnp.where(valid, jnp.maximum(pc.s_ncached, nc[:, 0] + fills), pc.s_ncached),
+        evictions=pc.evictions + (taken & pc.cached).sum())
 
 
 # Longest run of decode iterations skipped at one boundary (a binary search of
@@ -1151,10 +1178,15 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
         free0 = prof.kv_blocks - held0
         head = (w_valid[:, 0], h_len, pc.q_node[rows, rep.queues.head],
                 pc.q_nshared[rows, rep.queues.head], win.req_id[:, 0])
-        admit, guard, order = jax.vmap(_run_head_check, in_axes=(0, 0, None, 0, 0, 0, 0))(
+        admit, guard, queue = jax.vmap(_run_head_check, in_axes=(0, 0, None, 0, 0, 0, 0))(
             pc, prof, tables, head, n, k1, free0 - d1)
         cap = jnp.minimum(free0, guard)
     left = jnp.where(valid, run.output - run.gen, jnp.int32(2 ** 30)).min(-1)
+    if rep.pc is not None:
+        # At most RUN_BLOCKS takes and fills per slot (`_run_blocks`): slot i's next ones
+        # come at iterations f_i + RUN_BLOCKS b and g_i + RUN_BLOCKS b (f_i, g_i < b).
+        first_event = jnp.where(valid, jnp.minimum((-comp) % b, (-comp - 1) % b), b).min(-1)
+        left = jnp.minimum(left, first_event + RUN_BLOCKS * prof.block_size + 1)
     k_max = jnp.where(pure & ~admit, jnp.clip(left - 1, 0, RUN_CAP), 0)
 
     nf = n.astype(jnp.float32)
@@ -1225,7 +1257,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     adv = jnp.where(valid & skip[:, None], k[:, None], 0)
     if rep.pc is not None:
         # A no-op where k = 0 (no select of the pool needed).
-        rep = rep.replace(pc=jax.vmap(_run_blocks)(rep.pc, order, comp, valid & skip[:, None],
+        rep = rep.replace(pc=jax.vmap(_run_blocks)(rep.pc, queue, comp, valid & skip[:, None],
                                                    run.req_id, k, prof.block_size))
     rep = rep.replace(
         run=run.replace(gen=run.gen + adv, comp=run.comp + adv),

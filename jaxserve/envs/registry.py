@@ -463,15 +463,16 @@ PREFIX_SESSION_RATE = 0.5
 
 
 # Not registered (`jaxserve.make` does not build it): every registered env must be learnable by a
-# standard PPO as it is, and with prefix caching on this one steps at ~44 env-steps/s on a
-# 2-core CPU (256 envs; caching off: ~8,700), too slow to train on. Built by this function.
+# standard PPO as it is, and this one's learnability has not been tested (with prefix caching
+# on it steps at ~2,350 env-steps/s on a 2-core CPU at 256 envs; caching off ~5,900). Built by
+# this function.
 def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_seqs=None,
                             shaping_gamma=DEFAULT_SHAPING_GAMMA, reward="time_in_system",
                             caching=True, tree_nodes=None, tree_depth=None, **kw):
-    """LLMPrefixRouting-v0 (experimental, not in `jaxserve.make`'s registry: too slow to train
-    on yet): LLMRouting-v0's class with automatic prefix caching on
-    (`LLMRoutingStatic.prefix_blocks` = the largest `kv_blocks`), driven by a trace with
-    prefix identity.
+    """LLMPrefixRouting-v0 (experimental, not in `jaxserve.make`'s registry: its learnability
+    by a standard PPO is not tested yet): LLMRouting-v0's class with automatic prefix
+    caching on (`LLMRoutingStatic.prefix_blocks` = the largest `kv_blocks`), driven by a
+    trace with prefix identity.
 
     `trace`: a `traces.prefix.PrefixTrace`, or a path to a Mooncake JSONL(.gz) file
     (`traces.mooncake.load_mooncake`); default `prefix_workload()` (512 synthetic
