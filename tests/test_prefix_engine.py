@@ -346,3 +346,22 @@ def test_real_mooncake_prefixes_equal_reference():
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
     assert want["hit_tokens"][0] > 0 and want["evictions"][0] > 0
     assert want["shared_preemptions"][0] > 0
+
+
+def test_free_queue_order_is_argsorts_stable_order():
+    """`_free_order` (vector comparisons, no sort) returns `jnp.argsort`'s stable order of the
+    free blocks by stamp, the rest after them by index, and its inverse, on random pools with
+    tied stamps, referenced blocks and blocks beyond `kv_blocks`."""
+    rng = np.random.default_rng(0)
+    m = 37
+    for _ in range(20):
+        pc = CB.empty_prefix_cache(1, 2, 2, m)
+        pc = jax.tree.map(lambda a: a[0], pc)
+        pc = pc.replace(ref=jnp.asarray(rng.integers(0, 3, m) * (rng.random(m) < 0.4),
+                                         jnp.int32),
+                        stamp=jnp.asarray(rng.integers(-5, 6, m), jnp.int32))
+        exists = jnp.arange(m) < int(rng.integers(1, m + 1))
+        order, rank = CB._free_order(pc, exists)
+        want = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, CB._BIG), stable=True)
+        np.testing.assert_array_equal(order, want)
+        np.testing.assert_array_equal(rank[order], np.arange(m))

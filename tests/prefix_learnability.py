@@ -1,0 +1,74 @@
+"""Does the minimal PureJaxRL-style PPO learn LLMPrefixRouting-v0? (issue 22, item 4)
+
+    python -m tests.prefix_learnability [--steps 262144] [--seed 0]
+
+Trains `tests/minimal_ppo.py` (PureJaxRL's CartPole-v1 settings, MLP on the flat observation,
+no reward normalisation) on `make_llm_prefix_routing()`'s defaults (prefix caching on, the
+512-request synthetic shared-prefix trace) for `--steps` env steps, then runs one episode
+(the whole trace, the routing of `scripts/prefix_routers.py`) under the greedy PPO policy,
+every production prefix router (`policies.prefix_routing.POLICIES`) and the load-only
+baselines, and prints each one's mean time in system per request (s), drops and token hit
+rate. One trace and one key: a learnability probe, not a confidence statement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from jaxserve.envs.registry import make_llm_prefix_routing
+from jaxserve.policies import llm_routing as L
+from jaxserve.policies import prefix_routing as PR
+from tests.minimal_ppo import greedy_policy, make_train
+
+
+def episode_metrics(env, params, policy, num_requests: int) -> dict[str, float]:
+    """One episode of `num_requests` routing decisions from `env.reset(PRNGKey(0))` under
+    `policy(key, obs, state, params)`: mean time in system per request (s), drops, token
+    hit rate (hit / looked-up tokens at admissions)."""
+    @jax.jit
+    def run():
+        obs, state = env.reset(jax.random.PRNGKey(0), params)
+
+        def f(c, k):
+            obs, state = c
+            a = policy(k, obs, state, params)
+            obs, state, _, _, info = env.step_env(k, state, a, params)
+            return (obs, state), (info["in_system_time"], info["dropped"],
+                                  info["prefix_hit_tokens"], info["prefix_lookup_tokens"])
+
+        keys = jax.random.split(jax.random.PRNGKey(1), num_requests)
+        return jax.tree.map(lambda x: x.sum(), jax.lax.scan(f, (obs, state), keys)[1])
+
+    tis, dropped, hit, look = (float(np.asarray(x)) for x in run())
+    return {"time_in_system_s": tis / num_requests, "dropped": dropped,
+            "hit_rate": hit / max(look, 1.0)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=262_144, help="PPO training env steps")
+    ap.add_argument("--seed", type=int, default=0, help="PPO's PRNG seed")
+    args = ap.parse_args(argv)
+    env, params = make_llm_prefix_routing()
+    t0 = time.perf_counter()
+    train, network = make_train({"TOTAL_TIMESTEPS": args.steps}, env, params)
+    net_params, _ = jax.jit(train)(jax.random.PRNGKey(args.seed))
+    jax.block_until_ready(net_params)
+    print(f"trained {args.steps:,} steps (seed {args.seed}) in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    n = int(params.max_steps_in_episode)  # the whole trace
+    pols = {"ppo (greedy)": greedy_policy(network, net_params), **PR.POLICIES,
+            "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
+            "round_robin": L.round_robin}
+    for name, pol in pols.items():
+        m = episode_metrics(env, params, pol, n)
+        print(f"{name:22s} mean time in system {m['time_in_system_s']:7.2f} s  drops "
+              f"{m['dropped']:4.0f}  token hit rate {m['hit_rate']:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
