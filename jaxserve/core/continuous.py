@@ -776,7 +776,7 @@ def cached_prefix_blocks(rep: Replicas, prof: ReplicaProfile, tables: PrefixTabl
 
 
 def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: PrefixTables,
-                       exists):
+                       exists, queue=None):
     """The running pass of one replica when no preemption occurs, vectorised.
 
     With `n_i` the budget taken in admission order and `e_i` the new blocks of slot `i`,
@@ -784,7 +784,8 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     queue still holds `free - sum_{j<i} e_j >= e_i`). Then slot `i` takes the free queue's
     blocks of ranks `[sum_{j<i} e_j, sum_{j<=i} e_j)` (caching held blocks does not change
     the queue), and the slots' newly full blocks are cached in slot-major order (the order
-    of `born` among copies of one identity).
+    of `born` among copies of one identity). `queue`: the pool's free queue
+    (`_free_order`) if the caller has it, else computed here.
 
     Returns (whether it applies, the pool after the pass, `n` per slot).
     """
@@ -799,7 +800,7 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     ends = jnp.cumsum(extra)
     total = ends[-1]
     fits = total <= _free_blocks(pc, exists)
-    order, rank_of = _free_order(pc, exists)
+    order, rank_of = _free_order(pc, exists) if queue is None else queue
     j = jnp.arange(m, dtype=jnp.int32)[None, :]
     nb = pc.s_nblk[:, None]
     on = (j >= nb) & (j < nb + extra[:, None])  # (S, M)
@@ -834,13 +835,15 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     return fits, pc, n
 
 
-def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: PrefixTables, go):
+def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: PrefixTables, go,
+                   queue=None):
     """One replica's scheduling pass with prefix caching (docs/prefix_caching.md rule 7.3),
     sequential: the running pass (preempting from the back while the free queue is short),
     then, if nothing was preempted, FCFS admission with a cache lookup per head.
 
     `run`: the replica's `Running` slots; `w`: its first `S` waiting requests (dict of `(S,)`
-    arrays `valid, len, node, nshared, req_id`). Returns `(pc, n_run, keep, admit, w_n,
+    arrays `valid, len, node, nshared, req_id`); `queue` its free queue if known (see
+    `_running_pass_fits`). Returns `(pc, n_run, keep, admit, w_n,
     w_comp)` (see `_apply_schedule`) with the admitted requests' blocks in slots
     `keep + m`.
     """
@@ -879,7 +882,7 @@ def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: Prefix
 
     # When the running requests' new blocks all fit the free queue nothing is preempted and
     # the pass is vectorised (`_running_pass_fits`); the loop then runs no trip.
-    fits, pc_fit, n_fit = _running_pass_fits(pc, run, prof, tables, exists)
+    fits, pc_fit, n_fit = _running_pass_fits(pc, run, prof, tables, exists, queue)
     fast = fits & go
     pc = jax.tree.map(lambda a, b: jnp.where(fast, a, b), pc_fit, pc)
     i0 = jnp.where(fast, run.count, 0).astype(jnp.int32)
@@ -937,10 +940,11 @@ def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: Prefix
 
 def _schedule_prefix(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables,
                      go: jax.Array, t: jax.Array, t_lo: jax.Array,
-                     log: TokenLog | None) -> tuple[Replicas, TokenLog | None]:
+                     log: TokenLog | None, queue=None) -> tuple[Replicas, TokenLog | None]:
     """`_schedule` with prefix caching: the decision of `_prefix_decide` for every replica,
     carried out by `_apply_schedule`; the waiting requests' prefix ids follow them between
-    queue and running slots, and the log records each admission's cached tokens."""
+    queue and running slots, and the log records each admission's cached tokens. `queue`:
+    every replica's free queue (`_free_order`, leading axis `R`) if the caller has it."""
     pc, run, q = rep.pc, rep.run, rep.queues
     s_n = run.arrival.shape[-1]
     idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
@@ -950,7 +954,7 @@ def _schedule_prefix(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables,
     w = {"valid": w_valid, "len": win.prompt.astype(jnp.int32) + gat(rep.q_gen),
          "node": gat(pc.q_node), "nshared": gat(pc.q_nshared), "req_id": win.req_id}
     pc, n_run, keep, admit, w_n, w_comp = jax.vmap(
-        _prefix_decide, in_axes=(0, 0, 0, 0, None, 0))(pc, run, w, prof, tables, go)
+        _prefix_decide, in_axes=(0, 0, 0, 0, None, 0, 0))(pc, run, w, prof, tables, go, queue)
     held = ((pc.ref > 0) & (jnp.arange(pc.ref.shape[-1])[None, :]
                             < prof.kv_blocks[:, None])).sum(-1)
     # Victims' prefix ids go to the queue's front (as `_apply_schedule` moves the requests).
@@ -1138,7 +1142,9 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
 
     Returns:
       (replicas advanced by the skipped iterations, the clock pair after them, seconds of
-      iteration time skipped per replica (`busy`)).
+      iteration time skipped per replica (`busy`), and with prefix caching every replica's
+      free queue after the run (`_free_order`'s pair, valid below the free count; else
+      None)).
     """
     run = rep.run
     s_n = run.arrival.shape[-1]
@@ -1259,6 +1265,15 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
         # A no-op where k = 0 (no select of the pool needed).
         rep = rep.replace(pc=jax.vmap(_run_blocks)(rep.pc, queue, comp, valid & skip[:, None],
                                                    run.req_id, k, prof.block_size))
+        # The run took the free queue's first D(k) blocks: the rest keep their order, so the
+        # scheduler that follows reads the queue shifted instead of ranking it again (only
+        # ranks below the free count are read).
+        taken = jnp.where(skip, blocks_after(k), 0)
+        m_blk = queue[0].shape[-1]
+        shift = (jnp.arange(m_blk, dtype=jnp.int32)[None, :] + taken[:, None]) % m_blk
+        queue = (jnp.take_along_axis(queue[0], shift, -1), queue[1] - taken[:, None])
+    else:
+        queue = None
     rep = rep.replace(
         run=run.replace(gen=run.gen + adv, comp=run.comp + adv),
         t_start=jnp.where(skip, t + (t_lo + dur(k - 1)), rep.t_start),
@@ -1267,7 +1282,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
         kv_peak=jnp.where(skip, jnp.maximum(rep.kv_peak, held0 + blocks_after(k)),
                           rep.kv_peak),
         iterations=rep.iterations + k)
-    return rep, jnp.where(skip, end_hi, t), jnp.where(skip, end_lo, t_lo), total
+    return rep, jnp.where(skip, end_hi, t), jnp.where(skip, end_lo, t_lo), total, queue
 
 
 def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dict,
@@ -1423,11 +1438,12 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
         t_lo = jnp.where(rp.t_end > 0.0, rp.t_lo, 0.0)
         go = ~rp.in_iter & ~rp.stalled & has_work & (t < horizon)
         if decode_runs:
-            rp, t, t_lo, skipped = _decode_run(rp, prof, go, t, t_lo, horizon, tables)
+            rp, t, t_lo, skipped, queue = _decode_run(rp, prof, go, t, t_lo, horizon, tables)
             m = m.replace(busy_time=m.busy_time + skipped.sum())
             go = go & (t < horizon)  # a run may end exactly at the horizon
         if prefix:
-            rp, lg = _schedule_prefix(rp, prof, tables, go, t, t_lo, lg)
+            rp, lg = _schedule_prefix(rp, prof, tables, go, t, t_lo, lg,
+                                      queue if decode_runs else None)
         else:
             rp = _schedule(rp, prof, go, t, t_lo)
         ex = {**ex, "boundaries": ex["boundaries"] + 1}
