@@ -53,6 +53,23 @@ def test_page_has_sections_and_tables(page):
     assert (md.with_suffix(".json")).exists()
 
 
+def test_confirmation_protocol_uses_seeds_and_streams_the_pick_was_not_made_on():
+    """(y) re-measures a row of (x) with seeds disjoint from (x)'s and on an evaluation key
+    index no other experiment uses; the variant is one (x) trains."""
+    import inspect
+
+    from agents.experiments import ablation, confirmation
+    for budget in ("quick", "full", "tiny"):
+        proto = confirmation.protocol(budget)
+        assert not set(proto["seeds"]) & set(ablation.SEEDS[budget])
+        assert proto["variant"] in [v[0] for v in ablation.VARIANTS]
+    salts = set()
+    for mod in ("routing", "batching", "generalisation", "routing_win", "llm_routing_study"):
+        src = inspect.getsource(__import__(f"agents.experiments.{mod}", fromlist=["x"]))
+        salts |= {int(m) for m in __import__("re").findall(r"eval_key\((\d+)", src)}
+    assert confirmation.STREAMS_SALT not in salts | set(range(70, 70 + 8))
+
+
 @pytest.mark.slow
 def test_batching_experiment_writes_its_table_and_figure(tmp_path):
     """Experiment (b) on the tiny budget: four more programs to compile (minutes on CPU)."""
@@ -99,7 +116,7 @@ def test_unknown_experiment_is_an_error():
     ctx = Context(BUDGETS["tiny"], "x", progress=False)
     with pytest.raises(ValueError, match="unknown experiment"):
         run_experiments(ctx, ["zz"])
-    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e", "f", "w", "x"]
+    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e", "f", "w", "x", "y"]
 
 
 def test_capacity_from_sweep_takes_the_first_failure():
@@ -141,11 +158,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_budget_skip_leaves_out_the_long_studies_unless_named():
-    """quick and tiny skip the LLM study (f) and the ablation (x); full runs every experiment;
+    """quick and tiny skip the LLM study (f), the ablation (x) and its confirmation (y); full
+    runs every experiment;
     naming a skipped one runs it."""
     from agents.experiments.registry import select
     keys = [e.key for e in EXPERIMENTS]
-    long_ones = {"f", "x"}
+    long_ones = {"f", "x", "y"}
     assert long_ones <= set(keys)
     for budget in ("quick", "tiny"):
         assert set(BUDGETS[budget].skip) == long_ones
@@ -251,8 +269,20 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     assert row.startswith("| short_bursts, (x): ppo, no shaping | ppo, no shaping 10.8 | "
                           "sita_tuned 12 | -1.2 [-1.9, -0.6] | learned wins | "
                           "sita, true lengths 9 |")
-    assert "confirmations.md" in text
-    del data["w"]["short_bursts"], data["x"]
+    assert "confirmations.md" in text and "(y) row" not in text
+    # (y), the confirmation of that pick on fresh seeds and streams, gets its own row, named
+    # by its protocol, whichever way it falls.
+    data["y"] = {"ppo, no shaping": {"mean": 11.5, "diff_vs_heuristic":
+                                     {"mean": -0.3, "low": -0.9, "high": 0.2}},
+                 "sita_tuned": {"mean": 11.8}, "least_marginal": {"mean": 16.0},
+                 "protocol": {"variant": "ppo, no shaping", "seeds": list(range(8, 24))}}
+    text = headline_summary(data)
+    row = next(line for line in text.splitlines() if "(y)" in line and line.startswith("| "))
+    assert row.startswith("| short_bursts, (y): ppo, no shaping confirmed on 16 fresh seeds, "
+                          "fresh streams | ppo, no shaping 11.5 | sita_tuned 11.8 | "
+                          "-0.3 [-0.9, +0.2] | no difference resolved |")
+    assert "the (y) row re-measures that pick" in text
+    del data["w"]["short_bursts"], data["x"], data["y"]
     for d in data["w"].values():  # JSON turns NaN (no request of the class) into None
         d["to_fast"] = {k: [[np.nan if x is None else x for x in r] for r in v]
                         for k, v in d["to_fast"].items()}

@@ -10,15 +10,16 @@ program, seed statistics, markdown tables), `scenarios` (every scenario, fixed u
 its reason), `routing` (a, c, e), `batching` (b), `generalisation` (d),
 `llm_routing` (f, skipped by the quick and tiny budgets unless named), `routing_win` (w:
 honest information, headroom, learned vs best heuristic), `ablation` (x: what (w)'s win rests
-on; skipped by the quick and tiny budgets unless named), `report`.
+on; skipped by the quick and tiny budgets unless named), `confirmation` (y: the pick of (x)
+re-measured on fresh seeds and streams; skipped likewise), `report`.
 """
 
 from agents.experiments.budget import BUDGETS, Budget
 from agents.experiments.common import Context, Section
 from agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
 # Importing the experiment modules registers them.
-from agents.experiments import (ablation, batching, generalisation,  # noqa: F401,E402
-                                 llm_routing, routing, routing_win)
+from agents.experiments import (ablation, batching, confirmation,  # noqa: F401,E402
+                                 generalisation, llm_routing, routing, routing_win)
 
 __all__ = ["BUDGETS", "Budget", "Context", "EXPERIMENTS", "Section", "experiment",
            "run_experiments"]

@@ -129,11 +129,13 @@ def _agreement_cell(agree: dict, names, ref: str, phase: int) -> str:
 
 def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = None,
                  key_salt: int | None = None, scenario: str = SCENARIO,
-                 heuristic: str = HEURISTIC) -> tuple[str, dict]:
+                 heuristic: str = HEURISTIC, experiment_key: str = "x") -> tuple[str, dict]:
     """Trains `variants` (`ALL_VARIANTS`' rows; the first is the baseline of the paired
     column) with `seeds` (default `SEEDS[budget]`), evaluates them beside `heuristic`
-    (fitted on tuning streams) and `least_marginal` on `scenario`, and returns the markdown
-    body and the numbers."""
+    (fitted on tuning streams of the evaluation key) and `least_marginal` on `scenario`, on
+    the streams of `ctx.eval_key(key_salt)` ((w)'s for the scenario by default), and returns
+    the markdown body and the numbers; `experiment_key` names the experiment in the
+    provenance line."""
     b = ctx.budget
     seeds = SEEDS[b.name] if seeds is None else tuple(int(x) for x in seeds)
     steps = WIN_BUDGETS[b.name][1]
@@ -151,7 +153,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     trained, clones = _train_variants(variants, seeds, steps, ctx, scenario, heur[heuristic])
     first = variants[0][0]
     env, params, _ = trained[first]
-    ctx.log(f"  evaluating (x) {len(variants)} variants")
+    ctx.log(f"  evaluating ({experiment_key}) {len(variants)} variant(s)")
     speed = np.asarray(gpu_speeds(params))
     fast = speed >= speed.max() * (1 - 1e-6)
     tiers = np.unique(np.round(speed / speed.max(), 6), return_inverse=True)[1].astype(np.int32)
@@ -222,7 +224,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     same_streams = (": (w)'s streams" if key_salt is None and ctx.eval_seed == Context.eval_seed
                     else ": not (w)'s streams")
     body = "\n\n".join([
-        made_by(ctx, "x"),
+        made_by(ctx, experiment_key),
         f"Scenario `{scenario}` ({eval_envs} streams of {eval_steps} requests, first "
         f"{warmup} excluded; evaluation key `fold_in(PRNGKey({ctx.eval_seed}), {salt})`"
         f"{same_streams}). Each PPO variant changes "

@@ -125,13 +125,22 @@ def headline_summary(data: dict) -> str:
                     f"{diff['mean']:+.3g} [{diff['low']:+.3g}, {diff['high']:+.3g}] | {verdict} | "
                     + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
                     + f" {curve or 'not measured'} |")
-    x_row = _ablation_row(data.get("x") or {}, w.get("short_bursts") or {})
+    short = w.get("short_bursts") or {}
+    x_row = _ablation_row(data.get("x") or {}, short)
+    y = data.get("y") or {}
+    proto = y.get("protocol") or {}
+    y_row = _ablation_row(y, short, label=(
+        f"short_bursts, (y): {proto.get('variant')} confirmed on {len(proto.get('seeds', []))} "
+        "fresh seeds, fresh streams")) if proto else ""
     if not rows:
         return ""
     note = ([f"The (x) row is the best of (x)'s PPO variants on (w)'s short_bursts streams, "
              "a training choice picked after seeing them: "
-             "[docs/confirmations.md](confirmations.md) re-measures it on fresh training "
-             "seeds and fresh evaluation streams.", ""] if x_row else [])
+             + ("the (y) row re-measures that pick with training seeds and evaluation streams "
+                "it was not found on (its protocol fixed before the run), and "
+                if y_row else "")
+             + "[docs/confirmations.md](confirmations.md) holds the earlier re-measurements.",
+             ""] if x_row or y_row else [])
     return "\n".join([
         "**Summary: best learned router vs best honest heuristic** (section (w), drop-inclusive "
         "mean latency in s; paired difference with its 95% seed x stream bootstrap CI; the "
@@ -141,12 +150,13 @@ def headline_summary(data: dict) -> str:
         "",
         "| scenario | learned | best heuristic | learned - heuristic (95% CI) | verdict | "
         "best clairvoyant | learned along its budget curve (s) |",
-        "|---|---|---|---|---|---|---|", *rows, *([x_row] if x_row else []), "", *note])
+        "|---|---|---|---|---|---|---|", *rows, *[r for r in (x_row, y_row) if r], "", *note])
 
 
-def _ablation_row(x: dict, w_short: dict) -> str:
-    """The summary row of (x)'s best PPO variant (lowest mean) against (x)'s heuristic, with
-    (w)'s short_bursts clairvoyant reference; "" without (x) data."""
+def _ablation_row(x: dict, w_short: dict, label: str | None = None) -> str:
+    """The summary row of (x)'s (or (y)'s) best PPO variant (lowest mean) against its
+    heuristic, with (w)'s short_bursts clairvoyant reference; "" without data. `label` names
+    the row (default "short_bursts, (x): <variant>")."""
     variants = {k: v for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" in v
                 and ": the clone" not in k}
     heur = [k for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" not in v
@@ -160,7 +170,8 @@ def _ablation_row(x: dict, w_short: dict) -> str:
     lat = w_short.get("latency") or {}
     refs = {k: v for k, v in lat.items() if "true lengths" in k}
     ref = min(refs, key=refs.get) if refs else None
-    return (f"| short_bursts, (x): {best} | {best} {variants[best]['mean']:.3g} | "
+    label = f"short_bursts, (x): {best}" if label is None else label
+    return (f"| {label} | {best} {variants[best]['mean']:.3g} | "
             f"{h} {x[h]['mean']:.3g} | {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}] | "
             f"{verdict} | " + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
             + " not measured |")
