@@ -282,6 +282,14 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
                           "fresh streams | ppo, no shaping 11.5 | sita_tuned 11.8 | "
                           "-0.3 [-0.9, +0.2] | no difference resolved |")
     assert "the (y) row re-measures that pick" in text
+    assert "| not measured on these streams |" in row  # (w)'s bound is on other streams
+    data["y"]["clairvoyant"] = {"name": "sita, true lengths", "mean": 8.5}
+    data["y"]["ppo, no shaping"]["burst_short_to_fast"] = 0.7
+    data["y"]["sita_tuned"]["burst_short_to_fast"] = 0.17
+    text = headline_summary(data)
+    row = next(line for line in text.splitlines() if "(y)" in line and line.startswith("| "))
+    assert "| sita, true lengths 8.5 | not measured |" in row
+    assert "sends 70% of the short requests to the fast GPUs, `sita_tuned` 17%" in text
     del data["w"]["short_bursts"], data["x"], data["y"]
     for d in data["w"].values():  # JSON turns NaN (no request of the class) into None
         d["to_fast"] = {k: [[np.nan if x is None else x for x in r] for r in v]

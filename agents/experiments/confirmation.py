@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from agents.experiments.ablation import HEURISTIC, SCENARIO, SEEDS as ABLATION_SEEDS
 from agents.experiments.ablation import VARIANTS, run_ablation
-from agents.experiments.common import Context, Section
+from agents.experiments.common import LATENCY, Context, Section, env_mean, table
 from agents.experiments.registry import experiment
+from agents.experiments.routing_win import WIN_EVAL, clairvoyant
+from jaxserve.envs.registry import make
+from jaxserve.evaluation import evaluate_many
 
 CONFIRMED_VARIANT = "ppo, no shaping"
 # Disjoint from (x)'s seeds (`ablation.SEEDS`) and (w)'s, so the policies are new draws.
@@ -56,5 +59,19 @@ def confirmation(ctx: Context) -> Section:
              "is fixed in `agents/experiments/confirmation.py` before the run; whichever "
              "way it falls, this is the result the summary reports for the pick.")
     data["protocol"] = proto
+    # The clairvoyant references on (y)'s own streams: (w)'s are on other streams, and
+    # a bound read off other streams would say nothing of these.
+    env, params = make("Routing-v0", scenario=proto["scenario"])
+    key = ctx.eval_key(proto["streams_salt"])
+    exact, oracle = clairvoyant(env, params, key)
+    eval_envs, eval_steps, warmup = WIN_EVAL[ctx.budget.name]
+    ctx.log("  evaluating (y) clairvoyant references")
+    res = evaluate_many(env, exact, oracle, key, eval_envs, eval_steps, warmup=warmup)
+    lat = {n: env_mean(res[n]["per_env"][LATENCY]) for n in oracle}
+    best = min(lat, key=lat.get)
+    data["clairvoyant"] = {"name": best, "mean": lat[best]}
+    body += ("\n\nClairvoyant references on these streams (not realisable: they read the true "
+             "output lengths):\n\n" + table(["reference", "drop-incl. mean latency (s)"],
+                                             [[n, f"{v:.3g}"] for n, v in lat.items()]))
     return Section("(y) Confirmation: (x)'s pick on fresh seeds and fresh streams",
                    intro + "\n\n" + body, data=data)

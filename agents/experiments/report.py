@@ -141,6 +141,9 @@ def headline_summary(data: dict) -> str:
                 if y_row else "")
              + "[docs/confirmations.md](confirmations.md) holds the earlier re-measurements.",
              ""] if x_row or y_row else [])
+    why = _why_line(y)
+    if why:
+        note += [why, ""]
     return "\n".join([
         "**Summary: best learned router vs best honest heuristic** (section (w), drop-inclusive "
         "mean latency in s; paired difference with its 95% seed x stream bootstrap CI; the "
@@ -153,6 +156,25 @@ def headline_summary(data: dict) -> str:
         "|---|---|---|---|---|---|---|", *rows, *[r for r in (x_row, y_row) if r], "", *note])
 
 
+def _why_line(y: dict) -> str:
+    """The (y) row's "why", from (y)'s data: where the learned router and the heuristic send
+    the short requests that arrive in bursts; "" without it."""
+    proto = y.get("protocol") or {}
+    v, h = y.get(proto.get("variant")) or {}, y.get(proto.get("heuristic")) or {}
+    a, b = v.get("burst_short_to_fast"), h.get("burst_short_to_fast")
+    if a is None or b is None:
+        return ""
+    text = (f"What the (y) row's learned router does differently, from (y)'s per-request "
+            f"records: during bursts (which bring short requests only) `{proto['variant']}` "
+            f"sends {100 * a:.0f}% of the short requests to the fast GPUs, "
+            f"`{proto['heuristic']}` {100 * b:.0f}%.")
+    if a > b:
+        text += (" SITA's size partition, fitted to the average mix, sends short requests to "
+                 "the slow GPUs whatever the load; a router that reads the queues can see when "
+                 "the fast GPUs hold no long requests and use them for short ones.")
+    return text + "\n"
+
+
 def _ablation_row(x: dict, w_short: dict, label: str | None = None) -> str:
     """The summary row of (x)'s (or (y)'s) best PPO variant (lowest mean) against its
     heuristic, with (w)'s short_bursts clairvoyant reference; "" without data. `label` names
@@ -160,21 +182,26 @@ def _ablation_row(x: dict, w_short: dict, label: str | None = None) -> str:
     variants = {k: v for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" in v
                 and ": the clone" not in k}
     heur = [k for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" not in v
-            and k != "least_marginal" and "mean" in v]
+            and k not in ("least_marginal", "clairvoyant") and "mean" in v]
     if not variants or len(heur) != 1:
         return ""
     best = min(variants, key=lambda k: variants[k]["mean"])
     d, h = variants[best]["diff_vs_heuristic"], heur[0]
     verdict = ("learned wins" if d["high"] < 0 else "heuristic wins" if d["low"] > 0
                else "no difference resolved")
-    lat = w_short.get("latency") or {}
-    refs = {k: v for k, v in lat.items() if "true lengths" in k}
-    ref = min(refs, key=refs.get) if refs else None
     label = f"short_bursts, (x): {best}" if label is None else label
+    if "protocol" in x:  # (y): its own streams, so only its own references apply
+        own = x.get("clairvoyant") or {}
+        ref_cell = (f"{own['name']} {own['mean']:.3g}" if own else
+                    "not measured on these streams")
+    else:
+        lat = w_short.get("latency") or {}
+        refs = {k: v for k, v in lat.items() if "true lengths" in k}
+        ref = min(refs, key=refs.get) if refs else None
+        ref_cell = f"{ref} {lat[ref]:.3g}" if ref else "none"
     return (f"| {label} | {best} {variants[best]['mean']:.3g} | "
             f"{h} {x[h]['mean']:.3g} | {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}] | "
-            f"{verdict} | " + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
-            + " not measured |")
+            f"{verdict} | {ref_cell} | not measured |")
 
 
 def _git_commit() -> str:

@@ -58,6 +58,19 @@ ORACLES = {"sita, true lengths": "sita", "sed, true lengths": "sed_oracle",
            "least_work_left, true lengths": "least_work_left_oracle"}
 
 
+def clairvoyant(env, params, key) -> tuple:
+    """`(params with exact output lengths, {name: policy})`: the clairvoyant references of
+    `ORACLES` for evaluation key `key` (SITA refitted on its tuning streams with the true
+    lengths). Not realisable: bounds on what knowing the lengths is worth."""
+    exact = params.replace(estimate_mode=jnp.int32(A.ESTIMATE_EXACT))
+    pols = {"sita, true lengths": policies.get("sita", env=env, params=exact,
+                                               key=tuning_key(key)),
+            "sed, true lengths": policies.get("sed_oracle"),
+            "least_work_left, true lengths": policies.get("least_work_left_oracle")}
+    assert set(pols) == set(ORACLES)
+    return exact, pols
+
+
 def _boot_mean(res: dict, name: str) -> dict:
     """Bootstrap mean of the drop-inclusive latency: seed x stream for an algorithm."""
     keys = seed_names(res, name) or [name]
@@ -191,11 +204,7 @@ def routing_win(ctx: Context) -> Section:
         ctx.log(f"  evaluating (w) {name}")
         res = evaluate_many(env, params, {**heur, **learned, **earlier}, key, eval_envs,
                             eval_steps, warmup=warmup)
-        exact = params.replace(estimate_mode=jnp.int32(A.ESTIMATE_EXACT))
-        oracle = {"sita, true lengths": policies.get("sita", env=env, params=exact,
-                                                     key=tuning_key(key)),
-                  "sed, true lengths": policies.get("sed_oracle"),
-                  "least_work_left, true lengths": policies.get("least_work_left_oracle")}
+        exact, oracle = clairvoyant(env, params, key)
         res.update(evaluate_many(env, exact, oracle, key, eval_envs, eval_steps,
                                  warmup=warmup))
         order = sorted(heur, key=lambda n: env_mean(res[n]["per_env"][LATENCY]))
