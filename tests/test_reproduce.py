@@ -275,7 +275,8 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     data["y"] = {"ppo, no shaping": {"mean": 11.5, "diff_vs_heuristic":
                                      {"mean": -0.3, "low": -0.9, "high": 0.2}},
                  "sita_tuned": {"mean": 11.8}, "least_marginal": {"mean": 16.0},
-                 "protocol": {"variant": "ppo, no shaping", "seeds": list(range(8, 24))}}
+                 "protocol": {"variant": "ppo, no shaping", "heuristic": "sita_tuned",
+                              "seeds": list(range(8, 24))}}
     text = headline_summary(data)
     row = next(line for line in text.splitlines() if "(y)" in line and line.startswith("| "))
     assert row.startswith("| short_bursts, (y): ppo, no shaping confirmed on 16 fresh seeds, "
