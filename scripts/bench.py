@@ -56,7 +56,7 @@ from jaxserve.core import cluster as C
 from jaxserve.core import lanes
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
-from jaxserve.envs.registry import make_llm_prefix_routing
+from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
                                            make_runner, state_bytes, time_env)
 from jaxserve.reference import sim as ref

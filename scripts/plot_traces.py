@@ -195,7 +195,7 @@ def busy_fractions(tr, targets=(0.3, 0.6, 0.9), window=1024):
     import jax.numpy as jnp
 
     import jaxserve
-    from jaxserve.envs.registry import routing_gpus
+    from jaxserve.envs.routing import routing_gpus
     from jaxserve.evaluation.replay import replay_windows
     from jaxserve.traces import windows
 
@@ -250,7 +250,7 @@ def main(argv=None):
     print(f"BurstGPT -> {path} ({path.stat().st_size // 1024} KB)\n")
     print(table)
     from jaxserve.core.profiles import get_profile
-    from jaxserve.envs.registry import routing_gpus
+    from jaxserve.envs.routing import routing_gpus
     clusters = {"Routing-v0 default (2 fast + 2 slow)": routing_gpus(),
                 "2 x h100-llama2-70b-tp4 + 2 x a100-llama2-70b-tp4":
                     [get_profile("h100-llama2-70b-tp4")] * 2

@@ -25,7 +25,7 @@ import numpy as np
 
 
 def main(argv=None):
-    from jaxserve.envs.registry import make_llm_prefix_routing, prefix_workload
+    from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing, prefix_workload
     from jaxserve.policies import llm_routing as L
     from jaxserve.policies import prefix_routing as PR
 

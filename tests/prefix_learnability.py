@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.envs.registry import make_llm_prefix_routing
+from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import prefix_routing as PR
 from tests.minimal_ppo import greedy_policy, make_train

@@ -11,7 +11,7 @@ import pytest
 import jaxserve
 from jaxserve import policies as P
 from jaxserve.envs import base
-from jaxserve.envs.registry import make_llm_prefix_routing
+from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 
 
 @pytest.mark.parametrize("name,kind", [("Routing-v0", "routing"), ("Batching-v0", "batching"),
@@ -108,3 +108,17 @@ def test_policy_kinds_are_defined_once():
     assert prefix.policy_kind in base.POLICY_KINDS and P.names(prefix.policy_kind)
     with pytest.raises(ValueError, match="not a jaxserve"):
         base.policy_kind(prefix)  # its routers are compared by scripts/prefix_routers.py
+
+
+def test_each_builder_lives_beside_its_environment():
+    """The registry holds the table and `make` only (issue 23): every registered builder is
+    defined in the module of the environment class it builds."""
+    import jaxserve
+    from jaxserve.envs import registry
+
+    public = {n for n in vars(registry) if not n.startswith("_")
+              and getattr(vars(registry)[n], "__module__", None) == registry.__name__}
+    assert public == {"make", "register", "registered_envs"}
+    for name, builder in registry._REGISTRY.items():
+        env, _ = jaxserve.make(name)
+        assert builder.__module__ == type(env).__module__, name

@@ -17,7 +17,7 @@ from jaxserve import policies as P
 from jaxserve.core import continuous as CB
 from jaxserve.envs.base import FEATURE_CLIP, with_static
 from jaxserve.envs.llm_routing import PrefixRoutingParams, pending_cached_blocks
-from jaxserve.envs.registry import make_llm_prefix_routing
+from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.policies import prefix_routing as PR
 from jaxserve.traces.prefix import PrefixTrace, PrefixTree
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix

@@ -6,7 +6,7 @@ import pytest
 
 import jaxserve
 from jaxserve.core import arrivals as A
-from jaxserve.envs.registry import ROUTING_SCENARIOS
+from jaxserve.envs.routing import ROUTING_SCENARIOS
 from jaxserve.evaluation.capacity import service_capacity
 
 

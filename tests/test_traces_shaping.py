@@ -23,7 +23,7 @@ import jaxserve
 from jaxserve.core import arrivals as A
 from jaxserve.core.types import GPUProfile, Trace
 from jaxserve.core.sources import trace_arrays
-from jaxserve.envs.registry import routing_gpus
+from jaxserve.envs.routing import routing_gpus
 from jaxserve.evaluation.replay import replay_windows
 from jaxserve.reference.sim import simulate
 from jaxserve.traces import (

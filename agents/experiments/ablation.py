@@ -49,7 +49,8 @@ SEEDS = {"quick": tuple(range(8)), "full": tuple(range(10)), "tiny": (0,)}
 
 from jaxserve import policies  # noqa: E402
 from jaxserve.core.stats import seed_env_bootstrap  # noqa: E402
-from jaxserve.envs.registry import ROUTING_SCENARIOS, make  # noqa: E402
+from jaxserve.envs.registry import make  # noqa: E402
+from jaxserve.envs.routing import ROUTING_SCENARIOS  # noqa: E402
 from jaxserve.evaluation import evaluate_many  # noqa: E402
 from jaxserve.evaluation.agreement import action_agreement  # noqa: E402
 from jaxserve.policies.routing import gpu_speeds  # noqa: E402

@@ -32,7 +32,8 @@ from agents.experiments.routing import routing_heuristics
 from jaxserve import policies
 from jaxserve.core import arrivals as A
 from jaxserve.core.sources import tuning_key
-from jaxserve.envs.registry import ROUTING_SCENARIOS, make
+from jaxserve.envs.registry import make
+from jaxserve.envs.routing import ROUTING_SCENARIOS
 from jaxserve.evaluation import evaluate_many
 from jaxserve.core.stats import seed_env_bootstrap
 from jaxserve.policies.routing import gpu_speeds

@@ -36,10 +36,15 @@ from jaxserve.core import queues as Q
 from jaxserve.core import rng
 from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.profiles import get_profile
 from jaxserve.core.tree import select
 from jaxserve.core.types import MAX_SECONDS, check_int_array, numeric_array
 from jaxserve.envs import common
-from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
+from jaxserve.envs.base import StaticConfig, as_size, check_sizes, clip_features, feature_box
+from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
+                                    TRACE_EPISODE_STEPS, build_params,
+                                    static_sizes)
+from jaxserve.envs.routing import routing_tokens
 
 OFF, ACTIVE, DRAINING = 0, 1, 2
 
@@ -621,3 +626,79 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
         horizon = 2.0 * float(np.max(np.asarray(params.control_interval_s, np.float64)))
         common.check_arrival_horizon(params.serving.arrivals, horizon,
                                      "params.serving.arrivals", "2 x control_interval_s")
+
+
+# ---- Autoscaling-v0's defaults and builder (registered in `envs.registry`)
+
+# Autoscaling-v0 defaults: a compressed day (2 h) of diurnal Poisson traffic, decided every
+# 15 s (Kubernetes HPA's sync period); a replica of Llama-2-70B needs ~2 min to load.
+AUTOSCALING_DEFAULTS = dict(control_interval_s=15.0, warmup_s=120.0, gpu_price=4.0,
+                            latency_weight=1.0, slo_penalty_s=0.0, diurnal_amplitude=0.6,
+                            diurnal_period_s=7200.0, diurnal_phase_s=0.0, initial_replicas=2,
+                            action_mode=0, random_phase=0, random_initial=0,
+                            invalid_penalty_s=0.0, price_spread=1.0, random_offset=0)
+
+
+def scaling_params(serving: common.ServingParams, **scalars) -> AutoscalingParams:
+    """`AutoscalingParams` around `serving`, from `AUTOSCALING_DEFAULTS` and `scalars`."""
+    unknown = set(scalars) - set(SCALING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown Autoscaling-v0 parameter(s) {sorted(unknown)}; known: "
+                         f"{sorted(SCALING_FIELDS)}")
+    values = {**AUTOSCALING_DEFAULTS, **scalars}
+    return AutoscalingParams(serving=serving, **{
+        k: common.scalar_leaf(k, values[k], SCALING_FIELDS[k]) for k in SCALING_FIELDS})
+
+
+def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arrival_rate=None,
+                     arrivals=None, history_len=64, workload="diurnal", load=None, **kw):
+    """Autoscaling-v0: up to 8 A100 replicas of Llama-2-70B under a diurnal load.
+
+    `workload` names a trace-based workload instead (`envs.autoscaling_workloads`), at offered
+    load `load` of the whole cluster.
+    """
+    from jaxserve.envs.autoscaling_workloads import workload_overrides
+
+    if gpu is not None and gpus is not None:
+        raise ValueError("give either gpu= (one profile for every slot) or gpus=, not both")
+    if gpus is None:
+        gpus = [get_profile("mid") if gpu is None else gpu] * as_size("max_replicas",
+                                                                       max_replicas)
+    gpus = list(gpus)
+    max_replicas = len(gpus)
+    named = workload_overrides(workload, gpus, load)
+    if named and (arrivals is not None or arrival_rate is not None or "trace" in kw
+                  or "tokens" in kw):
+        raise ValueError(f"workload={workload!r} sets the arrivals and tokens itself; do not "
+                         f"also pass arrivals, arrival_rate, trace or tokens")
+    if "arrivals" in named:
+        arrivals = named.pop("arrivals")
+    for k, v in named.items():
+        kw.setdefault(k, v)
+    if kw.get("trace") is not None:
+        # One episode replays the whole trace (it terminates when the trace has drained),
+        # whether the trace came from a named workload or from `trace=`.
+        kw.setdefault("max_steps_in_episode", TRACE_EPISODE_STEPS)
+    scalars = {k: kw.pop(k) for k in list(kw) if k in SCALING_FIELDS}
+    if "trace" in kw and kw["trace"] is not None:
+        scalars.setdefault("diurnal_amplitude", 0.0)
+    if arrivals is None and arrival_rate is None and kw.get("trace") is None:
+        # Mean 1.2 req/s: 4-5 replicas hold the mean latency under the SLO at the mean rate,
+        # 7-8 at the peak (amplitude 0.6); docs/scaling.md has the fixed-count measurements.
+        arrival_rate = 1.2
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 1.0  # unused: the trace replaces the arrival process
+    kw.setdefault("tokens", routing_tokens())
+    kw.setdefault("slo_s", 60.0)
+    # A dropped request costs 10 minutes: shedding load must not be a way to save GPUs.
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    kw.setdefault("max_steps_in_episode", 480)
+    serving = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb, mb = static_sizes(queue_buffer, serving)
+    params = scaling_params(serving, **scalars)
+    env = Autoscaling(max_replicas=max_replicas, queue_buffer=qb, max_batch=mb,
+                         trace_len=serving.trace.gap.shape[0], history_len=history_len,
+                         default=params)
+    env.check_params(params)
+    return env, params

@@ -17,9 +17,12 @@ from jaxserve.core import queues as Q
 from jaxserve.core import rng
 from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.profiles import get_profile
 from jaxserve.core.tree import select
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
+from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE, build_params,
+                                    static_sizes)
 
 NUM_FEATURES = 6
 
@@ -233,3 +236,23 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
 
     def state_space(self, params=None) -> Any:
         raise NotImplementedError("Batching-v0 exposes its state as the BatchingState pytree")
+
+
+# ---- Batching-v0's builder (registered in `envs.registry`)
+
+def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None, **kw):
+    """Batching-v0: one GPU, Poisson arrivals, the agent decides each batch."""
+    gpus = [get_profile("mid")] if gpus is None else list(gpus)
+    if len(gpus) != 1:
+        raise ValueError(f"Batching-v0 runs exactly one GPU, got {len(gpus)}")
+    if arrivals is None and arrival_rate is None:
+        # A full batch of 16 takes ~33 s on this replica (at most ~0.48 req/s): load ~0.7.
+        arrival_rate = 0.35
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb, mb = static_sizes(queue_buffer, params)
+    env = Batching(max_batch=mb, queue_buffer=qb,
+                   trace_len=params.trace.gap.shape[0], default=params)
+    env.check_params(params)
+    return env, params

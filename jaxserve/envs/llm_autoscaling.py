@@ -29,6 +29,12 @@ from jaxserve.core.replica import validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import autoscaling as AS
 from jaxserve.envs import common
+from jaxserve.envs.autoscaling import scaling_params
+from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
+                                    TRACE_EPISODE_STEPS, build_params,
+                                    replica_sizes)
+from jaxserve.envs.base import as_size
+from jaxserve.envs.routing import routing_tokens
 
 
 class LLMAutoscaling(AS.Autoscaling):
@@ -71,3 +77,52 @@ class LLMAutoscaling(AS.Autoscaling):
                                    self.queue_buffer, self.max_batch, self.max_replicas)
         common.check_token_headroom(params.serving, prof.block_size, self.max_batch,
                                     "params.serving")
+
+
+# ---- LLMAutoscaling-v0's scenario and builder (registered in `envs.registry`)
+
+def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_seqs=None,
+                         arrival_rate=None, arrivals=None, history_len=64, **kw):
+    """LLMAutoscaling-v0: Autoscaling-v0 over continuous-batching LLM replicas.
+
+    `replicas`: list of `ReplicaProfile`, one per slot (default: `max_replicas` OPT-13B
+    A100-80GB replicas with `max_seqs = queue_cap = 16`, about 3.4 req/s each on Routing-v0's
+    token mix by `core.continuous_load`). Diurnal Poisson arrivals, mean 6 req/s (peak 9.6:
+    three replicas at the mean, all four near the peak), each episode from a random time of
+    day (`random_phase=1`); warm-up 60 s; `latency_scale=1000` s and `drop_penalty_s=600` s
+    as the other environments. Other keywords as
+    Autoscaling-v0's scaling and serving parameters (`envs/llm_autoscaling.py`).
+    """
+    from jaxserve.core.replica import replica_profile, stack_replicas
+
+    if replicas is None:
+        replicas = [replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16)] * as_size(
+            "max_replicas", max_replicas)
+    replicas = list(replicas)
+    prof = stack_replicas(replicas)
+    scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
+    scalars.setdefault("warmup_s", 60.0)
+    # Each episode starts at a random time of day, so vmapped episodes are not in lockstep
+    # (issue 25; Autoscaling-v0's `random_phase`).
+    scalars.setdefault("random_phase", 1)
+    if kw.get("trace") is not None:
+        scalars.setdefault("diurnal_amplitude", 0.0)
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 6.0
+    kw.setdefault("tokens", routing_tokens())
+    kw.setdefault("slo_s", 20.0)
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    # A replayed trace runs to its end (termination), not to the synthetic episode's 480
+    # intervals: the trace's default must be set first, or the synthetic one wins.
+    if kw.get("trace") is not None:
+        kw.setdefault("max_steps_in_episode", TRACE_EPISODE_STEPS)
+    kw.setdefault("max_steps_in_episode", 480)
+    serving = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb, ms = replica_sizes(prof, queue_buffer, max_seqs)
+    params = scaling_params(serving, **scalars)
+    env = LLMAutoscaling(max_replicas=len(replicas), queue_buffer=qb, max_batch=ms,
+                         trace_len=serving.trace.gap.shape[0], history_len=history_len,
+                         default=params)
+    env.check_params(params)
+    return env, params

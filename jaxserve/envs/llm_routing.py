@@ -19,6 +19,9 @@ from jaxserve.core.replica import ReplicaProfile, validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
+from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE, build_params,
+                                    replica_sizes)
+from jaxserve.envs.routing import routing_tokens
 
 NUM_REQUEST_FEATURES = 3
 NUM_REPLICA_FEATURES = 7
@@ -469,3 +472,47 @@ def check_prefix_params(params, prefix_blocks: int) -> None:
     nodes = np.shape(tab.parent)[-1]
     if np.any((node < -1) | (node >= nodes)):
         raise ValueError(f"params.node must hold tree nodes in [-1, {nodes})")
+
+
+# ---- LLMRouting-v0's scenario and builder (registered in `envs.registry`)
+
+def llm_routing_replicas():
+    """Default LLMRouting-v0 cluster: two OPT-13B replicas on A100-80GB, two on A100-40GB.
+
+    Same DistServe iteration-time fit; the 40 GB cards hold a fifth of the KV cache
+    (`core/replica.py`, docs/continuous.md), so memory, not speed, separates them.
+    """
+    from jaxserve.core.replica import replica_profile
+
+    return [replica_profile("opt13b-a100-80g")] * 2 + [replica_profile("opt13b-a100-40g")] * 2
+
+
+def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_rate=None,
+                     arrivals=None, shaping_gamma=DEFAULT_SHAPING_GAMMA,
+                     reward="time_in_system", **kw):
+    """LLMRouting-v0: heterogeneous continuous-batching replicas (KV cache, preemption).
+
+    `replicas`: list of `ReplicaProfile`; `max_seqs` (static running slots) defaults to the
+    largest `max_seqs` of the replicas, `queue_buffer` to the largest `queue_cap`.
+    Reward defaults as Routing-v0's, for the same reason (a standard PPO learns on them,
+    tests/test_llm_learnable.py): shaped with `shaping_gamma=0.99` (None turns it off), a
+    drop costs `drop_penalty_s=600` s, rewards in units of `latency_scale=1000` s.
+    `reward="slo"` charges TTFT/TPOT SLO misses instead of time-in-system (`LLMRouting`).
+    """
+    from jaxserve.core.replica import stack_replicas
+
+    replicas = llm_routing_replicas() if replicas is None else list(replicas)
+    prof = stack_replicas(replicas)
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 16.0
+    kw.setdefault("tokens", routing_tokens())
+    kw.setdefault("slo_s", 20.0)
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    params = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb, ms = replica_sizes(prof, queue_buffer, max_seqs)
+    env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,
+                     trace_len=params.trace.gap.shape[0], default=params,
+                     shaping_gamma=shaping_gamma, reward=reward)
+    env.check_params(params)
+    return env, params

@@ -13,8 +13,14 @@ from gymnax.environments import environment, spaces
 from jaxserve.core import cluster as C
 from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
+from jaxserve.core import arrivals as A
+from jaxserve.core.profiles import get_profile
+from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
+from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
+                                    ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
+                                    static_sizes)
 
 NUM_REQUEST_FEATURES = 3
 NUM_GPU_FEATURES = 6
@@ -287,3 +293,141 @@ def routing_observation(cluster: C.Cluster, pending: Request, params) -> jax.Arr
     """Flat Routing-v0 observation: request features then GPU rows."""
     return jnp.concatenate([common.request_features(pending, params),
                             gpu_features(cluster, params).ravel()])
+
+
+# ---- Routing-v0's scenarios and builder (registered in `envs.registry`)
+
+def routing_gpus() -> list[GPUProfile]:
+    """Default Routing-v0 cluster: two fast and two slow replicas of Llama-2-70B.
+
+    Fast: H100 x4 (tensor parallel); slow: A100 x2. Coefficients are fits to Splitwise's
+    measured profiles (`core/profiles.py`, docs/profiles.md).
+    """
+    return [get_profile("fast")] * 2 + [get_profile("slow")] * 2
+
+
+def routing_tokens() -> A.TokenDist:
+    """Default Routing-v0 workload: 80% short (256 -> 32 tokens), 20% long (1024 -> 512).
+
+    A batch runs until its longest output is done, so a short request batched with a long one
+    waits ~15x longer than alone: head-of-line blocking is what a router must avoid.
+    """
+    return A.bimodal_tokens(long_frac=0.2, short=(256, 32), long=(1024, 512), sigma=0.3,
+                            max_prompt=8192, max_output=2048)
+
+
+
+def _bursty_arrivals(mean_rate: float, ratio: float = 5.0, high_frac: float = 0.15,
+                     mean_high_s: float = 60.0) -> A.ArrivalProcess:
+    """Two-phase MMPP of mean `mean_rate` (req/s): a fraction `high_frac` of the time at
+    `ratio` times the low phase's rate, high phases lasting `mean_high_s` on average."""
+    low = mean_rate / (1.0 - high_frac + high_frac * ratio)
+    leave_high = 1.0 / mean_high_s
+    return A.mmpp([low, low * ratio], (leave_high * high_frac / (1.0 - high_frac), leave_high))
+
+
+def short_bursts_tokens() -> A.TokenDist:
+    """The `short_bursts` scenario's request mix: Routing-v0's two classes (32 and 512 output
+    tokens, sigma 0.3), one prompt law for both (median 512 tokens, sigma 0.5), and a class
+    mix per arrival phase: 40% long in the quiet phase, none in bursts.
+
+    The prompt says nothing of the output length, as in real LLM traces: on Azure's 2023 LLM
+    inference traces (/work/shared/traces/azure_llm_2023) the correlation of log prompt and
+    log output is -0.005 (code, 8819 requests) and 0.087 (conversation, 19366; Pearson over
+    every row, `np.corrcoef(np.log(ContextTokens), np.log(GeneratedTokens))`), while in the
+    default mix (256- vs 1024-token prompts) the prompt gives the class away; so the noisy
+    estimate is the router's only size signal here.
+    """
+    base = A.class_mixture([0.8, 0.2], [512, 512], [0.5, 0.5], [32, 512], [0.3, 0.3],
+                           max_prompt=8192, max_output=2048)
+    return A.with_phase_weights(base, [[0.6, 0.4], [1.0, 0.0]])
+
+
+# Registered Routing-v0 scenarios, `make("Routing-v0", scenario=name)` (explicit overrides
+# still win). Rates are fractions (`load`) of the cluster's full-batch capacity for the
+# scenario's mix (`capacity`, req/s: `evaluation.capacity.service_capacity`; envs cannot
+# import evaluation, so it is a number). All keep queue_buffer 64, so the scenarios whose
+# parameters have equal shapes train in one program (docs/results.md (w)).
+ROUTING_CAPACITY_DEFAULT = 2.163
+ROUTING_CAPACITY_SHORT_BURSTS = 2.199
+ROUTING_SCENARIOS = {
+    "bursty": dict(
+        load=0.6, capacity=ROUTING_CAPACITY_DEFAULT,
+        reason="Bursty load: the default cluster and mix at mean load 0.6, 15% of the time "
+               "in bursts at 5x the quiet rate (quiet phase load 0.38, bursts 1.9: overload), "
+               "bursts lasting 60 s on average. SITA's partition is fitted for the mean rate; "
+               "a router that reads the queues can shed a burst across groups.",
+        overrides=lambda: dict(arrivals=_bursty_arrivals(0.6 * ROUTING_CAPACITY_DEFAULT))),
+    "bursty_short_queues": dict(
+        load=0.6, capacity=ROUTING_CAPACITY_DEFAULT,
+        reason="As `bursty`, with 16 queue slots per GPU (a latency-oriented admission "
+               "limit) instead of 64: bursts overflow queues, so where a router puts a "
+               "request decides whether it is dropped.",
+        overrides=lambda: dict(arrivals=_bursty_arrivals(0.6 * ROUTING_CAPACITY_DEFAULT),
+                               gpus=[get_profile(t, queue_cap=16)
+                                     for t in ("fast", "fast", "slow", "slow")],
+                               queue_buffer=64)),
+    "short_bursts": dict(
+        load=0.6, capacity=ROUTING_CAPACITY_SHORT_BURSTS,
+        reason="Non-stationary mix with realistic information: in the quiet phase 40% of "
+               "requests are long; bursts (30% of the time, 3x the quiet rate, lasting 120 s "
+               "on average) bring short requests only. Mean load 0.6 of capacity. Prompts "
+               "say nothing of output length (as in Azure's LLM traces), so routers size "
+               "requests by the noisy estimate alone. SITA is fitted to the average mix (17.5% "
+               "long), which is wrong in both phases; a router that reads the queues can see "
+               "when the fast GPUs hold no long requests and send short ones there.",
+        overrides=lambda: dict(
+            arrivals=_bursty_arrivals(0.6 * ROUTING_CAPACITY_SHORT_BURSTS, ratio=3.0,
+                                      high_frac=0.3, mean_high_s=120.0),
+            tokens=short_bursts_tokens())),
+}
+
+
+def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
+                 shaping_gamma=DEFAULT_SHAPING_GAMMA, scenario=None, **kw):
+    """Routing-v0: heterogeneous GPUs, bimodal short/long requests (head-of-line blocking).
+
+    Defaults chosen so that a standard PPO (PureJaxRL's CartPole settings, MLP on the flat
+    observation, no reward normalisation) learns on them (tests/test_learnable.py,
+    docs/training.md): reward shaped with `shaping_gamma=0.99` (potential-based, see
+    `Routing`; None turns it off), a drop costs `drop_penalty_s=600` s (15x the SLO, more
+    than any latency the default load produces, so shedding is never cheaper than serving),
+    rewards in units of `latency_scale=1000` s. With the shaping a step's reward is about
+    minus the routed request's latency (plus the delay it adds to others) over 1000 s, so the
+    discounted return over ~100 steps is O(1): PureJaxRL clips the gradient norm of actor and
+    critic together, and value targets of hundreds (latency_scale 10 or 100) starve the actor.
+    Routers (learned and heuristic alike) see a noisy output-length prediction
+    (`estimate_mode=1`, `estimate_noise=1.0`: see `ROUTING_ESTIMATE_NOISE`), not the true
+    size class; pass `estimate_mode=2` for that oracle. `scenario` names an entry of
+    `ROUTING_SCENARIOS` (its overrides under the explicit ones).
+    """
+    if scenario is not None:
+        if scenario not in ROUTING_SCENARIOS:
+            raise ValueError(f"unknown Routing-v0 scenario {scenario!r}; registered: "
+                             f"{sorted(ROUTING_SCENARIOS)}")
+        given = dict(gpus=gpus, queue_buffer=queue_buffer, arrival_rate=arrival_rate,
+                     arrivals=arrivals)
+        for k, v in ROUTING_SCENARIOS[scenario]["overrides"]().items():
+            if k in given:
+                if given[k] is None and not (k == "arrivals" and arrival_rate is not None):
+                    given[k] = v
+            else:
+                kw.setdefault(k, v)
+        gpus, queue_buffer = given["gpus"], given["queue_buffer"]
+        arrival_rate, arrivals = given["arrival_rate"], given["arrivals"]
+    gpus = routing_gpus() if gpus is None else list(gpus)
+    if arrivals is None and arrival_rate is None:
+        arrival_rate = 2.0
+    kw.setdefault("tokens", routing_tokens())
+    # A long request alone takes ~15 s on a fast replica and ~29 s on a slow one.
+    kw.setdefault("slo_s", 40.0)
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    kw.setdefault("estimate_mode", ROUTING_ESTIMATE_MODE)
+    kw.setdefault("estimate_noise", ROUTING_ESTIMATE_NOISE)
+    params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
+    qb, mb = static_sizes(queue_buffer, params)
+    env = Routing(num_gpus=len(gpus), queue_buffer=qb, max_batch=mb,
+                  trace_len=params.trace.gap.shape[0], default=params,
+                  shaping_gamma=shaping_gamma)
+    return env, params

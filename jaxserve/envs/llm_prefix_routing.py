@@ -1,0 +1,125 @@
+"""LLMPrefixRouting-v0 (experimental, not registered): LLMRouting-v0 with automatic prefix
+caching, driven by a trace with prefix identity; its default cluster, workload and builder."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.core import arrivals as A
+from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
+                                    ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
+                                    replica_sizes)
+from jaxserve.envs.routing import DEFAULT_SHAPING_GAMMA
+
+
+def prefix_replicas():
+    """Default LLMPrefixRouting-v0 cluster: four OPT-13B replicas on A100-40GB (DistServe's
+    iteration-time fit, `core/replica.py`), KV memory counted in 128-token blocks: the
+    40 GB card's 10,112 tokens (`kv_blocks_for(..., block_size=128)` = 79 blocks), so a
+    long-context prompt (median ~5k tokens here) takes half a replica's cache and memory
+    binds. 128-token blocks (vLLM uses 16) keep the prefix engine's `O(M^2)` lookup cheap;
+    the cost is rounding up to 127 tokens per request where vLLM wastes at most 15. 16
+    running and 16 waiting slots (scheduler settings, not measurements)."""
+    from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile
+
+    kv = kv_blocks_for(40, 5120, 40.0, _OPT13B_WEIGHTS_GB, block_size=PREFIX_BLOCK_SIZE)
+    return [replica_profile("opt13b-a100-40g", block_size=PREFIX_BLOCK_SIZE, kv_blocks=kv,
+                            max_seqs=16, queue_cap=16)] * 4
+
+
+PREFIX_BLOCK_SIZE = 128
+PREFIX_REQUESTS = 512  # requests of the default synthetic trace (one episode)
+PREFIX_SEED = 0
+
+
+def prefix_workload(n_requests: int = PREFIX_REQUESTS, seed: int = PREFIX_SEED):
+    """Default LLMPrefixRouting-v0 workload: `traces.prefix_synthetic.generate_shared_prefix`
+    (host numpy, seed 0) with Mooncake-like sessions (its defaults: one 512-token system
+    prompt, multi-turn conversations, first-turn user input median 5,500 tokens) except
+    `max_prompt = 8192` (a session ends when its conversation outgrows a replica's cache)
+    and `session_rate = PREFIX_SESSION_RATE` sessions/s, at which four default replicas'
+    KV caches are mostly full (the registry test checks evictions occur)."""
+    from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
+
+    cfg = SharedPrefixConfig(session_rate=PREFIX_SESSION_RATE, max_prompt=8192)
+    return generate_shared_prefix(int(n_requests), cfg, seed=int(seed))
+
+
+PREFIX_SESSION_RATE = 0.5
+
+
+# Not registered (`jaxserve.make` does not build it): every registered env must be learnable by a
+# standard PPO as it is, and on this one a minimal PPO trails the best router after 1M steps
+# (`python -m tests.prefix_learnability`; with prefix caching on it steps at ~2,350
+# env-steps/s on a 2-core CPU at 256 envs). Built by this function.
+def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_seqs=None,
+                            shaping_gamma=DEFAULT_SHAPING_GAMMA, reward="time_in_system",
+                            caching=True, tree_nodes=None, tree_depth=None, **kw):
+    """LLMPrefixRouting-v0 (experimental, not in `jaxserve.make`'s registry: a standard PPO
+    does not yet learn it to the best router's level): LLMRouting-v0's class with automatic prefix
+    caching on (`LLMRoutingStatic.prefix_blocks` = the largest `kv_blocks`), driven by a
+    trace with prefix identity.
+
+    `trace`: a `traces.prefix.PrefixTrace`, or a path to a Mooncake JSONL(.gz) file
+    (`traces.mooncake.load_mooncake`); default `prefix_workload()` (512 synthetic
+    shared-prefix requests, built on the host here). An episode replays the whole trace
+    (`max_steps_in_episode` = its length unless given). `replicas` default
+    `prefix_replicas()`; `caching=False` builds the same scenario without a prefix cache
+    (LLMRouting-v0's engine; params still `PrefixRoutingParams`). `tree_nodes` and
+    `tree_depth` pad the prefix tables (`continuous.prefix_tables`) so that traces of
+    different trees share one program. Other keywords as LLMRouting-v0 (reward scalars).
+    """
+    import dataclasses
+
+    from jaxserve.core import continuous as CB
+    from jaxserve.core.replica import stack_replicas
+    from jaxserve.envs.llm_routing import LLMRouting, PrefixRoutingParams
+    from jaxserve.traces.prefix import PrefixTrace
+
+    for bad in ("arrivals", "arrival_rate", "tokens"):
+        if bad in kw:
+            raise ValueError(f"LLMPrefixRouting-v0 replays a trace; {bad}= does not apply")
+    if trace is None:
+        trace = prefix_workload()
+    elif isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
+        from jaxserve.traces.mooncake import load_mooncake
+        trace = load_mooncake(trace)
+    if not isinstance(trace, PrefixTrace):
+        raise ValueError(f"trace must be a PrefixTrace or a Mooncake file path, got "
+                         f"{type(trace).__name__}")
+    replicas = prefix_replicas() if replicas is None else list(replicas)
+    prof = stack_replicas(replicas)
+    n = len(trace.trace.arrival_s)
+    kw.setdefault("max_steps_in_episode", n)
+    kw.setdefault("slo_s", 20.0)
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    # The token distribution is unused with a trace but for the request features' scales
+    # (log prompt / log max_prompt): its maxima cover the trace's.
+    tr = trace.trace
+    kw.setdefault("tokens", A.bimodal_tokens(
+        long_frac=0.2, short=(256, 32), long=(1024, 512), sigma=0.3,
+        max_prompt=max(8192, int(np.max(tr.prompt_tokens))),
+        max_output=max(2048, int(np.max(tr.output_tokens)))))
+    # A router sees a prediction of the output length, never the truth (as Routing-v0).
+    kw.setdefault("estimate_mode", ROUTING_ESTIMATE_MODE)
+    kw.setdefault("estimate_noise", ROUTING_ESTIMATE_NOISE)
+    base = build_params(prof, arrival_rate=1.0, trace=trace.trace, **kw)
+    tree = trace.tree
+    node = np.asarray(trace.node, np.int64)
+    if node.shape != (n,):
+        raise ValueError(f"trace.node must have one entry per request ({n}), got {node.shape}")
+    tables = CB.prefix_tables(tree.parent, tree.depth, tree.block_tokens, tree_nodes,
+                              tree_depth)
+    params = PrefixRoutingParams(
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+        node=jnp.asarray(node, jnp.int32), tables=tables)
+    qb, ms = replica_sizes(prof, queue_buffer, max_seqs)
+    blocks = int(np.max(np.asarray(prof.kv_blocks))) if caching else 0
+    env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,
+                     trace_len=params.trace.gap.shape[0], default=params,
+                     shaping_gamma=shaping_gamma, reward=reward, prefix_blocks=blocks)
+    env.check_params(params)
+    return env, params
+
