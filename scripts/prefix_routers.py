@@ -1,7 +1,7 @@
 """The production cache-aware routers (and three load-only baselines) on LLMPrefixRouting-v0.
 
-Each router routes one episode of the default scenario (the whole 512-request synthetic
-trace, drained at its end); all routers run as lanes of one vmapped program (`lax.switch`
+Each router routes one episode of a named workload (`--scenario`, default "sessions": the
+whole 512-request synthetic trace, drained at its end); all routers run as lanes of one vmapped program (`lax.switch`
 over the router index). Reported per router: mean time in system per request (s, the
 episode's integral of requests present over the trace's requests), mean time to first
 token (s), drops, preemptions, prefix token hit rate (hit / looked-up tokens at
@@ -10,7 +10,7 @@ return: its potential-based shaping does not telescope in an undiscounted sum.)
 
 One trace and one key: differences between routers are of this stream, not a confidence
 statement. Usage (from the repository root):
-  python -m scripts.prefix_routers [--requests 512] [--seed 0]
+  python -m scripts.prefix_routers [--requests 512] [--seed 0] [--scenario system_prompts]
 """
 
 from __future__ import annotations
@@ -25,16 +25,21 @@ import numpy as np
 
 
 def main(argv=None):
-    from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing, prefix_workload
+    from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, make_llm_prefix_routing,
+                                                  prefix_workload)
     from jaxserve.policies import llm_routing as L
     from jaxserve.policies import prefix_routing as PR
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=512, help="trace requests (one episode)")
     ap.add_argument("--seed", type=int, default=0, help="the trace generator's seed")
+    ap.add_argument("--scenario", default="sessions", choices=sorted(PREFIX_SCENARIOS),
+                    help="the synthetic workload (envs.llm_prefix_routing.PREFIX_SCENARIOS)")
     args = ap.parse_args(argv)
-    env, params = make_llm_prefix_routing(trace=prefix_workload(args.requests, args.seed))
-    pols = {**PR.POLICIES, "jsq_requests": L.jsq_requests, "least_kv": L.least_kv,
+    env, params = make_llm_prefix_routing(
+        trace=prefix_workload(args.requests, args.seed, scenario=args.scenario))
+    pols = {**PR.POLICIES, "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
+            "least_kv": L.least_kv, "least_marginal": L.least_marginal,
             "round_robin": L.round_robin}
     names, fns = list(pols), list(pols.values())
     n = args.requests
@@ -58,7 +63,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     tot = jax.jit(jax.vmap(episode))(jnp.arange(len(fns)))
     tot = {k: np.asarray(v, np.float64) for k, v in tot.items()}
-    print(f"LLMPrefixRouting-v0, {n} requests, seed {args.seed}; {time.perf_counter() - t0:.0f} s "
+    print(f"LLMPrefixRouting-v0, scenario {args.scenario}, {n} requests, seed {args.seed}; "
+          f"{time.perf_counter() - t0:.0f} s "
           f"(compile + run), load average {os.getloadavg()[0]:.1f}")
     print(f"{'router':20s} {'mean TIS s':>10s} {'mean TTFT s':>11s} {'drops':>6s} "
           f"{'preempt':>7s} {'hit rate':>8s} {'evictions':>9s}")

@@ -1,10 +1,14 @@
 """Does the minimal PureJaxRL-style PPO learn LLMPrefixRouting-v0? (issue 22, item 4)
 
-    python -m tests.prefix_learnability [--steps 262144] [--seed 0]
+    python -m tests.prefix_learnability [--steps 262144] [--seed 0] \
+        [--scenario sessions|system_prompts] [--network mlp|set] [--no-shaping]
 
 Trains `tests/minimal_ppo.py` (PureJaxRL's CartPole-v1 settings, MLP on the flat observation,
-no reward normalisation) on `make_llm_prefix_routing()`'s defaults (prefix caching on, the
-512-request synthetic shared-prefix trace) for `--steps` env steps, then runs one episode
+no reward normalisation; `--network set`: `agents.ppo` with LLMRouting-v0's PPO settings and
+the attention set network, which scores every replica with the same weights) on
+`make_llm_prefix_routing(scenario=...)` (prefix caching on, a 512-request synthetic
+shared-prefix trace; `--no-shaping`: `shaping_gamma=None`) for `--steps` env steps, then
+runs one episode
 (the whole trace, the routing of `scripts/prefix_routers.py`) under the greedy PPO policy,
 every production prefix router (`policies.prefix_routing.POLICIES`) and the load-only
 baselines, and prints each one's mean time in system per request (s), drops and token hit
@@ -19,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
+from jaxserve.envs.llm_prefix_routing import PREFIX_SCENARIOS, make_llm_prefix_routing
+from jaxserve.envs.llm_routing import DEFAULT_SHAPING_GAMMA
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import prefix_routing as PR
 from tests.minimal_ppo import greedy_policy, make_train
@@ -48,22 +53,50 @@ def episode_metrics(env, params, policy, num_requests: int) -> dict[str, float]:
             "hit_rate": hit / max(look, 1.0)}
 
 
+def _train_set_network(env, params, steps: int, seed: int):
+    """`agents.ppo` with LLMRouting-v0's PPO settings (`agents.defaults.ENV_DEFAULTS`) and the
+    attention set network; the greedy policy."""
+    from agents.config import PPOConfig
+    from agents.defaults import ENV_DEFAULTS
+    from agents.policy import LearnedPolicy
+    from agents.ppo import make_train as make_ppo
+
+    hp = dict(ENV_DEFAULTS["LLMRouting-v0"]["ppo"])
+    hp.pop("total_steps")
+    hp.update(set_mixer="attention", network="set", set_dims=tuple(env.obs_layout))
+    trainer = make_ppo(PPOConfig(total_timesteps=steps, **hp), env, params)
+    out = trainer(jax.random.PRNGKey(seed))
+    jax.block_until_ready(out.runner_state.train_state.params)
+    return LearnedPolicy(trainer.network, out.runner_state.train_state.params, True, "ppo-set")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=262_144, help="PPO training env steps")
     ap.add_argument("--seed", type=int, default=0, help="PPO's PRNG seed")
+    ap.add_argument("--scenario", default="sessions", choices=sorted(PREFIX_SCENARIOS),
+                    help="the synthetic workload (envs.llm_prefix_routing.PREFIX_SCENARIOS)")
+    ap.add_argument("--network", default="mlp", choices=("mlp", "set"),
+                    help="mlp: the minimal PureJaxRL PPO; set: agents.ppo, attention set net")
+    ap.add_argument("--no-shaping", action="store_true", help="shaping_gamma=None")
     args = ap.parse_args(argv)
-    env, params = make_llm_prefix_routing()
+    env, params = make_llm_prefix_routing(
+        scenario=args.scenario, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA)
     t0 = time.perf_counter()
-    train, network = make_train({"TOTAL_TIMESTEPS": args.steps}, env, params)
-    net_params, _ = jax.jit(train)(jax.random.PRNGKey(args.seed))
-    jax.block_until_ready(net_params)
-    print(f"trained {args.steps:,} steps (seed {args.seed}) in {time.perf_counter() - t0:.0f} s",
-          flush=True)
+    if args.network == "mlp":
+        train, network = make_train({"TOTAL_TIMESTEPS": args.steps}, env, params)
+        net_params, _ = jax.jit(train)(jax.random.PRNGKey(args.seed))
+        jax.block_until_ready(net_params)
+        learned = greedy_policy(network, net_params)
+    else:
+        learned = _train_set_network(env, params, args.steps, args.seed)
+    print(f"trained {args.steps:,} steps (seed {args.seed}, {args.network}, scenario "
+          f"{args.scenario}, shaping {'off' if args.no_shaping else 'on'}) in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
     n = int(params.max_steps_in_episode)  # the whole trace
-    pols = {"ppo (greedy)": greedy_policy(network, net_params), **PR.POLICIES,
+    pols = {"ppo (greedy)": learned, **PR.POLICIES,
             "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
-            "round_robin": L.round_robin}
+            "round_robin": L.round_robin, "least_marginal": L.least_marginal}
     for name, pol in pols.items():
         m = episode_metrics(env, params, pol, n)
         print(f"{name:22s} mean time in system {m['time_in_system_s']:7.2f} s  drops "

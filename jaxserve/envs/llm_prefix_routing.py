@@ -33,20 +33,46 @@ PREFIX_REQUESTS = 512  # requests of the default synthetic trace (one episode)
 PREFIX_SEED = 0
 
 
-def prefix_workload(n_requests: int = PREFIX_REQUESTS, seed: int = PREFIX_SEED):
-    """Default LLMPrefixRouting-v0 workload: `traces.prefix_synthetic.generate_shared_prefix`
-    (host numpy, seed 0) with Mooncake-like sessions (its defaults: one 512-token system
-    prompt, multi-turn conversations, first-turn user input median 5,500 tokens) except
-    `max_prompt = 8192` (a session ends when its conversation outgrows a replica's cache)
-    and `session_rate = PREFIX_SESSION_RATE` sessions/s, at which four default replicas'
-    KV caches are mostly full (the registry test checks evictions occur)."""
+def prefix_workload(n_requests: int = PREFIX_REQUESTS, seed: int = PREFIX_SEED,
+                    scenario: str = "sessions"):
+    """An LLMPrefixRouting-v0 workload: `traces.prefix_synthetic.generate_shared_prefix`
+    (host numpy) with the `SharedPrefixConfig` of `PREFIX_SCENARIOS[scenario]`.
+
+    "sessions" (the default): Mooncake-like sessions (the generator's defaults: one
+    512-token system prompt, multi-turn conversations, first-turn user input median 5,500
+    tokens) except `max_prompt = 8192` (a session ends when its conversation outgrows a
+    replica's cache) and `session_rate = PREFIX_SESSION_RATE` sessions/s, at which four
+    default replicas' KV caches are mostly full (the registry test checks evictions occur).
+    Raises ValueError for an unknown scenario."""
     from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
-    cfg = SharedPrefixConfig(session_rate=PREFIX_SESSION_RATE, max_prompt=8192)
+    if scenario not in PREFIX_SCENARIOS:
+        raise ValueError(f"unknown LLMPrefixRouting-v0 scenario {scenario!r}; known: "
+                         f"{sorted(PREFIX_SCENARIOS)}")
+    cfg = SharedPrefixConfig(**PREFIX_SCENARIOS[scenario]["config"])
     return generate_shared_prefix(int(n_requests), cfg, seed=int(seed))
 
 
 PREFIX_SESSION_RATE = 0.5
+# Workloads of LLMPrefixRouting-v0 by name: `SharedPrefixConfig` fields and why each exists.
+PREFIX_SCENARIOS = {
+    "sessions": dict(
+        config=dict(session_rate=PREFIX_SESSION_RATE, max_prompt=8192),
+        reason="Mooncake-like multi-turn sessions behind one short system prompt: reuse is "
+               "mostly a session's own history, and load balance matters about as much as "
+               "affinity (round robin within 9% of the best router, docs/prefix_caching.md)."),
+    "system_prompts": dict(
+        config=dict(session_rate=1.5, num_system=8, system_tokens=4096, system_zipf=1.0,
+                    first_user_median=300.0, first_user_sigma=1.0, turns_mean=1.0,
+                    output_median=200.0, max_prompt=8192),
+        reason="Eight long shared system prompts (4,096 tokens each, Zipf-1 popularity: the "
+               "first takes 37% of requests), short single-turn user inputs (median 300 "
+               "tokens), 1.5 req/s over four replicas whose KV cache (79 blocks of 128 "
+               "tokens) holds about two prompts each. Load balancing puts every prompt on "
+               "every replica and evicts constantly; routing on the cached prefix keeps each "
+               "prompt warm where it is, at the price of loading the popular prompts' "
+               "replicas: the trade-off the production routers set by hand."),
+}
 
 
 # Not registered (`jaxserve.make` does not build it): every registered env must be learnable by a
@@ -55,15 +81,17 @@ PREFIX_SESSION_RATE = 0.5
 # env-steps/s on a 2-core CPU at 256 envs). Built by this function.
 def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_seqs=None,
                             shaping_gamma=DEFAULT_SHAPING_GAMMA, reward="time_in_system",
-                            caching=True, tree_nodes=None, tree_depth=None, **kw):
+                            caching=True, tree_nodes=None, tree_depth=None,
+                            scenario="sessions", **kw):
     """LLMPrefixRouting-v0 (experimental, not in `jaxserve.make`'s registry: a standard PPO
     does not yet learn it to the best router's level): LLMRouting-v0's class with automatic prefix
     caching on (`LLMRoutingStatic.prefix_blocks` = the largest `kv_blocks`), driven by a
     trace with prefix identity.
 
     `trace`: a `traces.prefix.PrefixTrace`, or a path to a Mooncake JSONL(.gz) file
-    (`traces.mooncake.load_mooncake`); default `prefix_workload()` (512 synthetic
-    shared-prefix requests, built on the host here). An episode replays the whole trace
+    (`traces.mooncake.load_mooncake`); default `prefix_workload(scenario=scenario)` (512
+    synthetic shared-prefix requests of the named `PREFIX_SCENARIOS` workload, built on the
+    host here; `scenario` applies only when `trace` is None). An episode replays the whole trace
     (`max_steps_in_episode` = its length unless given). `replicas` default
     `prefix_replicas()`; `caching=False` builds the same scenario without a prefix cache
     (LLMRouting-v0's engine; params still `PrefixRoutingParams`). `tree_nodes` and
@@ -81,7 +109,9 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
         if bad in kw:
             raise ValueError(f"LLMPrefixRouting-v0 replays a trace; {bad}= does not apply")
     if trace is None:
-        trace = prefix_workload()
+        trace = prefix_workload(scenario=scenario)
+    elif scenario != "sessions":
+        raise ValueError("give either trace= or scenario=, not both")
     elif isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
         from jaxserve.traces.mooncake import load_mooncake
         trace = load_mooncake(trace)
