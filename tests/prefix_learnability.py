@@ -23,7 +23,8 @@ import time
 import jax
 import numpy as np
 
-from jaxserve.envs.llm_prefix_routing import PREFIX_SCENARIOS, make_llm_prefix_routing
+from jaxserve.envs.llm_prefix_routing import (PREFIX_REQUESTS, PREFIX_SCENARIOS, PREFIX_SEED,
+                                              make_llm_prefix_routing, prefix_workload)
 from jaxserve.envs.llm_routing import DEFAULT_SHAPING_GAMMA
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import prefix_routing as PR
@@ -79,6 +80,9 @@ def main(argv=None):
     ap.add_argument("--network", default="mlp", choices=("mlp", "set"),
                     help="mlp: the minimal PureJaxRL PPO; set: agents.ppo, attention set net")
     ap.add_argument("--no-shaping", action="store_true", help="shaping_gamma=None")
+    ap.add_argument("--eval-seeds", default="0",
+                    help="comma-separated generator seeds of the evaluation traces (0 is the "
+                         "training trace; others are traces PPO never saw)")
     args = ap.parse_args(argv)
     env, params = make_llm_prefix_routing(
         scenario=args.scenario, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA)
@@ -93,14 +97,20 @@ def main(argv=None):
     print(f"trained {args.steps:,} steps (seed {args.seed}, {args.network}, scenario "
           f"{args.scenario}, shaping {'off' if args.no_shaping else 'on'}) in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-    n = int(params.max_steps_in_episode)  # the whole trace
     pols = {"ppo (greedy)": learned, **PR.POLICIES,
             "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
             "round_robin": L.round_robin, "least_marginal": L.least_marginal}
-    for name, pol in pols.items():
-        m = episode_metrics(env, params, pol, n)
-        print(f"{name:22s} mean time in system {m['time_in_system_s']:7.2f} s  drops "
-              f"{m['dropped']:4.0f}  token hit rate {m['hit_rate']:.3f}", flush=True)
+    for seed in (int(x) for x in args.eval_seeds.split(",")):
+        trace = prefix_workload(PREFIX_REQUESTS, seed, scenario=args.scenario)
+        env_e, params_e = make_llm_prefix_routing(
+            trace=trace, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA)
+        n = int(params_e.max_steps_in_episode)  # the whole trace
+        print(f"evaluation trace: generator seed {seed}"
+              + (" (the training trace)" if seed == PREFIX_SEED else " (not seen in training)"))
+        for name, pol in pols.items():
+            m = episode_metrics(env_e, params_e, pol, n)
+            print(f"  {name:22s} mean time in system {m['time_in_system_s']:7.2f} s  drops "
+                  f"{m['dropped']:4.0f}  token hit rate {m['hit_rate']:.3f}", flush=True)
 
 
 if __name__ == "__main__":
