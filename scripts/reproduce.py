@@ -27,7 +27,8 @@ def build_parser():
     ap.add_argument("--budget", choices=("quick", "full", "tiny"), default=None,
                     help="budget by name (overrides --quick)")
     ap.add_argument("--only", default=None,
-                    help="comma-separated experiment keys (default: all)")
+                    help="comma-separated experiment keys (default: all; \"\" runs none and "
+                         "rewrites only the page's summary from the kept sections' data)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"),
                     help="markdown file to write (figures go to its figures/ folder)")
     ap.add_argument("--figures", default=None,

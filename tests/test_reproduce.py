@@ -202,6 +202,13 @@ def test_partial_run_merges_into_the_page(tmp_path):
     # A second partial run keeps (a)'s provenance as it is (no second line).
     write_results([sec], ctx, md, tmp_path / "figures", 1.0, merge=True)
     assert split_page(md.read_text())[1]["a"].count("*Written by") == 1
+    # `--only ""`: no experiment runs; every section and the JSON stay as they are and the
+    # run line says only the summary was rewritten.
+    before_blocks, before_json = split_page(md.read_text())[1], md.with_suffix(".json").read_text()
+    write_results([], ctx, md, tmp_path / "figures", 1.0, merge=True)
+    pre, blocks = split_page(md.read_text())
+    assert blocks == before_blocks and md.with_suffix(".json").read_text() == before_json
+    assert "it ran no experiment and rewrote only the summary" in pre
     # Without merge the page holds only what was run.
     write_results([sec], ctx, md, tmp_path / "figures", 1.0)
     assert list(split_page(md.read_text())[1]) == ["b"]

@@ -169,9 +169,10 @@ def _why_line(y: dict) -> str:
             f"sends {100 * a:.0f}% of the short requests to the fast GPUs, "
             f"`{proto['heuristic']}` {100 * b:.0f}%.")
     if a > b:
-        text += (" SITA's size partition, fitted to the average mix, sends short requests to "
-                 "the slow GPUs whatever the load; a router that reads the queues can see when "
-                 "the fast GPUs hold no long requests and use them for short ones.")
+        text += (" SITA's size partition is fitted to the average mix, so in bursts it still "
+                 "keeps most short requests off the fast GPUs; a router that reads the queues "
+                 "can see when the fast GPUs hold no long requests and use them for short "
+                 "ones.")
     return text + "\n"
 
 
@@ -298,9 +299,16 @@ def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
     b = ctx.budget
     cpu = platform.processor() or platform.machine()
     kept = sorted(set(blocks) - set(new_keys))
-    scope = (f"it rewrote section(s) {', '.join(f'({k})' for k in new_keys)} and kept "
-             f"{', '.join(f'({k})' for k in kept)} from earlier runs (each section names the "
-             f"command and commit that wrote it)" if kept else "it wrote every section")
+    if not new_keys:  # `--only ""`: the summary and this line from the kept sections' data
+        scope = (f"it ran no experiment and rewrote only the summary above the sections, from "
+                 f"the data of (" + "), (".join(kept) + ") as earlier runs wrote them (each "
+                 "section names the command and commit that wrote it)")
+    elif kept:
+        scope = (f"it rewrote section(s) {', '.join(f'({k})' for k in new_keys)} and kept "
+                 f"{', '.join(f'({k})' for k in kept)} from earlier runs (each section names "
+                 f"the command and commit that wrote it)")
+    else:
+        scope = "it wrote every section"
     lines = ["# Results", "", INTRO,
              f"Last run: `{ctx.command}` (budget `{b.name}`: seeds {list(b.seeds)}, "
              f"{b.routing_steps} routing / {b.batching_steps} batching training steps per run)"
