@@ -103,27 +103,3 @@ def test_windows_equal_the_full_width_formula_alone_and_under_vmap():
     for i, (rep, prof) in enumerate((small, large)):
         _check(jax.tree.map(lambda x: x[i], got), jax.jit(_full_width)(rep, prof, *args),
                exact=False)
-
-
-def test_cached_prefix_shortens_only_the_new_requests_prefill():
-    """`marginal_backlog(..., cached=h)`: the request's prefill stall, which it adds to itself
-    and to each of the `n` requests present (times the slowdown with it), is that of its
-    `p - h` uncached tokens, `prefill(p) - prefill(h)`; `h` is capped at `p - 1`; zero cached
-    tokens is the cache-free value."""
-    rep, prof = _state(6, 0, 0.5)
-    p, est = 300.0, 120.0
-    plain = np.asarray(CL.marginal_backlog(rep, prof, p, est), np.float64)
-    zero = np.asarray(CL.marginal_backlog(rep, prof, p, est, jnp.zeros(2)), np.float64)
-    np.testing.assert_allclose(zero, plain, rtol=1e-6)
-    h = jnp.asarray([128.0, 0.0])
-    got = np.asarray(CL.marginal_backlog(rep, prof, p, est, h), np.float64)
-    n = np.asarray(rep.run.count + rep.queues.count, np.float64)
-    bx = np.ceil((p + est) / np.asarray(prof.block_size, np.float64))
-    blocks = np.asarray(CL._present(rep, prof, MAX_SEQS, QUEUE)[-1].sum(-1), np.float64)
-    slow1 = np.asarray(CL._slowdown(prof, jnp.asarray(n + 1), jnp.asarray(blocks + bx)))
-    saved = np.asarray(CL._prefill_time(prof, h), np.float64) * (n + 1) * slow1
-    np.testing.assert_allclose(plain - got, saved, rtol=1e-4, atol=1e-5)
-    assert got[0] < plain[0] and got[1] == plain[1]
-    cap = np.asarray(CL.marginal_backlog(rep, prof, p, est, jnp.full(2, 10 * p)))
-    at_cap = np.asarray(CL.marginal_backlog(rep, prof, p, est, jnp.full(2, p - 1.0)))
-    np.testing.assert_array_equal(cap, at_cap)

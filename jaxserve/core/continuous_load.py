@@ -205,37 +205,29 @@ def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
                      ).astype(jnp.float32)
 
 
-def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate,
-                     cached=None) -> jax.Array:
+def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -> jax.Array:
     """Increase of each replica's summed `remaining_times` if a new request of `prompt`
     tokens and output estimate `estimate` joined it, `(R,)` float32 (s): its own estimated
     latency there plus the delay it adds to the requests present (a longer decode iteration
-    while they share it, its prefill stall, a larger slowdown).
-
-    `cached`: `(R,)` tokens of its prompt found in each replica's prefix cache now (None: no
-    prefix cache). Its prefill stall there is then that of the uncached tokens only,
-    `prefill(p) - prefill(h)` (the attention term of the tokens computed reads the cached
-    ones), `h` capped at `p - 1` (one token is always computed). Blocks and decodes are
-    counted in full. An estimate: the cache may change before the request is admitted."""
-    return _windowed(rep, lambda m_r, m_w: _marginal(rep, prof, prompt, estimate, m_r, m_w,
-                                                     cached))
+    while they share it, its prefill stall, a larger slowdown)."""
+    return _windowed(rep, lambda m_r, m_w: _marginal(rep, prof, prompt, estimate, m_r, m_w))
 
 
 def backlog_and_marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt,
-                         estimate, cached=None) -> tuple[jax.Array, jax.Array]:
+                         estimate) -> tuple[jax.Array, jax.Array]:
     """`(expected_backlog, marginal_backlog)` of one cluster from one window (their pairwise
     term computed once): what LLMRouting-v0's step needs for its shaping potential and its
-    observation of the next request. `cached` as `marginal_backlog`'s."""
+    observation of the next request."""
     def at(m_r, m_w):
         finish = _remaining(rep, prof, m_r, m_w)[0]
         return (finish.sum().astype(jnp.float32),
-                _marginal(rep, prof, prompt, estimate, m_r, m_w, cached))
+                _marginal(rep, prof, prompt, estimate, m_r, m_w))
 
     return _windowed(rep, at)
 
 
 def _marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate, m_r: int,
-              m_w: int, cached=None) -> jax.Array:
+              m_w: int) -> jax.Array:
     """`marginal_backlog` over windows of `m_r` running and `m_w` waiting slots."""
     valid, _, _, k, pre, c, blocks = _present(rep, prof, m_r, m_w)
     finish, *_ = _remaining(rep, prof, m_r, m_w)
@@ -245,9 +237,6 @@ def _marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate, m_r: int
     bx = jnp.ceil((p + kx) / prof.block_size.astype(jnp.float32))
     stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
     stall_x = _prefill_time(prof, p)
-    if cached is not None:
-        h = jnp.clip(jnp.asarray(cached, jnp.float32), 0.0, jnp.maximum(p - 1.0, 0.0))
-        stall_x = stall_x - _prefill_time(prof, h)
     n = valid.sum(-1)
     slow0 = _slowdown(prof, n, blocks.sum(-1))
     slow1 = _slowdown(prof, n + 1, blocks.sum(-1) + bx)

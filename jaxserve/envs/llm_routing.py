@@ -156,8 +156,7 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         tokens generated), `log1p(queued work / time_scale)` (`continuous_load.queued_work`,
         estimated seconds of replica time held), `log1p(estimated seconds of time-in-system the
         arriving request would add there / time_scale)` (its own latency plus the delay it
-        causes the others, `continuous_load.marginal_backlog`; with prefix caching its
-        prefill there counts only the prompt tokens not cached at that replica), and
+        causes the others, `continuous_load.marginal_backlog`), and
         the same relative to the smallest over replicas, `log(added / min added)` (0 at the
         replica where the request adds least).
       All features are clipped to `[0, FEATURE_CLIP]` (`clip_features`); at 10x the registered
@@ -297,9 +296,6 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         cluster, metrics, extra, log = CB.advance(cluster, params.gpus, gap, params.slo_s, log0,
                                                   tables=tables)
         cluster = CB.rebase(cluster, jnp.where(exhausted, 0.0, gap))
-        # The next request's cached prefix at each replica: read once, by its marginal
-        # backlog (observation and shaping) and its prefix features.
-        hit = _cached_blocks(cluster, params, nxt_pos, req.prompt) if self.prefix else None
         metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
                                   invalid_actions=invalid.astype(jnp.int32))
         extra = {**extra, "never_fit": never.astype(jnp.int32)}
@@ -323,30 +319,23 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         elif self.shaping_gamma is not None:
             # The potential and the next observation's marginal-backlog feature read the same
             # cluster: one pass of their shared pairwise term.
-            backlog, added = CL.backlog_and_marginal(
-                cluster, params.gpus, req.prompt, jnp.maximum(req.estimate, 1.0),
-                None if hit is None else hit * params.gpus.block_size)
+            backlog, added = CL.backlog_and_marginal(cluster, params.gpus, req.prompt,
+                                                     jnp.maximum(req.estimate, 1.0))
         reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
         state = LLMRoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
                                 time=state.time + 1, log=log, backlog=backlog,
                                 horizon=state.horizon, slo_busy=busy, slo_output=out)
-        return (self._observe(state, params, added, hit), state, reward, exhausted,
+        return (self._observe(state, params, added), state, reward, exhausted,
                 {**metrics.as_dict(), **extra})
 
     def get_obs(self, state, params=None, key=None):
         return self._observe(state, params)
 
-    def _observe(self, state, params, added=None, hit=None):
-        """`get_obs`, with the marginal-backlog feature's input `added` and (prefix caching)
-        the pending request's cached blocks `hit` when the step has them."""
-        if not self.prefix:
-            rows = replica_features(state.cluster, state.pending, params, added)
-        else:
-            if hit is None:
-                hit = pending_cached_blocks(state, params)
-            rows = replica_features(state.cluster, state.pending, params, added,
-                                    hit * params.gpus.block_size)
-            rows = jnp.concatenate([rows, prefix_features(state, params, hit)], axis=-1)
+    def _observe(self, state, params, added=None):
+        """`get_obs`, with the marginal-backlog feature's input `added` when the step has it."""
+        rows = replica_features(state.cluster, state.pending, params, added)
+        if self.prefix:
+            rows = jnp.concatenate([rows, prefix_features(state, params)], axis=-1)
         return jnp.concatenate([common.request_features(state.pending, params), rows.ravel()])
 
     def is_terminated(self, state, params):
@@ -371,40 +360,25 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
 def pending_node(state: LLMRoutingState, params: PrefixRoutingParams) -> jax.Array:
     """The pending request's deepest prefix-tree node: `params.node` at its trace row, -1
     without a trace (synthetic arrivals share nothing). int32."""
-    return _trace_node(params, state.trace_pos)
-
-
-def _trace_node(params: PrefixRoutingParams, trace_pos) -> jax.Array:
     rows = params.node.shape[0]
     if rows == 0:
         return jnp.int32(-1)
-    return params.node[jnp.minimum(trace_pos, rows - 1)].astype(jnp.int32)
+    return params.node[jnp.minimum(state.trace_pos, rows - 1)].astype(jnp.int32)
 
 
 def pending_cached_blocks(state: LLMRoutingState, params: PrefixRoutingParams) -> jax.Array:
     """Per replica, the pending request's leading prompt blocks cached there now
     (`continuous.cached_prefix_blocks`): what a cache-aware router learns from the replicas'
     KV events. `(R,)` int32 blocks of each replica's `block_size`."""
-    return _cached_blocks(state.cluster, params, state.trace_pos, state.pending.prompt)
+    return CB.cached_prefix_blocks(state.cluster, params.gpus, params.tables,
+                                   pending_node(state, params), state.pending.prompt)
 
 
-def _cached_blocks(cluster: CB.Replicas, params: PrefixRoutingParams, trace_pos,
-                   prompt) -> jax.Array:
-    """`pending_cached_blocks` of the request of trace row `trace_pos` (`prompt` tokens)
-    against `cluster`."""
-    return CB.cached_prefix_blocks(cluster, params.gpus, params.tables,
-                                   _trace_node(params, trace_pos), prompt)
-
-
-def prefix_features(state: LLMRoutingState, params: PrefixRoutingParams,
-                    hit_blocks: jax.Array | None = None) -> jax.Array:
+def prefix_features(state: LLMRoutingState, params: PrefixRoutingParams) -> jax.Array:
     """The per-replica prefix features, `(num_replicas, 2)`: cached fraction of the pending
-    request's prompt, and cached-unreferenced blocks / kv_blocks (see `LLMRouting`).
-    `hit_blocks`: `pending_cached_blocks(state, params)`, if already computed."""
+    request's prompt, and cached-unreferenced blocks / kv_blocks (see `LLMRouting`)."""
     prof = params.gpus
-    if hit_blocks is None:
-        hit_blocks = pending_cached_blocks(state, params)
-    hit = hit_blocks * prof.block_size
+    hit = pending_cached_blocks(state, params) * prof.block_size
     unref = CB.block_accounting(state.cluster, prof)["cached_unreferenced"]
     rows = jnp.stack([hit / jnp.maximum(state.pending.prompt, 1.0),
                       unref / prof.kv_blocks.astype(jnp.float32)], axis=-1)
@@ -430,16 +404,14 @@ def episode_horizon(key: jax.Array, params: common.ServingParams) -> jax.Array:
 
 
 def replica_features(rep: CB.Replicas, pending: Request, params: common.ServingParams,
-                     added: jax.Array | None = None, cached=None) -> jax.Array:
+                     added: jax.Array | None = None) -> jax.Array:
     """The per-replica observation rows, `(num_replicas, 7)`; see `LLMRouting`'s docstring.
-    `added`: `continuous_load.marginal_backlog` of the pending request, if already computed;
-    `cached`: `(R,)` tokens of its prompt cached at each replica (prefix caching), which
-    that marginal counts as computed (None: no prefix cache)."""
+    `added`: `continuous_load.marginal_backlog` of the pending request, if already computed."""
     prof = params.gpus
     kv = prof.kv_blocks.astype(jnp.float32)
     if added is None:
         added = CL.marginal_backlog(rep, prof, pending.prompt, jnp.maximum(pending.estimate,
-                                                                           1.0), cached)
+                                                                           1.0))
     added = jnp.maximum(added, 1e-6)
     ts = params.time_scale
     rows = jnp.stack([

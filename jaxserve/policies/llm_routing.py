@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
-from jaxserve.envs.llm_routing import PrefixRoutingParams, pending_cached_blocks
 from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
 
 
@@ -51,13 +50,9 @@ def jsq_tokens(key, obs, state, params):
 def least_marginal(key, obs, state, params):
     """Least estimated added time-in-system (`continuous_load.marginal_backlog`: the request's
     own estimated latency plus the delay it causes the requests present): the greedy policy
-    of LLMRouting-v0's reward-shaping potential, from output estimates. With prefix caching
-    (LLMPrefixRouting-v0's params) the request's prefill counts only its tokens not cached at
-    each replica, as the environment's marginal-backlog feature does."""
+    of LLMRouting-v0's reward-shaping potential, from output estimates."""
     req = state.pending
-    cached = (pending_cached_blocks(state, params) * params.gpus.block_size
-              if isinstance(params, PrefixRoutingParams) else None)
-    cost = CL.marginal_backlog(state.cluster, params.gpus, req.prompt, req.estimate, cached)
+    cost = CL.marginal_backlog(state.cluster, params.gpus, req.prompt, req.estimate)
     return _argmin_open(cost, state, params)
 
 
