@@ -41,8 +41,7 @@ from jaxserve.core.tree import select
 from jaxserve.core.types import MAX_SECONDS, check_int_array, numeric_array
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, as_size, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
-                                    TRACE_EPISODE_STEPS, build_params,
+from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, set_reward_scales,
                                     static_sizes)
 from jaxserve.envs.routing import routing_tokens
 
@@ -691,8 +690,7 @@ def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arr
     kw.setdefault("tokens", routing_tokens())
     kw.setdefault("slo_s", 60.0)
     # A dropped request costs 10 minutes: shedding load must not be a way to save GPUs.
-    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
-    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    set_reward_scales(kw)
     kw.setdefault("max_steps_in_episode", 480)
     serving = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = static_sizes(queue_buffer, serving)

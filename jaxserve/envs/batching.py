@@ -21,8 +21,7 @@ from jaxserve.core.profiles import get_profile
 from jaxserve.core.tree import select
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE, build_params,
-                                    static_sizes)
+from jaxserve.envs.defaults import (build_params, set_reward_scales, static_sizes)
 
 NUM_FEATURES = 6
 
@@ -248,8 +247,7 @@ def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None
     if arrivals is None and arrival_rate is None:
         # A full batch of 16 takes ~33 s on this replica (at most ~0.48 req/s): load ~0.7.
         arrival_rate = 0.35
-    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
-    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    set_reward_scales(kw)
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = static_sizes(queue_buffer, params)
     env = Batching(max_batch=mb, queue_buffer=qb,

@@ -128,3 +128,11 @@ def replica_sizes(prof, queue_buffer, max_seqs) -> tuple[int, int]:
     ms = (int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None
           else as_size("max_seqs", max_seqs))
     return qb, ms
+
+
+def set_reward_scales(kw: dict) -> None:
+    """Sets the reward scales every environment shares in the builder keywords `kw` where the
+    caller gave none: `drop_penalty_s = DEFAULT_DROP_PENALTY_S`, `latency_scale =
+    DEFAULT_LATENCY_SCALE`."""
+    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
+    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)

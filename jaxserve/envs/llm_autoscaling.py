@@ -30,9 +30,8 @@ from jaxserve.core.types import GPUProfile
 from jaxserve.envs import autoscaling as AS
 from jaxserve.envs import common
 from jaxserve.envs.autoscaling import scaling_params
-from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
-                                    TRACE_EPISODE_STEPS, build_params,
-                                    replica_sizes)
+from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, replica_sizes,
+                                    set_reward_scales)
 from jaxserve.envs.base import as_size
 from jaxserve.envs.routing import routing_tokens
 
@@ -111,8 +110,7 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
         arrival_rate = 6.0
     kw.setdefault("tokens", routing_tokens())
     kw.setdefault("slo_s", 20.0)
-    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
-    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    set_reward_scales(kw)
     # A replayed trace runs to its end (termination), not to the synthetic episode's 480
     # intervals: the trace's default must be set first, or the synthetic one wins.
     if kw.get("trace") is not None:

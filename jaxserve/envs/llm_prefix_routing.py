@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core import arrivals as A
-from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
-                                    ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
-                                    replica_sizes)
+from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
+                                    replica_sizes, set_reward_scales)
 from jaxserve.envs.routing import DEFAULT_SHAPING_GAMMA
 
 
@@ -123,8 +122,7 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     n = len(trace.trace.arrival_s)
     kw.setdefault("max_steps_in_episode", n)
     kw.setdefault("slo_s", 20.0)
-    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
-    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    set_reward_scales(kw)
     # The token distribution is unused with a trace but for the request features' scales
     # (log prompt / log max_prompt): its maxima cover the trace's.
     tr = trace.trace

@@ -19,8 +19,7 @@ from jaxserve.core.replica import ReplicaProfile, validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE, build_params,
-                                    replica_sizes)
+from jaxserve.envs.defaults import (build_params, replica_sizes, set_reward_scales)
 from jaxserve.envs.routing import routing_tokens
 
 NUM_REQUEST_FEATURES = 3
@@ -507,8 +506,7 @@ def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_ra
         arrival_rate = 16.0
     kw.setdefault("tokens", routing_tokens())
     kw.setdefault("slo_s", 20.0)
-    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
-    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    set_reward_scales(kw)
     params = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, ms = replica_sizes(prof, queue_buffer, max_seqs)
     env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,

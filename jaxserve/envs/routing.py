@@ -18,9 +18,8 @@ from jaxserve.core.profiles import get_profile
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,
-                                    ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
-                                    static_sizes)
+from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
+                                    set_reward_scales, static_sizes)
 
 NUM_REQUEST_FEATURES = 3
 NUM_GPU_FEATURES = 6
@@ -421,8 +420,7 @@ def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
     kw.setdefault("tokens", routing_tokens())
     # A long request alone takes ~15 s on a fast replica and ~29 s on a slow one.
     kw.setdefault("slo_s", 40.0)
-    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
-    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+    set_reward_scales(kw)
     kw.setdefault("estimate_mode", ROUTING_ESTIMATE_MODE)
     kw.setdefault("estimate_noise", ROUTING_ESTIMATE_NOISE)
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
