@@ -16,6 +16,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import agents
+from jaxserve.policies import autoscaling as PA
+
 # Environment overrides that shape training, not the evaluated scenario.
 TRAINING_ONLY = ("control_interval_s", "max_steps_in_episode", "random_phase", "random_initial",
                  "invalid_penalty_s", "action_mode", "price_spread", "random_offset")
@@ -28,7 +31,6 @@ def load_run(run_dir) -> tuple[str, "object"]:
       ValueError: not a run directory, another environment, or overrides that JSON cannot
         rebuild.
     """
-    import agents
 
     run_dir = Path(run_dir)
     meta_path = run_dir / "results.json"
@@ -77,7 +79,6 @@ def as_evaluated(result, eval_params, told: float | None = None) -> Callable:
     Raises:
       ValueError: the training interval is not a whole multiple of the evaluation's.
     """
-    from jaxserve.policies import autoscaling as PA
 
     k = float(result.env_params.control_interval_s) / float(eval_params.control_interval_s)
     if abs(k - round(k)) > 1e-6 or round(k) < 1:

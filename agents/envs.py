@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import gymnax
+
+import jaxserve
+
 
 def make_env(env_name: str, overrides: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """Builds a jaxserve or gymnax environment with parameter overrides.
@@ -21,9 +25,7 @@ def make_env(env_name: str, overrides: dict[str, Any] | None = None) -> tuple[An
     Raises:
       ValueError: unknown environment or override, or a non-discrete action space.
     """
-    import gymnax
 
-    import jaxserve
 
     overrides = dict(overrides or {})
     if env_name in jaxserve.registered_envs():

@@ -11,6 +11,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
+
+import jaxserve
+from agents.envs import make_env
+from jaxserve import policies as P
+from jaxserve.core.sources import tuning_key
+from jaxserve.envs.base import policy_kind
+from jaxserve.evaluation.evaluate import paired_table
+from jaxserve.evaluation.scaling import evaluate_autoscalers
+
 ROUTING_BASELINES = ("random", "round_robin", "jsq", "sed", "least_work_left", "sita",
                      "sita_prompt", "sita_predicted", "sita_tuned")
 BATCHING_BASELINES = ("static", "tuned_static", "smdp_optimal")
@@ -35,7 +45,6 @@ def baseline_policies(kind: str, env, params, requested: str | None, tuning=None
     Raises:
       ValueError: an unknown policy or a bad fixed count.
     """
-    from jaxserve import policies as P
 
     names = ([n.strip() for n in requested.split(",") if n.strip()] if requested is not None
              else [n for n in BASELINES[kind] if n in P.names(kind)])
@@ -66,7 +75,6 @@ def paired_verdicts(results: dict, learned: str) -> dict:
     `evaluate_many` call (common streams); policies whose label starts with `learned` are
     not compared with each other.
     """
-    from jaxserve.evaluation.evaluate import paired_table
 
     out = {}
     for name, row in paired_table(results, learned, (VERDICT_METRIC, "mean_latency",
@@ -109,21 +117,16 @@ def evaluate_run(result, *, seed: int, eval_seed: int | None = None, eval_envs: 
       ValueError: the evaluation seed equals the training seed, the overrides change the
         spaces, or an unknown baseline.
     """
-    import jax
 
-    import jaxserve
-    from jaxserve.core.sources import tuning_key
 
     env, params = result.env, result.env_params
     eval_overrides = dict(eval_overrides or {})
     if eval_overrides:
-        from agents.envs import make_env
         env, params = make_env(result.env_name, {**result.env_overrides, **eval_overrides})
         if (env.observation_space(params).shape != result.env.observation_space(
                 result.env_params).shape or env.num_actions != result.env.num_actions):
             raise ValueError("--eval-set changed the observation or action space; the learned "
                              "policy cannot act in that environment")
-    from jaxserve.envs.base import policy_kind
 
     kind = policy_kind(env)
     eval_seed = seed + EVAL_SEED_OFFSET if eval_seed is None else eval_seed
@@ -137,7 +140,6 @@ def evaluate_run(result, *, seed: int, eval_seed: int | None = None, eval_envs: 
     pols.update(baselines)
     t0 = time.perf_counter()
     if kind == "autoscaling":
-        from jaxserve.evaluation.scaling import evaluate_autoscalers
         results = evaluate_autoscalers(env, params, pols, jax.random.key(eval_seed),
                                        eval_envs, eval_steps)
     else:

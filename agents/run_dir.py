@@ -105,9 +105,11 @@ def _fmt(x: float) -> str:
 def plot_learning_curve(curves: dict[str, np.ndarray], path: str | os.PathLike,
                         title: str = "") -> None:
     """Episode return, losses and entropy against environment steps, saved as a PNG."""
-    import matplotlib
+    # deferred: the Agg backend must be chosen before pyplot is imported, and only where a
+    # figure is drawn, not for every importer of this module
+    import matplotlib  # deferred: see above
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: see above
 
     steps = curves["env_steps"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))

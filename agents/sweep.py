@@ -16,7 +16,13 @@ import time
 import warnings
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
+from agents.envs import make_env
+from agents.trainer import run_updates, set_hparams, traced_hparam_names
 
 SWEPT = ("lr", "ent_coef", "clip_eps")
 DEFAULT_GRID = {"lr": (3e-4, 1e-3), "ent_coef": (0.0, 0.01), "clip_eps": (0.2,)}
@@ -78,12 +84,7 @@ def run_sweep(env_name: str, env_overrides: dict | None, algo: str, grid: dict[s
     Raises:
       ValueError: unknown grid name, a value the config rejects, or no seeds.
     """
-    import jax
-    import jax.numpy as jnp
 
-    from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
-    from agents.envs import make_env
-    from agents.trainer import run_updates, set_hparams, traced_hparam_names
 
     if not seeds:
         raise ValueError("a sweep needs at least one seed")
@@ -130,9 +131,11 @@ def run_sweep(env_name: str, env_overrides: dict | None, algo: str, grid: dict[s
 
 def plot_sweep(result: SweepResult, path, title: str = "") -> None:
     """Mean (over seeds) episode-return curve of every setting; the best one bold."""
-    import matplotlib
+    # deferred: the Agg backend must be chosen before pyplot is imported, and only where a
+    # figure is drawn, not for every importer of this module
+    import matplotlib  # deferred: see above
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: see above
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ret = result.curves["episode_return"]

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from agents import imitation
 from agents.checkpoint import save_checkpoint
@@ -47,8 +48,9 @@ from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
 from agents.envs import make_env
 from agents.policy import LearnedPolicy
 from agents.rollout import RunnerState
-from agents.run_dir import (CHECKPOINT_DIR, CURVE_PNG, METRICS_CSV, _metadata, _restore,
-                            _write_csv, check_out_dir, jsonable_overrides, plot_learning_curve)
+from agents.run_dir import (CHECKPOINT_DIR, CURVE_PNG, METRICS_CSV, _metadata, _restore, _write_csv,
+                            check_out_dir, jsonable_overrides, plot_learning_curve)
+from agents.sharding import shard_trainer
 from agents.trainer import Trainer
 
 __all__ = ["ALGOS", "ENV_DEFAULTS", "LearnedPolicy", "TrainResult", "chunk_size", "make_config",
@@ -139,7 +141,6 @@ def _cached_trainer(env_name, overrides, algo, config, env, env_params, shard):
         return env, env_params, dataclasses.replace(trainer, config=config)
     trainer = ALGOS[algo][1](config, env, env_params)
     if shard:
-        from agents.sharding import shard_trainer
         trainer = shard_trainer(trainer)
     if key is not None:
         _TRAINERS[key] = (env, env_params, trainer)
@@ -289,7 +290,6 @@ def train(
             if run_chunk is None:
                 run_chunk, compile_s = _compile_chunk(trainer, runner, n)
                 if show:
-                    from tqdm import tqdm
                     bar = tqdm(total=num_updates * config.batch_size,
                                initial=done * config.batch_size, unit="step", unit_scale=True,
                                dynamic_ncols=True, smoothing=0.3, desc=f"{algo} {env_name}",

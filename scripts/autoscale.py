@@ -30,14 +30,23 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
-from jaxserve.evaluation.scaling import PAIRED_METRICS, paired_comparisons, verdicts
+import jaxserve
+from agents.autoscaling import as_evaluated, evaluation_overrides, load_run, price_conditioned
+from jaxserve import policies as P
+from jaxserve import traces as T
+from jaxserve.core.sources import params_trace
+from jaxserve.evaluation.scaling import (AUTOSCALERS, PAIRED_METRICS, evaluate_autoscalers,
+                                         paired_comparisons, tune_scheduled, tune_told_price,
+                                         verdicts)
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
-from scripts.cli import run_cli
-from scripts.cli import parse_pairs
+from scripts.cli import parse_pairs, run_cli
 
 COLUMNS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas", "mean_latency",
            "mean_latency_ci95", "p99_latency", "p99_latency_ci95", "p99_latency_drops",
@@ -91,9 +100,11 @@ def print_paired(paired: dict) -> None:
 
 
 def plot(results: dict[str, dict], path: Path, title: str) -> None:
-    import matplotlib
+    # deferred: the Agg backend must be chosen before pyplot is imported, and only where a
+    # figure is drawn, not for every importer of this module
+    import matplotlib  # deferred: see above
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: see above
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     fixed = sorted(((r["gpu_hours"], r["mean_latency"], n) for n, r in results.items()
@@ -123,15 +134,7 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
 
 
 def run(args) -> int:
-    import jax
 
-    import jaxserve
-    from agents.autoscaling import as_evaluated, evaluation_overrides, load_run, price_conditioned
-    from jaxserve import policies as P
-    from jaxserve import traces as T
-    from jaxserve.core.sources import params_trace
-    from jaxserve.evaluation.scaling import (AUTOSCALERS, evaluate_autoscalers, tune_scheduled,
-                                             tune_told_price)
 
     if args.num_envs < 1:
         raise _CLIError("--num-envs must be >= 1")
@@ -232,8 +235,6 @@ def print_tuning(told: dict) -> None:
 
 
 def print_table(results: dict, ver: dict, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     t = Table(title=title)
     for col in ("policy", "cost (req-s)", "replica-hours", "replicas", "mean latency (s)",

@@ -37,6 +37,7 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -50,16 +51,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import agents
 import jaxserve
+from agents.config import PPOConfig
+from agents.defaults import ENV_DEFAULTS
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
+from jaxserve.core import continuous as CB
 from jaxserve.core import lanes
+from jaxserve.core.metrics import StepMetrics
+from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
+from jaxserve.envs import routing as R
 from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
                                            make_runner, state_bytes, time_env)
+from jaxserve.evaluation.replay import replay_prefix_arrays
 from jaxserve.reference import sim as ref
+from jaxserve.traces.prefix import build_prefix_tree
 
 ROUTING = "Routing-v0 (8 GPUs, queue 64)"
 ROUTING_DENSE = "Routing-v0 (8 GPUs, queue 64), dense path"
@@ -139,7 +149,6 @@ def reference_requests_per_s(kind, params, n, rng, repeats=3):
 def ppo_steps_per_s(env_name, num_envs, total_steps, label=None, **hparams):
     """PPO training env-steps/s (`agents.train`, excluding compile) with `hparams` over the
     environment's registered training defaults."""
-    import agents
     out = agents.train(env_name, {}, "ppo", total_steps=total_steps, seed=0, num_envs=num_envs,
                        progress=False, **hparams)
     steps = int(out.curves["env_steps"][-1])
@@ -154,10 +163,7 @@ def cartpole_ppo_settings(env_name: str) -> dict:
     `PPOConfig`'s own defaults (PureJaxRL's CartPole settings: 128-step rollouts, 4 epochs,
     a (64, 64) MLP), so PPO on `env_name` runs exactly CartPole-v1's training program but for
     the environment and its observation size."""
-    import dataclasses
 
-    from agents.config import PPOConfig
-    from agents.defaults import ENV_DEFAULTS
     own = {f.name: f.default for f in dataclasses.fields(PPOConfig)}
     tuned = ENV_DEFAULTS.get(env_name, {}).get("ppo", {})
     out = {k: own[k] for k in tuned if k not in ("total_steps", "num_envs")}
@@ -192,8 +198,6 @@ def profile_routing(counts, steps, repeats):
     without reward shaping, then without the observation (zeros) and without the auto-reset
     (`step_env`), Breakout-MinAtar for scale, and the harness alone (`NoOpEnv`).
     Microseconds per env-step, wall-clock and CPU (all threads)."""
-    from jaxserve.core.metrics import StepMetrics
-    from jaxserve.envs import routing as R
 
     real_advance, real_obs = C.advance_static, R.routing_observation
 
@@ -245,7 +249,6 @@ def profile_routing(counts, steps, repeats):
 def llm_kv_bound_env():
     """LLMRouting-v0 at its registered load (16 req/s) on four OPT-13B A100-40GB replicas
     with 150 KV blocks each (a quarter of the card's 633): KV-bound, preemption-heavy."""
-    from jaxserve.core.replica import replica_profile
 
     return jaxserve.make("LLMRouting-v0",
                          replicas=[replica_profile("opt13b-a100-40g", kv_blocks=150)] * 4)
@@ -293,8 +296,6 @@ def profile_llm(counts, steps, repeats, warmup):
     nothing (`advance` returning its input: everything else), each from reset and after
     `warmup` steps, with boundary passes, iterations and preemptions per step
     (`llm_step_counts`). Microseconds per env-step, wall-clock and CPU."""
-    from jaxserve.core import continuous as CB
-    from jaxserve.core.metrics import StepMetrics
 
     real_advance = CB.advance
 
@@ -404,7 +405,6 @@ def prefix_workload(n: int, rng, block_tokens: int = 16):
     one-block system prompts (popularity 1/k), walks 0-4 more shared blocks among 3 children
     per node, adds 1-15 private prompt tokens and 1-64 output tokens; Poisson arrivals at
     8 req/s. Returns (gaps, prompt, output, node, tree) with `block_tokens`-token blocks."""
-    from jaxserve.traces.prefix import build_prefix_tree
     pop = 1.0 / np.arange(1, 5)
     lists, prompt = [], np.zeros(n, np.int64)
     for i in range(n):
@@ -424,9 +424,6 @@ def prefix_bench(counts, steps, repeats):
     routing, and the engine state's bytes per environment. 4 replicas of 64 blocks x 16
     tokens, 8 running and 16 waiting slots. Rows: without and with caching, each with the
     decode-run skip on (the default) and off (a boundary per iteration)."""
-    from jaxserve.core import continuous as CB
-    from jaxserve.core.replica import ReplicaProfile, stack_replicas
-    from jaxserve.evaluation.replay import replay_prefix_arrays
 
     rng = np.random.default_rng(0)
     r_n = 4
@@ -478,7 +475,6 @@ def prefix_env_bench(counts, steps, repeats):
     """env-steps/s of LLMPrefixRouting-v0's default scenario (random actions, from reset,
     auto-reset on), with prefix caching and without it (`caching=False`: the same replicas
     and trace on LLMRouting-v0's engine), measured in one process, plus state bytes."""
-    import jaxserve
 
     out = []
     for caching in (True, False):

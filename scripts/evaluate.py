@@ -22,14 +22,24 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
+import jaxserve
+from jaxserve import policies as P
+from jaxserve.core import arrivals as A
+from jaxserve.core.sources import split_trace, tuning_key
+from jaxserve.envs.base import policy_kind
+from jaxserve.evaluation import plots
+from jaxserve.evaluation.capacity import capacity, check_slo, sweep_rates
+from jaxserve.evaluation.evaluate import paired_table
 from jaxserve.evaluation.serialize import to_jsonable
+from jaxserve.traces import load
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
 from scripts.cli import run_cli
-
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,8 +89,6 @@ SCALARS = ("mean_latency", "mean_latency_ci95", "mean_latency_incl_drops",
 
 
 def _print_table(results: dict, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     def ci(v, h, fmt="{:.3f}"):
         return fmt.format(v) + ("" if not np.isfinite(h) else " ± " + fmt.format(h))
@@ -103,8 +111,6 @@ def _print_table(results: dict, title: str) -> None:
 
 
 def _print_paired(paired: dict, reference: str, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     t = Table(title=title)
     for col in ("policy", "Δ lat incl. drops (s)", "Δ mean lat (s)", "Δ goodput (req/s)"):
@@ -119,15 +125,7 @@ def _print_paired(paired: dict, reference: str, title: str) -> None:
 
 
 def run(args) -> int:
-    import jax
 
-    import jaxserve
-    from jaxserve import policies as P
-    from jaxserve.core import arrivals as A
-    from jaxserve.evaluation.capacity import capacity, check_slo, sweep_rates
-    from jaxserve.core.sources import split_trace, tuning_key
-    from jaxserve.envs.base import policy_kind
-    from jaxserve.evaluation.evaluate import paired_table
 
     if args.num_envs < 1 or args.num_steps < 1:
         raise _CLIError("--num-envs and --num-steps must be >= 1")
@@ -155,7 +153,6 @@ def run(args) -> int:
     fit_params = params
     fit_window = None
     if args.trace is not None:
-        from jaxserve.traces import load
         path = Path(args.trace)
         if not path.is_file():
             raise _CLIError(f"trace file not found: {args.trace}")
@@ -251,7 +248,6 @@ def run(args) -> int:
     with open(out / "results.json", "w") as f:
         json.dump(to_jsonable(doc), f, indent=1)
     if not args.no_plots:
-        from jaxserve.evaluation import plots
         plots.latency_cdf(results, out / "latency_cdf.png", f"{args.env}: latency CDF")
         if sweep:
             plots.load_sweep(sweep, out / "load_sweep.png", f"{args.env}: load sweep")

@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from agents.experiments.llm_routing_study import format_study, run_study
+from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import Parser, run_cli
 
 
@@ -41,8 +43,6 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     def body():
-        from agents.experiments.llm_routing_study import format_study, run_study
-        from jaxserve.evaluation.serialize import to_jsonable
 
         args = build_parser().parse_args(argv)
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

@@ -33,9 +33,19 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
 
+from jaxserve.core import arrivals as A
+from jaxserve.core.replica import NAMED_REPLICAS
 from jaxserve.evaluation.serialize import to_jsonable
+from jaxserve.traces import default_traces_dir, load
+from jaxserve.workloads import pareto_front
+from jaxserve.workloads import rollout as W
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
 from scripts.cli import run_cli
@@ -103,14 +113,12 @@ def _list(text: str, cast, what: str) -> list:
 
 
 def _tokens(args):
-    from jaxserve.core import arrivals as A
     if args.tokens == "lognormal":
         return A.lognormal_tokens(args.prompt_median, args.prompt_sigma, args.output_median,
                                   args.output_sigma, args.max_prompt, args.max_output), \
             (f"lognormal prompt (median {args.prompt_median:g}, sigma {args.prompt_sigma:g}) and "
              f"output (median {args.output_median:g}, sigma {args.output_sigma:g}, cap "
              f"{args.max_output:g}) tokens")
-    from jaxserve.traces import default_traces_dir, load
     path = (default_traces_dir() / TRACE_NAMES[args.tokens] if args.tokens in TRACE_NAMES
             else Path(args.tokens))
     if not path.is_file():
@@ -131,7 +139,6 @@ def _fmt(v, fmt="{:.3f}"):
 
 def _mark(rows: list[dict]) -> None:
     """Adds `on_frontier`, `collapsed` and `frontier_marginal` to rows (per train_s)."""
-    from jaxserve.workloads import pareto_front
     for ts in sorted({r["train_s"] for r in rows}):
         sub = [r for r in rows if r["train_s"] == ts]
         front = pareto_front([r["speedup_vs_ref"] for r in sub], [r["gpu_hours"] for r in sub])
@@ -161,7 +168,6 @@ def _mark(rows: list[dict]) -> None:
 
 
 def _print_tables(rows: list[dict], console, title: str) -> None:
-    from rich.table import Table
     for ts in sorted({r["train_s"] for r in rows}):
         sub = [r for r in rows if r["train_s"] == ts]
         t = Table(title=f"{title}, train_s = {ts:g} s  (* Pareto frontier; marginal in red: "
@@ -206,8 +212,6 @@ def _print_tables(rows: list[dict], console, title: str) -> None:
 
 
 def _plot(rows: list[dict], path: Path, title: str, reference: tuple[str, int]) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     ts_values = sorted({r["train_s"] for r in rows})
     settings = sorted({(r["max_batch"], r["rule"]) for r in rows},
                       key=lambda s: (s[0], s[1]))
@@ -269,10 +273,7 @@ CSV_FIELDS = ("train_s", "max_batch", "rule", "replicas", "iteration_s", "iterat
 
 
 def run(args) -> int:
-    import jax
-    from rich.console import Console
 
-    from jaxserve.workloads import rollout as W
 
     t_start = time.perf_counter()
     train_s = _list(args.train_s, float, "--train-s")
@@ -283,7 +284,6 @@ def run(args) -> int:
             raise _CLIError(f"--{name.replace('_', '-')} must be >= 1")
     continuous = args.replica is not None
     if continuous:
-        from jaxserve.core.replica import NAMED_REPLICAS
         if args.replica not in NAMED_REPLICAS:
             raise _CLIError(f"unknown --replica {args.replica!r}; known: "
                             f"{', '.join(sorted(NAMED_REPLICAS))}")

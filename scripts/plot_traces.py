@@ -28,24 +28,19 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import jax
+import jax.numpy as jnp
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxserve.traces import (  # noqa: E402
-    burstgpt_like,
-    burstgpt_profile,
-    burstgpt_stats,
-    default_traces_dir,
-    fit_report,
-    fit_table,
-    fit_tokens,
-    fit_workload,
-    load,
-    offered_load,
-    published_stats,
-    rescale_to_load,
-    sample_workload,
-)
+import jaxserve
+from jaxserve.core.profiles import get_profile
+from jaxserve.envs.routing import routing_gpus
+from jaxserve.evaluation.replay import replay_windows
+from jaxserve.traces import (burstgpt_like, burstgpt_profile, burstgpt_stats,  # noqa: E402
+                             default_traces_dir, fit_report, fit_table, fit_tokens, fit_workload,
+                             load, offered_load, published_stats, rescale_to_load, sample_workload,
+                             windows)
 
 AZURE = [
     ("azure_code", "Azure LLM 2023 code", "azure_llm_2023/AzureLLMInferenceTrace_code.csv", {}),
@@ -191,13 +186,7 @@ def busy_fractions(tr, targets=(0.3, 0.6, 0.9), window=1024):
     """Measured busy fraction (busy GPU-seconds / (GPUs x makespan)) of the default Routing-v0
     cluster under JSQ, replaying windows of the trace rescaled to each offered load (each
     window an episode that starts empty and drains)."""
-    import jax
-    import jax.numpy as jnp
 
-    import jaxserve
-    from jaxserve.envs.routing import routing_gpus
-    from jaxserve.evaluation.replay import replay_windows
-    from jaxserve.traces import windows
 
     def jsq(key, obs, state, params):
         c = state.cluster
@@ -249,8 +238,6 @@ def main(argv=None):
     path, table = plot_burstgpt(prof, args.out, args.seed)
     print(f"BurstGPT -> {path} ({path.stat().st_size // 1024} KB)\n")
     print(table)
-    from jaxserve.core.profiles import get_profile
-    from jaxserve.envs.routing import routing_gpus
     clusters = {"Routing-v0 default (2 fast + 2 slow)": routing_gpus(),
                 "2 x h100-llama2-70b-tp4 + 2 x a100-llama2-70b-tp4":
                     [get_profile("h100-llama2-70b-tp4")] * 2

@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, make_llm_prefix_routing,
+                                              prefix_workload)
+from jaxserve.policies import llm_routing as L
+from jaxserve.policies import prefix_routing as PR
+
 
 def main(argv=None):
-    from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, make_llm_prefix_routing,
-                                                  prefix_workload)
-    from jaxserve.policies import llm_routing as L
-    from jaxserve.policies import prefix_routing as PR
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=512, help="trace requests (one episode)")

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from agents.experiments import BUDGETS, Context, run_experiments
+from agents.experiments.report import write_results
 from scripts.cli import Parser, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,8 +47,6 @@ def build_parser():
 def main(argv=None) -> int:
     def body() -> int:
         args = build_parser().parse_args(argv)
-        from agents.experiments import BUDGETS, Context, run_experiments
-        from agents.experiments.report import write_results
         budget = BUDGETS[args.budget or ("quick" if args.quick else "full")]
         only = None if args.only is None else [k.strip() for k in args.only.split(",") if k]
         argv_ = sys.argv[1:] if argv is None else list(argv)

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from agents.sweep import DEFAULT_GRID, SWEPT, SweepResult, plot_sweep, run_sweep  # noqa: F401
 from scripts.cli import CLIError as _CLIError
@@ -31,8 +33,6 @@ from scripts.cli import parse_pairs
 
 
 def print_sweep(result: SweepResult, title: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     t = Table(title=title)
     names = list(result.settings[0])

@@ -35,14 +35,21 @@ import time
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
+import agents
+# The comparison itself is library code (agents.evaluate).
+from agents.evaluate import EVAL_SEED_OFFSET, VERDICT_METRIC
+from agents.evaluate import evaluate_run as evaluate
+from agents.evaluate import paired_verdicts
+from agents.run_dir import check_out_dir
+from agents.train import make_env
+from jaxserve.envs.base import policy_kind
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
 from scripts.cli import parse_pairs, run_cli
-
-# The comparison itself is library code (agents.evaluate).
-from agents.evaluate import EVAL_SEED_OFFSET, VERDICT_METRIC, paired_verdicts
 
 # Hyperparameter flags: (flag, config field, type).
 HPARAM_FLAGS = (
@@ -126,8 +133,6 @@ SCALARS = ("mean_latency", "mean_latency_ci95", "mean_latency_incl_drops",
 
 
 def print_table(results: dict, title: str, learned: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
 
     def ci(v, h, fmt="{:.2f}"):
         return fmt.format(v) + ("" if not np.isfinite(h) else " ± " + fmt.format(h))
@@ -183,8 +188,6 @@ AUTOSCALING_SCALARS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean
 
 def print_scaling_table(results: dict, title: str, learned: str) -> None:
     """Rich table of autoscalers: cost (request-seconds), GPU-hours, latency, SLO, drops."""
-    from rich.console import Console
-    from rich.table import Table
 
     t = Table(title=title)
     for col in ("policy", "cost (req-s)", "GPU-hours", "replicas", "mean latency (s)",
@@ -202,7 +205,6 @@ def print_scaling_table(results: dict, title: str, learned: str) -> None:
 
 def evaluate_run(result, args) -> tuple[dict, dict]:
     """`agents.evaluate.evaluate_run` with the CLI's arguments."""
-    from agents.evaluate import evaluate_run as evaluate
     return evaluate(result, seed=args.seed, eval_seed=args.eval_seed, eval_envs=args.eval_envs,
                     eval_steps=args.eval_steps,
                     eval_overrides=parse_pairs(args.eval_overrides, "--eval-set"),
@@ -222,9 +224,6 @@ def run(args, argv) -> int:
     hparams = hparams_from_args(args)
     out = Path(args.out or f"runs/{args.env}-{args.algo}-{args.seed}")
 
-    import agents
-    from agents.run_dir import check_out_dir
-    from agents.train import make_env
 
     make_env(args.env, overrides)  # fail fast, before compiling anything
     # Before training: refuse what would overwrite files without a word, in the CLI's terms.
@@ -258,7 +257,6 @@ def run(args, argv) -> int:
            "train_wall_s": result.wall_time_s, "compile_s": result.compile_time_s,
            "final_return": result.final_return(), "checkpoints": str(out / "checkpoints")}
     results = {}
-    from jaxserve.envs.base import policy_kind
     try:
         policy_kind(result.env)
         evaluable = True

@@ -47,6 +47,7 @@ from agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _in
 # differences measured here, which 3 seeds cannot show.
 SEEDS = {"quick": tuple(range(8)), "full": tuple(range(10)), "tiny": (0,)}
 
+from agents.experiments.budget import BUDGETS
 from jaxserve import policies  # noqa: E402
 from jaxserve.core.stats import seed_env_bootstrap  # noqa: E402
 from jaxserve.envs.registry import make  # noqa: E402
@@ -269,7 +270,6 @@ def ablation(ctx: Context) -> Section:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m scripts.ablate`: chosen variants, seeds and evaluation key."""
-    from agents.experiments.budget import BUDGETS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     known = {short_name(v[0]): v for v in ALL_VARIANTS}

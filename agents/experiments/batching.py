@@ -4,18 +4,25 @@ size-or-timeout batcher, tuned_static and smdp_optimal."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+import jaxserve
+from agents.defaults import make_config
 from agents.experiments import scenarios as S
-from jaxserve.evaluation.plots import axes_row
-from agents.experiments.common import (LATENCY, Context, Section, fmt, fmt_diff,
-                                       learned_dict, made_by, metric_of, paired_across_seeds,
-                                       stack_params, table, train_scenarios)
+from agents.experiments.common import (LATENCY, Context, Section, fmt, fmt_diff, learned_dict,
+                                       made_by, metric_of, paired_across_seeds, stack_params, table,
+                                       train_scenarios)
 from agents.experiments.registry import experiment
 from jaxserve import policies
+from jaxserve.core import arrivals as A
 from jaxserve.core.sources import tuning_key
-from jaxserve.evaluation import evaluate_many, tune_static
 from jaxserve.core.stats import paired_difference
+from jaxserve.core.types import GPUProfile
+from jaxserve.evaluation import evaluate_many, tune_static
+from jaxserve.evaluation.episodes import from_policy, run_episode
+from jaxserve.evaluation.plots import axes_row
 from jaxserve.policies.batching import default_grid
 from jaxserve.policies.smdp import build_model, solve_smdp, static_table_gains
 
@@ -64,9 +71,6 @@ def scan_static_gap() -> dict:
 
     Returns: {"max_gap", "at" (B, a, load), "max_greedy_gap", "cases"}.
     """
-    from jaxserve.core import arrivals as A
-    from jaxserve.core.types import GPUProfile
-    import jaxserve
     best, best_at, worst_greedy, n = -1.0, None, -1.0, 0
     for bmax in SCAN_BATCH:
         for a in SCAN_PER_REQUEST:
@@ -98,9 +102,6 @@ def episode_objectives(env, params_list, key, num_envs: int, gamma: float,
     Returns: `{"greedy" | "wait": [per scenario {"return", "discounted_return", "seconds",
     "drops"}]}`.
     """
-    import jax
-    import jax.numpy as jnp
-    from jaxserve.evaluation.episodes import from_policy, run_episode
     greedy = policies.get("greedy").fn
     steps = int(params_list[0].max_steps_in_episode)
 
@@ -131,7 +132,6 @@ def episode_objectives(env, params_list, key, num_envs: int, gamma: float,
 def collapse_rows(scen: dict, ctx: Context, num_envs: int):
     """Table rows: per scenario, greedy's and always-wait's training-episode objectives
     (`episode_objectives`) under the agents' discounting (`agents.defaults`)."""
-    from agents.defaults import make_config
     env0 = next(iter(scen.values()))[0]
     cfg = make_config("ppo", "Batching-v0", env0, None, 0)
     obj = episode_objectives(env0, [p for _, p in scen.values()], ctx.eval_key(60), num_envs,

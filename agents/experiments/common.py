@@ -21,6 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agents.defaults import ALGOS, make_config
+from agents.imitation import warm_start
+from agents.policy import LearnedPolicy
+from agents.trainer import run_updates
 from jaxserve.core.stats import paired_difference, t_halfwidth
 
 LATENCY = "latency_incl_drops"  # the per-env replicate of the drop-inclusive mean latency
@@ -114,10 +118,6 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     random initialisation; one scenario only (a fitted heuristic belongs to its scenario).
     The fitted networks are kept as `curves["imitation_policies"]` (`[i][s]`).
     """
-    from agents.defaults import ALGOS, make_config
-    from agents.imitation import warm_start
-    from agents.policy import LearnedPolicy
-    from agents.trainer import run_updates
 
     config = make_config(algo, env_name, env, int(total_steps), int(seeds[0]), **hparams)
     checkpoints = int(checkpoints)

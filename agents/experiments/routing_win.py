@@ -32,10 +32,11 @@ from agents.experiments.routing import routing_heuristics
 from jaxserve import policies
 from jaxserve.core import arrivals as A
 from jaxserve.core.sources import tuning_key
+from jaxserve.core.stats import seed_env_bootstrap
 from jaxserve.envs.registry import make
 from jaxserve.envs.routing import ROUTING_SCENARIOS
 from jaxserve.evaluation import evaluate_many
-from jaxserve.core.stats import seed_env_bootstrap
+from jaxserve.evaluation.plots import axes_row
 from jaxserve.policies.routing import gpu_speeds
 
 ALGO = "ppo"
@@ -290,7 +291,6 @@ def routing_win(ctx: Context) -> Section:
 def _plot_to_fast(data: dict, path) -> None:
     """Per scenario, the share of short and long requests sent to a fastest GPU in each arrival
     phase: the learned router (its first seed) beside the best heuristic (grouped bars)."""
-    from jaxserve.evaluation.plots import axes_row
 
     names = list(data)
     with axes_row(path, ncols=len(names), figsize=(4.2 * len(names), 3.6)) as (_, axes):
@@ -319,7 +319,6 @@ def _plot_budget(data: dict, path) -> None:
     """Per scenario, the learned router's drop-inclusive mean latency (95% CI band) against
     training env steps per seed, with the best heuristic (its CI band) and the best
     clairvoyant reference as horizontal lines."""
-    from jaxserve.evaluation.plots import axes_row
 
     names = list(data)
     with axes_row(path, ncols=len(names), figsize=(4.2 * len(names), 3.6)) as (_, axes):

@@ -21,10 +21,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.stats import t as student_t
 
 
 def _t_quantile(level: float, dof) -> np.ndarray:
-    from scipy.stats import t as student_t
     return student_t.ppf(0.5 + level / 2.0, dof)
 
 

@@ -40,6 +40,7 @@ from jaxserve.core.profiles import get_profile
 from jaxserve.core.tree import select
 from jaxserve.core.types import MAX_SECONDS, check_int_array, numeric_array
 from jaxserve.envs import common
+from jaxserve.envs.autoscaling_workloads import workload_overrides
 from jaxserve.envs.base import StaticConfig, as_size, check_sizes, clip_features, feature_box
 from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, set_reward_scales,
                                     static_sizes)
@@ -656,7 +657,6 @@ def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arr
     `workload` names a trace-based workload instead (`envs.autoscaling_workloads`), at offered
     load `load` of the whole cluster.
     """
-    from jaxserve.envs.autoscaling_workloads import workload_overrides
 
     if gpu is not None and gpus is not None:
         raise ValueError("give either gpu= (one profile for every slot) or gpus=, not both")

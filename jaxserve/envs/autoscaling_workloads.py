@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import functools
 
+from jaxserve import traces as T
+from jaxserve.core.sources import split_trace
+
 TRACE_FILES = {
     "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
     "azure_code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
@@ -34,7 +37,6 @@ TRAIN_FRACTION = 0.5  # of the requests; the conversation trace's slow rise is i
 
 @functools.lru_cache(maxsize=4)
 def _load(name: str):
-    from jaxserve import traces as T
 
     path = T.default_traces_dir() / TRACE_FILES[name]
     if not path.exists():
@@ -62,8 +64,6 @@ def workload_overrides(workload: str, gpus, load: float | None) -> dict:
     if not 0.0 < load <= 1.5:
         raise ValueError(f"load must be in (0, 1.5] (offered load of the whole cluster), got "
                          f"{load}")
-    from jaxserve import traces as T
-    from jaxserve.core.sources import split_trace
 
     base = next(k for k in TRACE_FILES if workload == k or workload.startswith(k + "_"))
     part = workload[len(base) + 1:] or None  # None (the whole replay), "mmpp" or a part

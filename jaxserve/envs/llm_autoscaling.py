@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core import engines
-from jaxserve.core.replica import validate_replica
+from jaxserve.core.replica import replica_profile, stack_replicas, validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import autoscaling as AS
 from jaxserve.envs import common
 from jaxserve.envs.autoscaling import scaling_params
+from jaxserve.envs.base import as_size
 from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, replica_sizes,
                                     set_reward_scales)
-from jaxserve.envs.base import as_size
 from jaxserve.envs.routing import routing_tokens
 
 
@@ -92,7 +92,6 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     as the other environments. Other keywords as
     Autoscaling-v0's scaling and serving parameters (`envs/llm_autoscaling.py`).
     """
-    from jaxserve.core.replica import replica_profile, stack_replicas
 
     if replicas is None:
         replicas = [replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16)] * as_size(

@@ -42,12 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve import policies as P
+from jaxserve.core.sources import tuning_key
+from jaxserve.core.stats import paired_difference, percentile_with_drops, percentiles, t_halfwidth
 from jaxserve.envs.autoscaling import LOG_DROPPED, Autoscaling, AutoscalingParams
 from jaxserve.envs.base import with_static
 from jaxserve.evaluation.episodes import Step, from_policy, run_episode
 from jaxserve.evaluation.evaluate import switch_policy
-from jaxserve.core.stats import (paired_difference, percentile_with_drops, percentiles,
-                                       t_halfwidth)
 
 # The reactive autoscalers a learned one must beat (`verdicts`, `paired_comparisons`).
 AUTOSCALERS = ("hpa", "knative", "ray_serve")
@@ -307,8 +308,6 @@ def tune_scheduled(env: Autoscaling, params: AutoscalingParams, eval_key, grid,
     """`scheduled`'s `replicas_at_mean`: the cheapest of `grid` on episodes drawn from
     `tuning_key(eval_key)` (disjoint from the reported ones). Returns `(choice, {c: cost})`;
     one value is returned untuned."""
-    from jaxserve import policies as P
-    from jaxserve.core.sources import tuning_key
 
     grid = [float(c) for c in grid]
     if not grid:
@@ -354,8 +353,6 @@ def tune_told_price(env: Autoscaling, params: AutoscalingParams, eval_key,
       `{label: {"price", "feasible", "tuning": {price: {cost, p99_latency}}}}` plus the
       autoscalers' tuning results under key "autoscalers".
     """
-    from jaxserve import policies as P
-    from jaxserve.core.sources import tuning_key
 
     prices = [float(p) for p in prices]
     pols = {o: P.get(o, env=env, params=params) for o in AUTOSCALERS}

@@ -20,6 +20,7 @@ from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.service import single_request_time
 from jaxserve.policies.registry import Policy, register
+from jaxserve.policies.routing import workload_means
 
 
 def make_static(max_batch=None, timeout=None):
@@ -50,7 +51,6 @@ def default_grid(params):
 
     tau = inf ("dispatch exactly B once B wait", never time out) belongs to the static family
     and is the best static rule where the SMDP optimum is a control limit at B."""
-    from jaxserve.policies.routing import workload_means
     b_max = int(np.asarray(params.gpus.max_batch)[0])
     bs = sorted({1 << i for i in range(b_max.bit_length()) if (1 << i) <= b_max} | {b_max})
     p, o = workload_means(params)

@@ -35,6 +35,7 @@ from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.service import full_batch_rate, per_request_work, single_request_time
+from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
 from jaxserve.envs.routing import marginal_backlog
 from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
 from jaxserve.policies.registry import Policy, register
@@ -211,7 +212,6 @@ def sample_workload(params, key=None, num_samples: int = 4096, prompt=None, outp
     Returns:
       (prompt, output, estimate) float64 numpy arrays.
     """
-    from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
     key = tuning_key() if key is None else mark_tuning_key(key)
     if prompt is None:
         k_tok, key = jax.random.split(key)

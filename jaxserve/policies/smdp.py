@@ -46,6 +46,7 @@ from scipy.stats import poisson
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.service import host_profile, service_time
+from jaxserve.core.sources import mark_tuning_key, params_trace, sample_tokens_n, tuning_key
 from jaxserve.policies.registry import Policy, register
 
 
@@ -101,7 +102,6 @@ def batch_service_samples(params, num_samples: int = 2048, key=None) -> np.ndarr
     Batches of different `k` share their first requests (nested samples). With fixed token
     sizes every sample is the same and `S = 1`.
     """
-    from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
     key = tuning_key() if key is None else mark_tuning_key(key)  # never an evaluation key
     b = int(np.asarray(params.gpus.max_batch)[0])
     p, o = sample_tokens_n(key, params.tokens, num_samples * b)
@@ -278,7 +278,6 @@ def _smdp_factory(env=None, params=None, key=None, num_samples: int = 2048,
         raise ValueError("policy 'smdp_optimal' needs params=")
     if int(np.asarray(params.gpus.c0).shape[0]) != 1:
         raise ValueError("smdp_optimal is a single-GPU batcher (Batching-v0)")
-    from jaxserve.core.sources import params_trace
     tr = params_trace(params)
     note = None
     if tr is not None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from collections import deque
 
 import numpy as np
@@ -274,7 +275,6 @@ def mg1_mean_wait(lam, es, es2):
 
 def _timing(n=1_000_000, num_gpus=4, seed=0):
     """Times `simulate` on a random `n`-request, `num_gpus`-GPU instance; returns wall seconds."""
-    import time
 
     rng = np.random.default_rng(seed)
     prof = dict(c0=0.01, alpha=1e-5, alpha2=1e-9, beta=0.002, gamma=1e-4, delta=1e-7,
