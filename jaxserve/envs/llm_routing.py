@@ -13,6 +13,7 @@ from gymnax.environments import environment, spaces
 
 from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
+from jaxserve.core import engines
 from jaxserve.core import rng
 from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, validate_replica
@@ -21,6 +22,7 @@ from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 from jaxserve.envs.defaults import (build_params, replica_sizes, set_reward_scales)
 from jaxserve.envs.routing import routing_tokens
+from jaxserve.envs.routing_step import route_and_advance
 
 NUM_REQUEST_FEATURES = 3
 NUM_REPLICA_FEATURES = 7
@@ -141,7 +143,10 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
     `params.gpus` holds the stacked `ReplicaProfile` of the replicas (`stack_replicas`).
 
     Decision epochs: each request arrival. Between arrivals the replicas evolve exactly
-    (event-driven, `core.continuous`).
+    (event-driven, `core.continuous`). A step is Routing-v0's routing skeleton
+    (`envs.routing_step.route_and_advance`: route the pending request, draw the next, advance
+    the replicas to its arrival, move the clock origin there) on the continuous engine;
+    the SLO reward's log slots, the prefix identity and the observation are this class's.
 
     Observation: float32 `(3 + num_replicas * 7,)`, every feature O(1) (fractions in [0, 1],
       or `log1p` of a ratio, which grows only logarithmically with overload), built only from
@@ -213,6 +218,7 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
     """
 
     Static = LLMRoutingStatic  # static configuration (`env.static`; fields read as attributes)
+    ENGINE = engines.CONTINUOUS  # the serving engine the shared routing step drives
 
     @property
     def num_gpus(self) -> int:
@@ -287,23 +293,17 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             routed = routed.replace(req_id=slot)
         tables = params.tables if self.prefix else None
         node = pending_node(state, params) if self.prefix else None
-        cluster, dropped, never = CB.route(state.cluster, params.gpus, routed, replica,
-                                           node=node, tables=tables)
-        nxt_pos = state.trace_pos + 1
-        gap, req, phase, exhausted = common.next_arrival(
-            key, params, state.phase, nxt_pos, state.pending.req_id + 1)
-        cluster, metrics, extra, log = CB.advance(cluster, params.gpus, gap, params.slo_s, log0,
-                                                  tables=tables)
-        cluster = CB.rebase(cluster, jnp.where(exhausted, 0.0, gap))
-        metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
-                                  invalid_actions=invalid.astype(jnp.int32))
-        extra = {**extra, "never_fit": never.astype(jnp.int32)}
+        st = route_and_advance(self.ENGINE, key, params, state.cluster, state.pending, replica,
+                               invalid, state.phase, state.trace_pos, log0, routed=routed,
+                               route_kw=dict(node=node, tables=tables),
+                               advance_kw=dict(tables=tables))
+        cluster, req, metrics, extra, log = st.cluster, st.pending, st.metrics, st.extras, st.log
         busy, out = state.slo_busy, state.slo_output
         if slo:
             out = out.at[slot].set(state.pending.output, mode="drop")
             done = jnp.isfinite(log.e2e) & ~jnp.isfinite(log0.e2e)
             met = done & slo_attained(log.ttft, log.e2e, out, params)
-            busy = busy.at[slot].set(~dropped, mode="drop") & ~done
+            busy = busy.at[slot].set(~st.dropped, mode="drop") & ~done
             missed = (done.sum() - met.sum()).astype(jnp.int32)
             extra = {**extra, "slo_attained": met.sum().astype(jnp.int32),
                      "slo_missed": missed}
@@ -321,10 +321,11 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             backlog, added = CL.backlog_and_marginal(cluster, params.gpus, req.prompt,
                                                      jnp.maximum(req.estimate, 1.0))
         reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
-        state = LLMRoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
-                                time=state.time + 1, log=log, backlog=backlog,
-                                horizon=state.horizon, slo_busy=busy, slo_output=out)
-        return (self._observe(state, params, added), state, reward, exhausted,
+        state = LLMRoutingState(cluster=cluster, pending=req, phase=st.phase,
+                                trace_pos=st.trace_pos, time=state.time + 1, log=log,
+                                backlog=backlog, horizon=state.horizon, slo_busy=busy,
+                                slo_output=out)
+        return (self._observe(state, params, added), state, reward, st.exhausted,
                 {**metrics.as_dict(), **extra})
 
     def get_obs(self, state, params=None, key=None):

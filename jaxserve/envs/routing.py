@@ -11,6 +11,7 @@ from flax import struct
 from gymnax.environments import environment, spaces
 
 from jaxserve.core import cluster as C
+from jaxserve.core import engines
 from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
 from jaxserve.core import arrivals as A
@@ -20,6 +21,7 @@ from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
                                     set_reward_scales, static_sizes)
+from jaxserve.envs.routing_step import route_and_advance
 
 NUM_REQUEST_FEATURES = 3
 NUM_GPU_FEATURES = 6
@@ -83,7 +85,10 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
     """Route every arriving request to a GPU; each GPU runs the static batcher.
 
     Decision epochs: each request arrival (one decision per request). Between arrivals the
-    cluster evolves exactly (event-driven) under the static batcher of each GPU.
+    cluster evolves exactly (event-driven) under the static batcher of each GPU. A step is
+    the routing skeleton LLMRouting-v0 shares (`envs.routing_step.route_and_advance`): the
+    pending request joins the chosen GPU's queue (or is dropped), the next request is drawn,
+    the cluster runs to its arrival and the clock origin moves there.
 
     Observation: float32 `(3 + num_gpus * 6,)`, every feature O(1) (in [0, 1], or a
       `log1p` of a time in units of `time_scale`, ~2.4 for 10x `time_scale`), and built only
@@ -136,6 +141,7 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
 
     policy_kind = "routing"  # registered policies that act here (envs.base)
     Static = RoutingStatic
+    ENGINE = engines.STATIC  # the serving engine the shared routing step drives
 
     @property
     def name(self) -> str:
@@ -177,24 +183,18 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
 
     def _step(self, key, u, state, action, params):
         gpu, invalid = common.discrete_action(action, self.num_gpus)
-        cluster, dropped = C.route(state.cluster, params.gpus, state.pending, gpu)
-        nxt_pos = state.trace_pos + 1
-        gap, req, phase, exhausted = common.next_arrival(
-            key, params, state.phase, nxt_pos, state.pending.req_id + 1, u=u)
-        cluster, metrics, log = C.advance_static(cluster, params.gpus, gap, params.slo_s,
-                                                 state.log)
-        # A drained cluster (gap = inf) has no times left to keep precise; skip the rebase.
-        cluster = C.rebase(cluster, jnp.where(exhausted, 0.0, gap))
-        metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
-                                  invalid_actions=invalid.astype(jnp.int32))
-        reward = common.reward_from(metrics, params)
+        st = route_and_advance(self.ENGINE, key, params, state.cluster, state.pending, gpu,
+                               invalid, state.phase, state.trace_pos, state.log, u=u)
+        reward = common.reward_from(st.metrics, params)
         backlog = jnp.float32(0.0)
         if self.shaping_gamma is not None:
-            backlog = expected_backlog(cluster, params.gpus)
+            backlog = expected_backlog(st.cluster, params.gpus)
         reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
-        state = RoutingState(cluster=cluster, pending=req, phase=phase, trace_pos=nxt_pos,
-                             time=state.time + 1, log=log, backlog=backlog)
-        return self.get_obs(state, params), state, reward, exhausted, metrics.as_dict()
+        state = RoutingState(cluster=st.cluster, pending=st.pending, phase=st.phase,
+                             trace_pos=st.trace_pos, time=state.time + 1, log=st.log,
+                             backlog=backlog)
+        return (self.get_obs(state, params), state, reward, st.exhausted,
+                {**st.metrics.as_dict(), **st.extras})
 
     def get_obs(self, state, params=None, key=None):
         return routing_observation(state.cluster, state.pending, params)
