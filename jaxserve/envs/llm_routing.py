@@ -13,14 +13,13 @@ from gymnax.environments import environment, spaces
 
 from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
-from jaxserve.core import engines
-from jaxserve.core import rng
+from jaxserve.core import engines, rng
 from jaxserve.core.queues import Request
-from jaxserve.core.replica import ReplicaProfile, validate_replica
+from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas, validate_replica
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import (build_params, replica_sizes, set_reward_scales)
+from jaxserve.envs.defaults import build_params, replica_sizes, set_reward_scales
 from jaxserve.envs.routing import routing_tokens
 from jaxserve.envs.routing_step import route_and_advance
 
@@ -482,7 +481,6 @@ def llm_routing_replicas():
     Same DistServe iteration-time fit; the 40 GB cards hold a fifth of the KV cache
     (`core/replica.py`, docs/continuous.md), so memory, not speed, separates them.
     """
-    from jaxserve.core.replica import replica_profile
 
     return [replica_profile("opt13b-a100-80g")] * 2 + [replica_profile("opt13b-a100-40g")] * 2
 
@@ -499,7 +497,6 @@ def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_ra
     drop costs `drop_penalty_s=600` s, rewards in units of `latency_scale=1000` s.
     `reward="slo"` charges TTFT/TPOT SLO misses instead of time-in-system (`LLMRouting`).
     """
-    from jaxserve.core.replica import stack_replicas
 
     replicas = llm_routing_replicas() if replicas is None else list(replicas)
     prof = stack_replicas(replicas)
