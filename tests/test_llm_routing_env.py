@@ -160,6 +160,26 @@ def test_bad_params_raise_naming_field(bad, field):
         jaxserve.make("LLMRouting-v0", **bad)
 
 
+
+def test_params_are_checked_as_the_profile_type_they_hold():
+    """LLM envs validate their `ReplicaProfile`s as replicas (no stand-in GPU profile): a
+    static-batching `GPUProfile` is refused, and a replica's `max_seqs` beyond the static
+    running slots is named by its own field, for LLMRouting-v0 and LLMAutoscaling-v0."""
+    env, params = jaxserve.make("LLMRouting-v0", replicas=REPLICAS)
+    gpu_params = jaxserve.make("Routing-v0")[1].gpus
+    with pytest.raises(ValueError, match="must be a stacked ReplicaProfile"):
+        env.check_params(params.replace(gpus=gpu_params))
+    big = params.gpus.replace(max_seqs=params.gpus.max_seqs * 0 + env.max_seqs + 1)
+    with pytest.raises(ValueError, match=r"params\.gpus\.max_seqs .* static running slots"):
+        env.check_params(params.replace(gpus=big))
+    env, params = jaxserve.make("LLMAutoscaling-v0")
+    serving = params.serving
+    big = serving.gpus.replace(max_seqs=serving.gpus.max_seqs * 0 + env.max_batch + 1)
+    with pytest.raises(ValueError, match=r"params\.serving\.gpus\.max_seqs"):
+        env.check_params(params.replace(serving=serving.replace(gpus=big)))
+    with pytest.raises(ValueError, match="must be a stacked ReplicaProfile"):
+        env.check_params(params.replace(serving=serving.replace(gpus=gpu_params)))
+
 def test_registered_features_bounded_at_10x_load():
     """Every feature of the registered scenario stays finite and O(1) at 10x its load: the
     fractions are <= 2 (waiting counts preempted requests too) and the log features grow

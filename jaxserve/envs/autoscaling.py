@@ -586,7 +586,8 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
     """Host-side checks of `AutoscalingParams`; raises ValueError naming the field."""
     if not isinstance(params, AutoscalingParams):
         raise ValueError(f"Autoscaling-v0 needs AutoscalingParams, got {type(params).__name__}")
-    common.validate_params(params.serving, queue_buffer, max_batch, max_replicas)
+    common.validate_params(params.serving, queue_buffer, max_batch, max_replicas,
+                           where="params.serving")
     for f, dtype in SCALING_FIELDS.items():
         raw = numeric_array(getattr(params, f), f"params.{f}")
         if dtype == jnp.int32 and raw.dtype.kind not in "iu":

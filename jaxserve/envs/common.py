@@ -17,6 +17,7 @@ from flax import struct
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.queues import Request
+from jaxserve.core.replica import ReplicaProfile, validate_replica
 from jaxserve.core.sources import TraceArrays
 from jaxserve.core.types import (INT32_MAX, MAX_SECONDS, MAX_TOKENS, GPUProfile,
                                  check_int_array, numeric_array, validate_profile)
@@ -193,57 +194,82 @@ def discrete_action(action, n: int):
     return jnp.clip(a, 0, n - 1), (a < 0) | (a >= n)
 
 
+def validate_serving_profiles(prof, queue_buffer: int, max_batch: int | None = None,
+                              num_gpus: int | None = None, where: str = "params.gpus") -> None:
+    """Host-side checks of the per-replica profiles `prof` (`(R,)` leaves) against an
+    environment's static sizes: each profile's own rules (`types.validate_profile` for a
+    `GPUProfile`, `replica.validate_replica` for a `ReplicaProfile`), `R == num_gpus`,
+    batch limits within the static slots `max_batch`, queue caps within `queue_buffer`.
+    Raises ValueError naming the field."""
+    replicas = isinstance(prof, ReplicaProfile)
+    if replicas:
+        validate_replica(prof, where=where)
+    else:
+        validate_profile(prof, where=where)
+    shape = np.shape(prof.c0)
+    if num_gpus is not None and shape[-1:] != (num_gpus,):
+        unit = "replicas" if replicas else "GPUs"
+        raise ValueError(f"{where} has {shape[-1:] or 'no'} {unit}; the environment has "
+                         f"{num_gpus}")
+    if replicas:
+        ms = np.asarray(prof.max_seqs)
+        if max_batch is not None and np.any(ms > max_batch):
+            raise ValueError(f"{where}.max_seqs {ms} exceeds the static running slots "
+                             f"({max_batch}); rebuild the environment with a larger max_seqs")
+    else:
+        mb = np.asarray(prof.max_batch)
+        if max_batch is not None and max_batch < queue_buffer and np.any(mb > max_batch):
+            raise ValueError(f"{where}.max_batch {mb} exceeds the environment's static "
+                             f"max_batch ({max_batch}); rebuild it with a larger max_batch")
+    if np.any(np.asarray(prof.queue_cap) > queue_buffer):
+        raise ValueError(f"{where}.queue_cap {np.asarray(prof.queue_cap)} exceeds the "
+                         f"static queue buffer ({queue_buffer}); pass a larger queue_buffer")
+
+
 def validate_params(params: ServingParams, queue_buffer: int, max_batch: int | None = None,
-                    num_gpus: int | None = None) -> None:
+                    num_gpus: int | None = None, where: str = "params") -> None:
     """Host-side checks of a `ServingParams` against an environment's static sizes.
 
-    Raises ValueError naming the field.
+    `params.gpus` is checked as the profile type it holds: a `GPUProfile` (static batching;
+    `max_batch` is then the static batch slots) or a stacked `ReplicaProfile` (continuous
+    batching; `max_batch` is then the static running slots every `max_seqs` must fit).
+    `where` names `params` in the messages (e.g. "params.serving"). Raises ValueError naming
+    the field.
     """
-    validate_profile(params.gpus, where="params.gpus")
-    shape = np.shape(params.gpus.c0)
-    if num_gpus is not None and shape[-1:] != (num_gpus,):
-        raise ValueError(f"params.gpus has {shape[-1:] or 'no'} GPUs; the environment has "
-                         f"{num_gpus}")
-    mb = np.asarray(params.gpus.max_batch)
-    if max_batch is not None and max_batch < queue_buffer and np.any(mb > max_batch):
-        raise ValueError(f"params.gpus.max_batch {mb} exceeds the environment's static "
-                         f"max_batch ({max_batch}); rebuild it with a larger max_batch")
-    if np.any(np.asarray(params.gpus.queue_cap) > queue_buffer):
-        raise ValueError(f"params.gpus.queue_cap {np.asarray(params.gpus.queue_cap)} exceeds the "
-                         f"static queue buffer ({queue_buffer}); pass a larger queue_buffer")
+    validate_serving_profiles(params.gpus, queue_buffer, max_batch, num_gpus, f"{where}.gpus")
     if np.asarray(params.trace.length) == 0:
-        A.validate_arrivals(params.arrivals, where="params.arrivals")
-        A.validate_tokens(params.tokens, where="params.tokens")
+        A.validate_arrivals(params.arrivals, where=f"{where}.arrivals")
+        A.validate_tokens(params.tokens, where=f"{where}.tokens")
         w = np.asarray(params.tokens.weights)
         if w.ndim == 2 and w.shape[0] != params.arrivals.num_phases:
-            raise ValueError(f"params.tokens.weights has {w.shape[0]} phase rows; the arrival "
+            raise ValueError(f"{where}.tokens.weights has {w.shape[0]} phase rows; the arrival "
                              f"process has {params.arrivals.num_phases} phases")
     for f, dtype in SCALAR_FIELDS.items():
-        raw = numeric_array(getattr(params, f), f"params.{f}")
+        raw = numeric_array(getattr(params, f), f"{where}.{f}")
         if dtype == jnp.int32 and raw.dtype.kind not in "iu":
-            check_int_array(raw, f"params.{f}", -INT32_MAX - 1, INT32_MAX)
+            check_int_array(raw, f"{where}.{f}", -INT32_MAX - 1, INT32_MAX)
         v = raw.astype(np.float64)
         if not np.all(np.isfinite(v)) or np.any(v < 0):
-            raise ValueError(f"params.{f} must be finite and >= 0, got {v}")
+            raise ValueError(f"{where}.{f} must be finite and >= 0, got {v}")
         if f in SCALAR_MAX and np.any(v > SCALAR_MAX[f]):
-            raise ValueError(f"params.{f} must be <= {SCALAR_MAX[f]:g}, got {v}")
+            raise ValueError(f"{where}.{f} must be <= {SCALAR_MAX[f]:g}, got {v}")
     for f in ("latency_scale", "time_scale", "max_steps_in_episode"):
         if np.any(np.asarray(getattr(params, f)) <= 0):
-            raise ValueError(f"params.{f} must be > 0, got {np.asarray(getattr(params, f))}")
+            raise ValueError(f"{where}.{f} must be > 0, got {np.asarray(getattr(params, f))}")
     if np.any(np.asarray(params.latency_scale) < MIN_LATENCY_SCALE):
-        raise ValueError(f"params.latency_scale must be >= {MIN_LATENCY_SCALE:g} (it divides "
+        raise ValueError(f"{where}.latency_scale must be >= {MIN_LATENCY_SCALE:g} (it divides "
                          f"the reward), got {np.asarray(params.latency_scale)}")
     if not np.all(np.isin(np.asarray(params.estimate_mode), (0, 1, 2))):
-        raise ValueError("params.estimate_mode must be 0 (exact), 1 (noisy) or 2 (class), got "
+        raise ValueError(f"{where}.estimate_mode must be 0 (exact), 1 (noisy) or 2 (class), got "
                          f"{np.asarray(params.estimate_mode)}")
-    edges = numeric_array(params.size_edges, "params.size_edges").astype(np.float64)
+    edges = numeric_array(params.size_edges, f"{where}.size_edges").astype(np.float64)
     if edges.ndim != 1 or np.any(np.diff(edges) <= 0) or not np.all(np.isfinite(edges)):
-        raise ValueError(f"params.size_edges must be a finite increasing 1-D array, got {edges}")
-    values = numeric_array(params.size_values, "params.size_values").astype(np.float64)
+        raise ValueError(f"{where}.size_edges must be a finite increasing 1-D array, got {edges}")
+    values = numeric_array(params.size_values, f"{where}.size_values").astype(np.float64)
     if values.shape != (edges.shape[0] + 1,):
-        raise ValueError("params.size_values must have one entry more than params.size_edges")
+        raise ValueError(f"{where}.size_values must have one entry more than {where}.size_edges")
     if not np.all(np.isfinite(values)) or np.any(values < 1) or np.any(values > MAX_TOKENS):
-        raise ValueError(f"params.size_values must be output lengths in [1, {MAX_TOKENS}] "
+        raise ValueError(f"{where}.size_values must be output lengths in [1, {MAX_TOKENS}] "
                          f"tokens, got {values}")
 
 

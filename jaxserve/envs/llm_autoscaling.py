@@ -21,12 +21,9 @@ the default scenario differ, and a registered id puts it under the shared contra
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
 
 from jaxserve.core import engines
-from jaxserve.core.replica import replica_profile, stack_replicas, validate_replica
-from jaxserve.core.types import GPUProfile
+from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.envs import autoscaling as AS
 from jaxserve.envs import common
 from jaxserve.envs.autoscaling import scaling_params
@@ -58,22 +55,12 @@ class LLMAutoscaling(AS.Autoscaling):
             raise ValueError(f"LLMAutoscaling-v0 needs AutoscalingParams, got "
                              f"{type(params).__name__}")
         prof = params.serving.gpus
-        validate_replica(prof, where="params.serving.gpus")
-        shape = np.shape(prof.c0)
-        if shape[-1:] != (self.max_replicas,):
-            raise ValueError(f"params.serving.gpus has {shape[-1:] or 'no'} replicas; the "
-                             f"environment has {self.max_replicas} slots")
-        if np.any(np.asarray(prof.max_seqs) > self.max_batch):
-            raise ValueError(f"params.serving.gpus.max_seqs {np.asarray(prof.max_seqs)} exceeds "
-                             f"the static running slots ({self.max_batch})")
-        # The shared validator checks the rest, given a stand-in GPU profile with the
-        # replicas' queue caps (as LLMRouting-v0 does).
-        ones = jnp.ones(shape, jnp.float32)
-        stand_in = GPUProfile(c0=ones, alpha=ones, alpha2=ones, beta=ones, gamma=ones,
-                              delta=ones, max_batch=jnp.ones(shape, jnp.int32),
-                              queue_cap=jnp.asarray(prof.queue_cap, jnp.int32), timeout=ones)
-        AS.validate_scaling_params(params.replace(serving=params.serving.replace(gpus=stand_in)),
-                                   self.queue_buffer, self.max_batch, self.max_replicas)
+        if not isinstance(prof, ReplicaProfile):
+            raise ValueError(f"params.serving.gpus must be a stacked ReplicaProfile (core."
+                             f"replica.stack_replicas), got {type(prof).__name__}")
+        # `validate_params` checks the replicas as ReplicaProfiles (max_seqs within the
+        # static running slots `max_batch`).
+        AS.validate_scaling_params(params, self.queue_buffer, self.max_batch, self.max_replicas)
         common.check_token_headroom(params.serving, prof.block_size, self.max_batch,
                                     "params.serving")
 

@@ -15,8 +15,7 @@ from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
 from jaxserve.core import engines, rng
 from jaxserve.core.queues import Request
-from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas, validate_replica
-from jaxserve.core.types import GPUProfile
+from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 from jaxserve.envs.defaults import build_params, replica_sizes, set_reward_scales
@@ -427,24 +426,16 @@ def replica_features(rep: CB.Replicas, pending: Request, params: common.ServingP
 
 def check_llm_params(params: common.ServingParams, num_replicas: int, queue_buffer: int,
                      max_seqs: int) -> None:
-    """Host-side checks of LLMRouting-v0 params against the environment's static sizes."""
-    prof = params.gpus
-    validate_replica(prof, where="params.gpus")
-    shape = np.shape(prof.c0)
-    if shape[-1:] != (num_replicas,):
-        raise ValueError(f"params.gpus has {shape[-1:] or 'no'} replicas; the environment has "
-                         f"{num_replicas}")
-    if np.any(np.asarray(prof.max_seqs) > max_seqs):
-        raise ValueError(f"params.gpus.max_seqs {np.asarray(prof.max_seqs)} exceeds the static "
-                         f"max_seqs ({max_seqs}); rebuild the environment with a larger one")
-    # The rest of ServingParams (arrivals, tokens, scalars) is checked by the shared validator,
-    # given a stand-in GPU profile that carries the replicas' queue caps.
-    ones = jnp.ones(shape, jnp.float32)
-    stand_in = GPUProfile(c0=ones, alpha=ones, alpha2=ones, beta=ones, gamma=ones, delta=ones,
-                          max_batch=jnp.ones(shape, jnp.int32),
-                          queue_cap=jnp.asarray(prof.queue_cap, jnp.int32), timeout=ones)
-    common.validate_params(params.replace(gpus=stand_in), queue_buffer, None, num_replicas)
-    common.check_token_headroom(params, prof.block_size, max_seqs)
+    """Host-side checks of LLMRouting-v0 params against the environment's static sizes:
+    `params.gpus` must be a stacked `ReplicaProfile` of `num_replicas` replicas whose
+    `max_seqs` fit the static running slots (`common.validate_params` checks the profile as
+    the type it is, and the rest of `ServingParams`), and the engine's int32 token sums must
+    not overflow (`common.check_token_headroom`)."""
+    if not isinstance(params.gpus, ReplicaProfile):
+        raise ValueError(f"params.gpus must be a stacked ReplicaProfile (core.replica."
+                         f"stack_replicas), got {type(params.gpus).__name__}")
+    common.validate_params(params, queue_buffer, max_seqs, num_replicas)
+    common.check_token_headroom(params, params.gpus.block_size, max_seqs)
 
 
 def check_prefix_params(params, prefix_blocks: int) -> None:
