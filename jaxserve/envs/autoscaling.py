@@ -640,6 +640,20 @@ AUTOSCALING_DEFAULTS = dict(control_interval_s=15.0, warmup_s=120.0, gpu_price=4
                             invalid_penalty_s=0.0, price_spread=1.0, random_offset=0)
 
 
+# The scenario a learned autoscaler trains on (`agents.defaults.ENV_DEFAULTS["Autoscaling-v0"]
+# ["env_overrides"]`; docs/scaling.md, "A learned autoscaler that adapts"): decisions every
+# 120 s, one warm-up, so a replica asked for serves before the next decision can cancel it
+# (evaluate on the 15 s default with `policies.autoscaling.hold_every(policy, 8)`); step
+# actions, so an explored change persists while the policy "stays"; clipped steps cost 200
+# request-s, or a step policy ratchets to the maximum for free; a random time of day and
+# replica count at reset, so vmapped episodes are not in lockstep and every (time, count) pair
+# is visited; a price per episode in [1, 16] (price_spread 4 around 4), seen in the
+# observation, so the policy is price-conditioned; latency_scale 10x the registry's (at 1000
+# the value loss swamps the actor's gradient after clipping).
+AUTOSCALING_TRAINING = dict(action_mode=1, latency_scale=10_000.0, control_interval_s=120.0,
+                            max_steps_in_episode=60, random_phase=1, random_initial=1,
+                            invalid_penalty_s=200.0, price_spread=4.0)
+
 def scaling_params(serving: common.ServingParams, **scalars) -> AutoscalingParams:
     """`AutoscalingParams` around `serving`, from `AUTOSCALING_DEFAULTS` and `scalars`."""
     unknown = set(scalars) - set(SCALING_FIELDS)
