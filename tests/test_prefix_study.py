@@ -7,6 +7,8 @@ Everything else is the real code: the workload's traces, every router on every w
 program, the metrics, the selection on the training window and the paired statistics.
 """
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from agents.defaults import make_config
 from agents.networks import make_network
 from agents.policy import LearnedPolicy
 from agents.experiments import prefix_study as P
+from agents.experiments.prefix_routing import section_body
+from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces.prefix import path_nodes, prefix_window
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
@@ -108,6 +112,12 @@ def test_format_renders_the_tables(result):
         assert f"| `{name}`" in text
     assert "| heuristic | time in system (s) |" in text
     assert "nan" not in text
+    # Experiment (p)'s section, from the result as the results JSON stores it.
+    body = section_body({"system_prompts@1": json.loads(json.dumps(to_jsonable(res)))},
+                        "pytest")
+    assert body.startswith("Command: `pytest`.")
+    assert f"| system_prompts | 1 | `{res['headline']['best_heuristic']}` |" in body
+    assert "### system_prompts, load 1" in body and text in body
 
 
 @pytest.mark.parametrize("kw, match", [
