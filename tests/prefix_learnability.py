@@ -5,7 +5,8 @@
 
 Trains `tests/minimal_ppo.py` (PureJaxRL's CartPole-v1 settings, MLP on the flat observation,
 no reward normalisation; `--network set`: `agents.ppo` with LLMRouting-v0's PPO settings and
-the attention set network, which scores every replica with the same weights) on
+the attention set network, which scores every replica with the same weights:
+`agents.experiments.prefix_study.train_set_ppo`, which experiment (p) trains with) on
 `make_llm_prefix_routing(scenario=...)` (prefix caching on, a 512-request synthetic
 shared-prefix trace; `--no-shaping`: `shaping_gamma=None`) for `--steps` env steps, then
 runs one episode
@@ -23,6 +24,7 @@ import time
 import jax
 import numpy as np
 
+from agents.experiments.prefix_study import train_set_ppo
 from jaxserve.envs.llm_prefix_routing import (PREFIX_REQUESTS, PREFIX_SCENARIOS, PREFIX_SEED,
                                               make_llm_prefix_routing, prefix_workload)
 from jaxserve.envs.llm_routing import DEFAULT_SHAPING_GAMMA
@@ -54,23 +56,6 @@ def episode_metrics(env, params, policy, num_requests: int) -> dict[str, float]:
             "hit_rate": hit / max(look, 1.0)}
 
 
-def _train_set_network(env, params, steps: int, seed: int):
-    """`agents.ppo` with LLMRouting-v0's PPO settings (`agents.defaults.ENV_DEFAULTS`) and the
-    attention set network; the greedy policy."""
-    from agents.config import PPOConfig
-    from agents.defaults import ENV_DEFAULTS
-    from agents.policy import LearnedPolicy
-    from agents.ppo import make_train as make_ppo
-
-    hp = dict(ENV_DEFAULTS["LLMRouting-v0"]["ppo"])
-    hp.pop("total_steps")
-    hp.update(set_mixer="attention", network="set", set_dims=tuple(env.obs_layout))
-    trainer = make_ppo(PPOConfig(total_timesteps=steps, **hp), env, params)
-    out = trainer(jax.random.PRNGKey(seed))
-    jax.block_until_ready(out.runner_state.train_state.params)
-    return LearnedPolicy(trainer.network, out.runner_state.train_state.params, True, "ppo-set")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=262_144, help="PPO training env steps")
@@ -93,7 +78,7 @@ def main(argv=None):
         jax.block_until_ready(net_params)
         learned = greedy_policy(network, net_params)
     else:
-        learned = _train_set_network(env, params, args.steps, args.seed)
+        learned = train_set_ppo(env, params, args.steps, [args.seed])[0][0]
     print(f"trained {args.steps:,} steps (seed {args.seed}, {args.network}, scenario "
           f"{args.scenario}, shaping {'off' if args.no_shaping else 'on'}) in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)

@@ -116,7 +116,8 @@ def test_unknown_experiment_is_an_error():
     ctx = Context(BUDGETS["tiny"], "x", progress=False)
     with pytest.raises(ValueError, match="unknown experiment"):
         run_experiments(ctx, ["zz"])
-    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e", "f", "w", "x", "y"]
+    assert sorted(e.key for e in EXPERIMENTS) == ["a", "b", "c", "d", "e", "f", "p", "w", "x",
+                                                  "y"]
 
 
 def test_capacity_from_sweep_takes_the_first_failure():
@@ -158,12 +159,11 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_budget_skip_leaves_out_the_long_studies_unless_named():
-    """quick and tiny skip the LLM study (f), the ablation (x) and its confirmation (y); full
-    runs every experiment;
-    naming a skipped one runs it."""
+    """quick and tiny skip the LLM study (f), the prefix-routing study (p), the ablation (x)
+    and its confirmation (y); full runs every experiment; naming a skipped one runs it."""
     from agents.experiments.registry import select
     keys = [e.key for e in EXPERIMENTS]
-    long_ones = {"f", "x", "y"}
+    long_ones = {"f", "p", "x", "y"}
     assert long_ones <= set(keys)
     for budget in ("quick", "tiny"):
         assert set(BUDGETS[budget].skip) == long_ones

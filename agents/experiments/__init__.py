@@ -8,7 +8,8 @@ turns the sections into markdown and figures. `scripts/reproduce.py` is the comm
 Modules: `budget` (quick, full and tiny budgets), `common` (training several seeds in one
 program, seed statistics, markdown tables), `scenarios` (every scenario, fixed up front with
 its reason), `routing` (a, c, e), `batching` (b), `generalisation` (d),
-`llm_routing` (f, skipped by the quick and tiny budgets unless named), `routing_win` (w:
+`llm_routing` (f, skipped by the quick and tiny budgets unless named), `prefix_routing`
+(p: prefix-cache-aware routing, `prefix_study`; skipped likewise), `routing_win` (w:
 honest information, headroom, learned vs best heuristic), `ablation` (x: what (w)'s win rests
 on; skipped by the quick and tiny budgets unless named), `confirmation` (y: the pick of (x)
 re-measured on fresh seeds and streams; skipped likewise), `report`.
@@ -19,7 +20,8 @@ from agents.experiments.common import Context, Section
 from agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
 # Importing the experiment modules registers them.
 from agents.experiments import (ablation, batching, confirmation,  # noqa: F401,E402
-                                 generalisation, llm_routing, routing, routing_win)
+                                 generalisation, llm_routing, prefix_routing, routing,
+                                 routing_win)
 
 __all__ = ["BUDGETS", "Budget", "Context", "EXPERIMENTS", "Section", "experiment",
            "run_experiments"]

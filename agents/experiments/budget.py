@@ -47,7 +47,7 @@ BUDGETS = {
                     eval_envs=8, eval_steps=384, warmup=32,
                     batching_loads=(0.3, 0.7, 0.95),
                     sweep_rates=(0.3, 0.5, 0.7, 0.85, 1.0, 1.2), sweep_envs=4, sweep_steps=384,
-                    tune_envs=4, tune_steps=384, gen_windows=8, skip=("f", "x", "y")),
+                    tune_envs=4, tune_steps=384, gen_windows=8, skip=("f", "p", "x", "y")),
     "full": Budget("full", seeds=(0, 1, 2, 3, 4), routing_steps=1_048_576,
                    batching_steps=524_288, eval_envs=32, eval_steps=2000, warmup=200,
                    batching_loads=(0.3, 0.5, 0.7, 0.85, 0.95),
@@ -57,5 +57,5 @@ BUDGETS = {
     "tiny": Budget("tiny", seeds=(0,), routing_steps=2048, batching_steps=2048, eval_envs=2,
                    eval_steps=48, warmup=4, batching_loads=(0.5,), sweep_rates=(0.3, 0.9),
                    sweep_envs=2, sweep_steps=48, tune_envs=2, tune_steps=48, gen_windows=2,
-                   algos=("ppo",), skip=("f", "x", "y")),
+                   algos=("ppo",), skip=("f", "p", "x", "y")),
 }

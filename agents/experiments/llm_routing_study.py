@@ -259,15 +259,19 @@ def evaluate_policies(env, params, policies: dict, eval_trace, *, window_request
     return out
 
 
-def compare(per_window: dict, learned: Sequence[str], baselines: Sequence[str]) -> list[dict]:
-    """Paired differences (learned minus baseline) of every metric, with 95% Student-t CIs."""
+def compare(per_window: dict, learned: Sequence[str], baselines: Sequence[str], *,
+            metrics: Sequence[str] = METRICS,
+            higher_better: Sequence[str] = HIGHER_BETTER) -> list[dict]:
+    """Paired differences (learned minus baseline) of every metric of `metrics`, with 95%
+    Student-t CIs; a difference is "better" upward for the metrics of `higher_better`,
+    downward for the others."""
     from jaxserve.core.stats import paired_difference
     rows = []
     for ln in learned:
         for b in baselines:
-            for m in METRICS:
+            for m in metrics:
                 d = paired_difference(per_window[ln][m], per_window[b][m])
-                better = d["mean"] > 0 if m in HIGHER_BETTER else d["mean"] < 0
+                better = d["mean"] > 0 if m in higher_better else d["mean"] < 0
                 rows.append({"learned": ln, "baseline": b, "metric": m, **d,
                              "learned_better": bool(d["significant"] and better),
                              "learned_worse": bool(d["significant"] and not better)})
@@ -275,19 +279,20 @@ def compare(per_window: dict, learned: Sequence[str], baselines: Sequence[str]) 
 
 
 def compare_seeds(per_window: dict, seeds: Sequence[str], baselines: Sequence[str],
-                  label: str = "ppo_mean") -> list[dict]:
-    """Paired differences (learned minus baseline) of every metric for several learned
-    policies together (`seeds`: their names in `per_window`): the mean over seeds and windows
-    with the crossed seed x window bootstrap's 95% interval (`core.stats.seed_env_bootstrap`),
-    rows named `label`, in `compare`'s form."""
+                  label: str = "ppo_mean", *, metrics: Sequence[str] = METRICS,
+                  higher_better: Sequence[str] = HIGHER_BETTER) -> list[dict]:
+    """Paired differences (learned minus baseline) of every metric of `metrics` for several
+    learned policies together (`seeds`: their names in `per_window`): the mean over seeds and
+    windows with the crossed seed x window bootstrap's 95% interval
+    (`core.stats.seed_env_bootstrap`), rows named `label`, in `compare`'s form."""
     from jaxserve.core.stats import seed_env_bootstrap
     rows = []
     for b in baselines:
-        for m in METRICS:
+        for m in metrics:
             d = np.stack([np.asarray(per_window[n][m], np.float64)
                           - np.asarray(per_window[b][m], np.float64) for n in seeds])
             r = seed_env_bootstrap(d)
-            better = r["mean"] > 0 if m in HIGHER_BETTER else r["mean"] < 0
+            better = r["mean"] > 0 if m in higher_better else r["mean"] < 0
             significant = bool(r["low"] > 0 or r["high"] < 0)
             rows.append({"learned": label, "baseline": b, "metric": m, "mean": r["mean"],
                          "ci": r["ci"], "low": r["low"], "high": r["high"],

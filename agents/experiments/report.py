@@ -51,7 +51,10 @@ environments:
 - [docs/continuous.md](continuous.md): LLM routing and autoscaling (LLMRouting-v0,
   LLMAutoscaling-v0).
 - [docs/scaling.md](scaling.md): the rollout-serving workload and Autoscaling-v0.
-- [docs/prefix_caching.md](prefix_caching.md): LLMPrefixRouting-v0.
+- [docs/prefix_caching.md](prefix_caching.md): LLMPrefixRouting-v0; its section "The study
+  (p)" holds experiment (p), the learned prefix-cache-aware router against every router
+  with CIs (system prompts, Mooncake), as `python scripts/reproduce.py --quick --only p`
+  wrote it (the quick budget skips (p) unless named).
 - [docs/benchmarks.md](benchmarks.md): speed (env-steps/s, compile time, PPO training
   throughput).
 - [docs/confirmations.md](confirmations.md): (x)'s findings re-measured on fresh training

@@ -17,7 +17,7 @@ from flax import struct
 from jaxserve.core.types import Trace
 
 __all__ = ["PrefixTree", "PrefixTrace", "build_prefix_tree", "path_nodes", "reused_blocks",
-           "infinite_cache_reuse", "kv_prefix"]
+           "infinite_cache_reuse", "kv_prefix", "prefix_window"]
 
 
 @struct.dataclass
@@ -144,3 +144,33 @@ def kv_prefix(mt: PrefixTrace, i: int, block_size: int) -> list[tuple[int, int]]
     path = path_nodes(mt.tree, int(mt.node[i]))
     n_full = int(mt.trace.prompt_tokens[i]) // block_size
     return [(path[j // per], j % per) for j in range(n_full)]
+
+
+def prefix_window(mt: PrefixTrace, start: int, stop: int,
+                  time_scale: float = 1.0) -> PrefixTrace:
+    """Requests `[start, stop)` of `mt` as a trace of their own: arrivals rebased so that the
+    first is at 0 s and multiplied by `time_scale` (> 1 stretches time: the arrival rate is
+    divided by it), and the prefix tree rebuilt from only their paths (`build_prefix_tree` over
+    the paths' `hash_id`s: nodes numbered by first appearance in the window, so equal prefixes
+    stay shared and nothing of other requests is kept).
+
+    Raises ValueError for an empty or out-of-range window or a `time_scale` that is not
+    finite and > 0.
+    """
+    n = len(mt)
+    start, stop = int(start), int(stop)
+    if not 0 <= start < stop <= n:
+        raise ValueError(f"window [{start}, {stop}) must be a non-empty range of the trace's "
+                         f"{n} requests")
+    scale = float(time_scale)
+    if not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"time_scale must be finite and > 0, got {time_scale}")
+    lists = [[int(mt.tree.hash_id[k]) for k in path_nodes(mt.tree, int(mt.node[i]))]
+             for i in range(start, stop)]
+    tree, node = build_prefix_tree(lists, mt.tree.block_tokens)
+    a = np.asarray(mt.trace.arrival_s[start:stop], np.float64)
+    trace = Trace(arrival_s=(a - a[0]) * scale,
+                  prompt_tokens=np.asarray(mt.trace.prompt_tokens[start:stop]),
+                  output_tokens=np.asarray(mt.trace.output_tokens[start:stop]))
+    return PrefixTrace(trace=trace, node=node,
+                       full_blocks=np.asarray(mt.full_blocks[start:stop]), tree=tree)

@@ -1,0 +1,581 @@
+"""Prefix-cache-aware routing: PPO against every production and load-only router (issue 22,
+item 6, "the study"; experiment (p) of `scripts/reproduce.py`, CLI `scripts/prefix_study.py`).
+
+The experiment, per workload and load (`run_prefix_study`):
+
+1. **Workload** (`build_workload`), LLMPrefixRouting-v0 (`envs.llm_prefix_routing`):
+
+   * "system_prompts": `PREFIX_SCENARIOS["system_prompts"]` (eight long shared system
+     prompts, docs/prefix_caching.md) on the environment's default cluster
+     (`prefix_replicas`: 4 x OPT-13B on A100-40GB, 79 KV blocks of 128 tokens). Training
+     trace: the generator's seed 0, the trace the environment builds; evaluation windows:
+     the traces of seeds `SYNTHETIC_EVAL_SEED`, +1, ... (independent draws of the same
+     process, the synthetic counterpart of "later disjoint windows"). Every trace has
+     `window_requests` requests (512, the environment's episode, in the quick and full
+     budgets). The best heuristic is chosen on the training trace.
+   * "mooncake": Mooncake's conversation trace (`MOONCAKE_FILE`, 12,031 requests of an hour
+     of Kimi's chat traffic, 512-token hash blocks) on `mooncake_replicas` (4 x OPT-13B on
+     A100-80GB with KV counted in 512-token blocks: 105 blocks, 53,760 tokens, so the
+     engine's `O(M^2)` lookups stay small). Its first `fit_fraction` (25%) of requests is the
+     training part: PPO trains on all of it (one episode = the whole part), the best heuristic
+     is chosen on `train_windows` disjoint windows of `window_requests` requests spread
+     evenly over it, and every policy is evaluated on `eval_windows` disjoint windows spread
+     evenly over the rest. The 355 requests (2.95%) whose prompt plus output exceed a
+     replica's cache fit no replica: every router drops them alike (each charged
+     `drop_penalty_s`, so they add the same constant to every router's mean time in system
+     and cancel in the paired differences).
+
+2. **Load** (fixed before any run): one time stretch for the training and evaluation traces
+   of a (workload, load) pair. "system_prompts": the arrival rate is `load` times the
+   scenario's own (1.5 req/s; arrival times divided by `load`), so `load=1` is the
+   environment as registered in docs/prefix_caching.md. "mooncake": the rate of the training
+   part is `load` times the cluster's capacity measured on the training windows, as (f)
+   measures it (`llm_routing_study.bisect_capacity`: the highest rate at which `jsq_tokens`
+   keeps 90% of its light-load SLO attainment; training data only). A time stretch also
+   stretches the think time between a session's turns.
+
+3. **Training**: `train_set_ppo`: `agents.ppo` with LLMRouting-v0's PPO settings and the
+   attention set network, unshaped reward (`shaping_gamma=None`), one run per seed, all
+   seeds in one compiled program (`experiments.common.train_scenarios`).
+
+4. **Evaluation**: every policy replays every window from an empty cluster with the window's
+   key (common random numbers: the same noisy output estimates for every policy), greedy
+   for the learned ones; all policies and windows of a workload run in one compiled program
+   (`replay_windows`). Per window (`window_metrics`): (f)'s metrics
+   (`llm_routing_study.window_metrics`: TTFT / TPOT / E2E p50 and p99 in s, SLO attainment
+   and goodput with the environment's `slo_ttft_s` / `slo_tpot_s`, drops, preemptions, the
+   mean time in system with drops charged `drop_penalty_s`, `HEADLINE`) plus the token hit
+   rate (cached tokens over looked-up tokens at admissions, readmissions included).
+
+5. **Comparison**: learned minus every heuristic on the evaluation windows: per seed a paired
+   Student-t CI over windows, and the seeds together ("ppo_mean") with the crossed seed x
+   window bootstrap (`llm_routing_study.compare` / `compare_seeds`). The best heuristic is
+   the one with the lowest `HEADLINE` on the training windows only (`select_best`); a
+   verdict other than "no significant difference" needs the 95% interval to exclude 0.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agents.experiments import llm_routing_study as study
+from agents.experiments.common import stack_params, train_scenarios
+from agents.policy import LearnedPolicy
+from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile
+from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, PREFIX_SEED,
+                                              make_llm_prefix_routing, prefix_replicas,
+                                              prefix_workload)
+from jaxserve.evaluation import episodes
+from jaxserve.evaluation.evaluate import trace_env
+from jaxserve.evaluation.replay import token_log
+from jaxserve.policies import llm_routing as L
+from jaxserve.policies import prefix_routing as PR
+from jaxserve.traces import default_traces_dir
+from jaxserve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, load_mooncake
+from jaxserve.traces.prefix import prefix_window
+
+WORKLOADS = ("system_prompts", "mooncake")
+# Every production cache-aware router and every load-only LLM router but `random` (no
+# router's rule) and `sita_prompt` (with identical replicas its two groups are all replicas:
+# `jsq_requests` exactly, its docstring).
+HEURISTICS = tuple(PR.POLICIES) + tuple(n for n in L.POLICIES
+                                        if n not in ("random", "sita_prompt"))
+HEURISTIC_FNS = {**PR.POLICIES, **L.POLICIES}
+METRICS = study.METRICS + ("token_hit_rate",)
+HIGHER_BETTER = study.HIGHER_BETTER + ("token_hit_rate",)
+# Mean time in system per request (s), a dropped request counted at `drop_penalty_s`: the
+# reward's quantity (LLMRouting-v0 minimises it) and the selection criterion.
+HEADLINE = "e2e_mean_drop_charged"
+LEARNED = "ppo_mean"
+
+SYNTHETIC_EVAL_SEED = 100  # first generator seed of the evaluation windows (training: 0)
+MOONCAKE_FILE = "mooncake_2025/conversation_trace.jsonl.gz"
+MOONCAKE_BLOCK_SIZE = 512  # KV block = the trace's hash block: M = 105 blocks per replica
+CALIBRATION_ITERS = 8  # bisection steps of the Mooncake capacity: 1.6% resolution
+
+
+def mooncake_replicas(max_seqs: int = 16, queue_cap: int = 16):
+    """The Mooncake cluster: four `opt13b-a100-80g` replicas (DistServe's OPT-13B fit) with KV
+    memory counted in 512-token blocks (`kv_blocks_for(..., block_size=512)` = 105 blocks,
+    53,760 tokens: the 80 GB card's cache, so a request of up to ~53k tokens fits; the
+    trace's prompt p90 is 27k tokens) and `prefix_replicas`' 16 running and 16 waiting
+    slots."""
+    kv = kv_blocks_for(40, 5120, 80.0, _OPT13B_WEIGHTS_GB, block_size=MOONCAKE_BLOCK_SIZE)
+    return [replica_profile("opt13b-a100-80g", block_size=MOONCAKE_BLOCK_SIZE, kv_blocks=kv,
+                            max_seqs=max_seqs, queue_cap=queue_cap)] * 4
+
+
+def train_set_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
+                  **overrides) -> tuple[list[LearnedPolicy], dict]:
+    """PPO on `(env, params)` with LLMRouting-v0's settings (`agents.defaults.ENV_DEFAULTS`)
+    and the attention set network (one set of weights scores every replica), one run per seed
+    in one compiled program (`experiments.common.train_scenarios`; seed `s` trains from
+    `jax.random.key(s)`). `overrides`: other PPO hyperparameters (e.g. `num_envs`, tests).
+
+    Returns:
+      (greedy `LearnedPolicy` per seed, `{"compile_s", "run_s", "final_return": [per seed]}`),
+      the final return being the mean episode return of the last update.
+    """
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("seeds must name at least one seed")
+    if int(total_steps) < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    ctx = None if log is None else _LogContext(log)
+    pols, curves = train_scenarios("LLMRouting-v0", env, [params], "ppo", seeds,
+                                   int(total_steps), ctx=ctx, set_mixer="attention",
+                                   **overrides)
+    ret = np.asarray(curves["episode_return"])[0]  # (seeds, updates)
+    return pols[0], {"compile_s": float(curves["compile_s"]), "run_s": float(curves["run_s"]),
+                     "final_return": [float(r[-1]) for r in ret]}
+
+
+class _LogContext:
+    """`train_scenarios` logs through `ctx.log`; this adapts a plain callable."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+
+
+# ------------------------------------------------------------------------------ workloads
+
+def _check_windows(count: int, size: int, span: int, what: str) -> None:
+    if count < 1 or size < 2 or count * size > span:
+        raise ValueError(f"{count} {what} windows of {size} requests do not fit the "
+                         f"{span} requests there")
+
+
+def spread_windows(lo: int, hi: int, count: int, size: int) -> list[tuple[int, int]]:
+    """`count` disjoint windows `[start, start + size)` spread evenly over `[lo, hi)` (the
+    first starts at `lo`, the last ends at `hi`). Raises ValueError when they do not fit."""
+    _check_windows(count, size, hi - lo, "trace")
+    starts = np.round(np.linspace(lo, hi - size, count)).astype(int) if count > 1 else [lo]
+    return [(int(s), int(s) + size) for s in starts]
+
+
+def _build(traces, replicas, tokens=None):
+    """One environment (shared static shapes: trees padded to the largest) and the stacked
+    params of `traces`; `tokens` (a `TokenDist`, e.g. the training params') replaces each
+    window's own, so that the observation's request features (log prompt / log
+    `max_prompt`) are scaled alike in every window and as in training."""
+    nodes = max(t.tree.num_nodes for t in traces)
+    depth = max(int(np.max(t.tree.depth)) if t.tree.num_nodes else 1 for t in traces)
+    built = [make_llm_prefix_routing(trace=t, replicas=replicas, shaping_gamma=None,
+                                     tree_nodes=nodes, tree_depth=depth) for t in traces]
+    plist = [b[1] if tokens is None else b[1].replace(tokens=tokens) for b in built]
+    params = stack_params(plist)
+    return _shared_env(built[0][0], params), params
+
+
+# Environments hash by value *including their default params* (`envs.base`: gymnax's
+# `step(..., params=None)` bakes them in), so each window set or time stretch would be a new
+# static argument and compile `_replay_lanes` again (~30 s each on the 2-core CPU). The
+# programs here always pass params explicitly, so any environment with the same static
+# configuration and params structure runs them identically: the first one seen stands for all.
+_ENVS: dict = {}
+
+
+def _shared_env(env, params):
+    key = (type(env), env.static, jax.tree.structure(params),
+           tuple((np.shape(x), np.asarray(x).dtype.str) for x in jax.tree.leaves(params)))
+    return _ENVS.setdefault(key, env)
+
+
+def build_workload(workload: str, load: float, *, window_requests: int, eval_windows: int,
+                   train_windows: int | None = None, fit_fraction: float = 0.25,
+                   traces_dir=None, log=print) -> dict:
+    """The traces of one (workload, load) pair (module docstring, steps 1-2).
+
+    Returns:
+      dict: `replicas`; `train_trace` (PPO's, a `PrefixTrace`), `train_windows` and
+      `eval_windows` (lists of `PrefixTrace`, `window_requests` each), `windows` (their
+      generator seeds or `[start, stop)` rows), `rate` (req/s of the training trace),
+      `factor` (time stretch applied to the workload's own times), `capacity` (req/s that
+      `load` multiplies) and `basis`, `calibration` (Mooncake's capacity search, else None),
+      `never_fit` (requests no replica can hold, per evaluation window).
+    """
+    load = float(load)
+    if not np.isfinite(load) or load <= 0:
+        raise ValueError(f"load must be finite and > 0, got {load}")
+    n = int(window_requests)
+    if workload == "system_prompts":
+        _check_windows(int(eval_windows), n, n * int(eval_windows), "evaluation")
+        scale = 1.0 / load
+        train = prefix_window(prefix_workload(n, PREFIX_SEED, scenario=workload), 0, n, scale)
+        seeds = [SYNTHETIC_EVAL_SEED + w for w in range(int(eval_windows))]
+        evals = [prefix_window(prefix_workload(n, s, scenario=workload), 0, n, scale)
+                 for s in seeds]
+        base = float(PREFIX_SCENARIOS[workload]["config"]["session_rate"])
+        reps = None
+        out = {"train_trace": train, "train_windows": [train], "eval_windows": evals,
+               "windows": {"train": [PREFIX_SEED], "eval": seeds}, "factor": scale,
+               "capacity": base, "basis": "the scenario's session rate (req/s)",
+               "calibration": None}
+    elif workload == "mooncake":
+        root = default_traces_dir() if traces_dir is None else Path(traces_dir)
+        path = root / MOONCAKE_FILE
+        if not path.is_file():
+            raise ValueError(f"Mooncake trace not found: {path} (see shared/traces/README.md)")
+        if not 0.0 < float(fit_fraction) < 1.0:
+            raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
+        raw = _load_mooncake(str(path))
+        total = len(raw)
+        cut = int(round(total * float(fit_fraction)))
+        tw = int(eval_windows if train_windows is None else train_windows)
+        train_rows = spread_windows(0, cut, tw, n)
+        eval_rows = spread_windows(cut, total, int(eval_windows), n)
+        reps = mooncake_replicas()
+        a = np.asarray(raw.trace.arrival_s[:cut], np.float64)
+        rate0 = (cut - 1) / (a[-1] - a[0])
+        key = (str(path), cut, tuple(train_rows))
+        if key not in _CAPACITY:  # it does not depend on the load: measured once per process
+            _CAPACITY[key] = mooncake_capacity(raw, train_rows, rate0, reps)
+            cal = _CAPACITY[key]
+            log(f"mooncake: capacity {cal['capacity']:.4f} req/s ({cal['policy']} attains "
+                f"{cal['attainment']:.3f} there, {cal['light_attainment']:.3f} at a light "
+                f"load; {cal['replays']} replays, {cal['seconds']:.0f} s)")
+        cal = dict(_CAPACITY[key])
+        factor = rate0 / (load * cal["capacity"])
+        out = {"train_trace": prefix_window(raw, 0, cut, factor),
+               "train_windows": [prefix_window(raw, lo, hi, factor) for lo, hi in train_rows],
+               "eval_windows": [prefix_window(raw, lo, hi, factor) for lo, hi in eval_rows],
+               "windows": {"train": train_rows, "eval": eval_rows}, "factor": factor,
+               "capacity": cal["capacity"], "calibration": cal,
+               "basis": "the capacity measured on the training windows (req/s)"}
+    else:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    tr = out["train_trace"].trace
+    out["replicas"] = reps
+    out["rate"] = float((len(tr) - 1) / (tr.arrival_s[-1] - tr.arrival_s[0]))
+    out["never_fit"] = [_never_fit(w, reps) for w in out["eval_windows"]]
+    return out
+
+
+_CAPACITY: dict = {}
+
+
+@lru_cache(maxsize=2)
+def _load_mooncake(path: str):
+    return load_mooncake(path, block_tokens=MOONCAKE_BLOCK_TOKENS)
+
+
+def mooncake_capacity(raw, train_rows, rate: float, replicas) -> dict:
+    """The capacity Mooncake's loads are multiples of: (f)'s measurement
+    (`llm_routing_study.bisect_capacity`, `CALIBRATION_ITERS` bisection steps) with the SLO
+    attainment of `llm_routing_study.CALIBRATION_POLICY` (JSQ by tokens) averaged over the
+    training windows `train_rows` of `raw`, each replayed from an empty cluster with its
+    times stretched; `rate` (req/s): the training part's own rate, which a stretch `s`
+    turns into `rate / s`. Returns `bisect_capacity`'s dict plus `policy` and `seconds`."""
+    t0 = time.perf_counter()
+    name = study.CALIBRATION_POLICY
+
+    def attainment(stretch: float) -> float:
+        wins = [prefix_window(raw, lo, hi, stretch) for lo, hi in train_rows]
+        env, params = _build(wins, replicas)
+        res = replay_windows(env, params, wins, {name: HEURISTIC_FNS[name]},
+                             keys=jax.random.split(jax.random.PRNGKey(0), len(wins)))
+        return float(np.mean(res[name]["slo_attainment"]))
+
+    cal = study.bisect_capacity(attainment, rate, iters=CALIBRATION_ITERS)
+    return {**cal, "policy": name, "seconds": time.perf_counter() - t0}
+
+
+def _never_fit(ptrace, replicas) -> int:
+    """Requests of `ptrace` that fit no replica's KV cache (`continuous.never_fits`' rule:
+    `ceil((p + o) / b) > kv_blocks - floor(watermark * kv_blocks)`, identical replicas)."""
+    r = (replicas or prefix_replicas())[0]
+    kv, b = int(r.kv_blocks), int(r.block_size)
+    room = kv - int(np.floor(float(r.watermark) * kv))
+    t = ptrace.trace
+    need = -(-(np.asarray(t.prompt_tokens) + np.asarray(t.output_tokens)) // b)
+    return int(np.sum(need > room))
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+@partial(jax.jit, static_argnames=("env", "heuristics", "network"))
+def _replay_lanes(env, heuristics, network, params, keys, theta):
+    """Every lane (heuristic `h` for lanes `h < H`, then the learned network with
+    `theta[k]` for lane `H + k`) on every window of `params` (leading axis W), one episode
+    each from `env.reset_env(keys[w])` through the trace's end (its last step drains).
+
+    The lanes run one after another (`lax.map`: the `switch` on an unbatched lane index
+    branches, so a step computes one policy, not all of them); the windows of a lane run in
+    parallel (`vmap`). Key layout per window as `evaluation.replay._run_policy`'s: step `i`
+    with `split(fold_in(key, 1), n)[i]`, the policy with `fold_in(fold_in(key, 2), i)`.
+
+    Returns `(TokenLog, (dropped, replica, hit_tokens, lookup_tokens))`, leaves
+    `(lanes, W, n)`.
+    """
+    H = len(heuristics)
+    K = 0 if theta is None else jax.tree.leaves(theta)[0].shape[0]
+    n = params.trace.gap.shape[-1]
+    num_replicas = env.num_replicas
+
+    def window(p, key, lane):
+        obs, state = env.reset_env(key, p)
+        k_pol = jax.random.fold_in(key, 2)
+        pol_keys = jax.vmap(lambda i: jax.random.fold_in(k_pol, i))(jnp.arange(n))
+        env_keys = jax.random.split(jax.random.fold_in(key, 1), n)
+        branches = [partial(lambda h, k, o, s: jnp.asarray(h(k, o, s, p), jnp.int32), h)
+                    for h in heuristics]
+        if K:
+            th = jax.tree.map(lambda x: x[jnp.clip(lane - H, 0, K - 1)], theta)
+            branches.append(lambda k, o, s: LearnedPolicy(network, th)(k, o))
+
+        def act(i, k, o, s):
+            return jax.lax.switch(jnp.minimum(lane, len(branches) - 1), branches, k, o, s)
+
+        def fold(acc, s: episodes.Step):
+            return acc, (s.info["dropped"], jnp.clip(s.action, 0, num_replicas - 1),
+                         s.info["prefix_hit_tokens"], s.info["prefix_lookup_tokens"])
+
+        _, state, _, _, ys = episodes.scan_steps(env, act, p, obs, state, pol_keys, env_keys,
+                                                 fold=fold)
+        return state.log, ys
+
+    lanes = jnp.arange(H + K, dtype=jnp.int32)
+    return jax.lax.map(lambda lane: jax.vmap(window, (0, 0, None))(params, keys, lane), lanes)
+
+
+def replay_windows(env, params, windows, heuristics: dict, learned: dict | None = None, *,
+                   keys) -> dict:
+    """Every policy on every window: `{name: {metric: (W,) array}}` of `METRICS`.
+
+    `env, params`: one environment and the windows' stacked params (`_build`); `windows`: the
+    `PrefixTrace`s in that order; `heuristics`: name -> router; `learned`: name ->
+    `LearnedPolicy`, all of one network; `keys`: `(W,)` PRNG keys, window `w` replayed with
+    `keys[w]` by every policy (common random numbers).
+    """
+    learned = learned or {}
+    env_t = trace_env(env, len(windows[0]))
+    nets = {p.network for p in learned.values()}
+    if len(nets) > 1:
+        raise ValueError("learned policies must share one network")
+    theta = (jax.tree.map(lambda *x: jnp.stack(x), *[p.params for p in learned.values()])
+             if learned else None)
+    log, (dropped, replica, hit, look) = jax.device_get(_replay_lanes(
+        env_t, tuple(heuristics.values()), nets.pop() if nets else None, params, keys, theta))
+    slo_ttft, slo_tpot = (float(np.asarray(params.slo_ttft_s).ravel()[0]),
+                          float(np.asarray(params.slo_tpot_s).ravel()[0]))
+    drop_s = float(np.asarray(params.drop_penalty_s).ravel()[0])
+    out = {}
+    for li, name in enumerate([*heuristics, *learned]):
+        rows = []
+        for w, win in enumerate(windows):
+            res = token_log(win.trace, replica[li, w],
+                            jax.tree.map(lambda x: x[li, w], log), dropped[li, w])
+            m = study.window_metrics(res, win.trace.output_tokens, slo_ttft=slo_ttft,
+                                     slo_tpot=slo_tpot, drop_penalty_s=drop_s)
+            m["token_hit_rate"] = float(hit[li, w].sum() / max(float(look[li, w].sum()), 1.0))
+            rows.append(m)
+        out[name] = {m: np.array([r[m] for r in rows]) for m in METRICS}
+    return out
+
+
+def select_best(train_per_window: dict, heuristics: Sequence[str],
+                metric: str = HEADLINE) -> tuple[str, dict]:
+    """The heuristic with the lowest mean `metric` over the *training* windows (ties: the
+    first in `heuristics`), and every heuristic's mean there."""
+    values = {h: float(np.mean(train_per_window[h][metric])) for h in heuristics}
+    return min(values, key=values.get), values
+
+
+# ---------------------------------------------------------------------------------- study
+
+def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
+                     seeds: Sequence[int] = (0, 1, 2), total_steps: int = 65_536,
+                     eval_windows: int = 4, train_windows: int | None = None,
+                     window_requests: int = 512, fit_fraction: float = 0.25,
+                     heuristics: Sequence[str] | None = None, ppo_overrides: dict | None = None,
+                     eval_seed: int = 20261202, traces_dir=None, log=print) -> dict:
+    """Trains PPO (one run per seed) and evaluates it against the heuristics (module
+    docstring).
+
+    Args:
+      workload: "system_prompts" or "mooncake".
+      load: the offered load's multiplier (module docstring, step 2: of the scenario's rate,
+        or of Mooncake's measured capacity).
+      seeds: PPO seeds; total_steps: env steps per seed.
+      eval_windows: evaluation windows (>= 2); train_windows: Mooncake's selection windows
+        (default `eval_windows`; the synthetic workload has its one training trace);
+        window_requests: requests per window (and per synthetic trace).
+      fit_fraction: Mooncake's training part.
+      heuristics: names from `HEURISTICS` (default all of them).
+      ppo_overrides: PPO hyperparameters replacing LLMRouting-v0's (tests: `num_envs`,
+        `num_steps`).
+      eval_seed: evaluation key: window `w` of the evaluation (training) windows replays with
+        `fold_in(fold_in(PRNGKey(eval_seed), 0), w)` (`..., 1), w)`).
+
+    Returns:
+      JSON-able dict: `config`, `workload` (rate, factor, capacity, basis, calibration,
+      windows, never-fit requests), `training` (seeds, compile/run s, final returns),
+      `per_window` (`eval` / `train`: policy -> metric -> list), `summary` (the same, means
+      over windows), `selection` (the training windows' `HEADLINE` per heuristic and the
+      best), `headline` (learned minus the best heuristic: the seeds' crossed bootstrap and
+      per seed), `paired` (learned minus every heuristic, every metric, per seed and
+      "ppo_mean"), `seconds`.
+
+    Raises:
+      ValueError: unknown workload or heuristic, empty seeds, a non-positive load or step
+      count, fewer than 2 evaluation windows, windows that do not fit the trace.
+    """
+    t0 = time.perf_counter()
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    seeds = [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must name at least one seed, each once, got {seeds}")
+    if int(total_steps) < 1:
+        raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+    if int(eval_windows) < 2:
+        raise ValueError(f"eval_windows must be >= 2 (a paired CI needs two), got "
+                         f"{eval_windows}")
+    names = list(HEURISTICS if heuristics is None else heuristics)
+    unknown = sorted(set(names) - set(HEURISTICS))
+    if unknown or not names:
+        raise ValueError(f"unknown heuristic(s) {unknown}; known: {list(HEURISTICS)}")
+    wl = build_workload(workload, load, window_requests=window_requests,
+                        eval_windows=eval_windows, train_windows=train_windows,
+                        fit_fraction=fit_fraction, traces_dir=traces_dir, log=log)
+    reps = wl["replicas"]
+    log(f"{workload} @ load {load:g}: rate {wl['rate']:.4f} req/s (time x {wl['factor']:.3f}); "
+        f"PPO trains on {len(wl['train_trace'])} requests; {len(wl['train_windows'])} "
+        f"training and {len(wl['eval_windows'])} evaluation windows of {window_requests}")
+
+    env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps,
+                                          shaping_gamma=None)
+    pols, training = train_set_ppo(env, params, int(total_steps), seeds, log=log,
+                                   **(ppo_overrides or {}))
+    learned = {f"ppo_seed{s}": p for s, p in zip(seeds, pols)}
+    log(f"trained {len(seeds)} seed(s) x {int(total_steps):,} steps: compile "
+        f"{training['compile_s']:.0f} s, run {training['run_s']:.0f} s")
+
+    # One program for the training and evaluation windows (trees padded alike).
+    wins = wl["train_windows"] + wl["eval_windows"]
+    env_w, params_w = _build(wins, reps, params.tokens)
+    heur = {h: HEURISTIC_FNS[h] for h in names}
+    t1 = time.perf_counter()
+    base = jax.random.PRNGKey(int(eval_seed))
+    k_eval, k_train = jax.random.fold_in(base, 0), jax.random.fold_in(base, 1)
+    nt = len(wl["train_windows"])
+    keys = jnp.concatenate([
+        jax.vmap(lambda w: jax.random.fold_in(k_train, w))(jnp.arange(nt)),
+        jax.vmap(lambda w: jax.random.fold_in(k_eval, w))(jnp.arange(len(wl["eval_windows"])))])
+    both = replay_windows(env_w, params_w, wins, heur, learned, keys=keys)
+    per_train = {p: {m: v[:nt] for m, v in d.items()} for p, d in both.items()}
+    per_eval = {p: {m: v[nt:] for m, v in d.items()} for p, d in both.items()}
+    log(f"evaluated {len(heur) + len(learned)} policies on {len(wins)} windows in "
+        f"{time.perf_counter() - t1:.0f} s")
+
+    seed_names = list(learned)
+    for pw in (per_train, per_eval):
+        pw[LEARNED] = {m: np.mean([pw[s][m] for s in seed_names], axis=0) for m in METRICS}
+    best, sel_values = select_best(per_train, names)
+    kw = dict(metrics=METRICS, higher_better=HIGHER_BETTER)
+    paired = study.compare(per_eval, seed_names, names, **kw)
+    paired += study.compare_seeds(per_eval, seed_names, names, label=LEARNED, **kw)
+    head = [r for r in paired if r["baseline"] == best and r["metric"] == HEADLINE]
+    summary = {k: {p: {m: float(np.nanmean(v)) for m, v in d.items()} for p, d in pw.items()}
+               for k, pw in (("eval", per_eval), ("train", per_train))}
+    t = wl["train_trace"].trace
+    return {
+        "config": dict(workload=workload, load=float(load), seeds=seeds,
+                       total_steps=int(total_steps), eval_windows=int(eval_windows),
+                       train_windows=nt, window_requests=int(window_requests),
+                       fit_fraction=float(fit_fraction), heuristics=names,
+                       ppo_overrides=dict(ppo_overrides or {}), eval_seed=int(eval_seed),
+                       slo_ttft_s=float(params.slo_ttft_s), slo_tpot_s=float(params.slo_tpot_s),
+                       drop_penalty_s=float(params.drop_penalty_s)),
+        "workload": {"rate": wl["rate"], "factor": wl["factor"], "capacity": wl["capacity"],
+                     "basis": wl["basis"], "calibration": wl["calibration"],
+                     "windows": wl["windows"], "never_fit": wl["never_fit"],
+                     "train_requests": len(t), "train_span_s": float(t.arrival_s[-1]),
+                     "kv_blocks": int(params.gpus.kv_blocks[0]),
+                     "block_size": int(params.gpus.block_size[0])},
+        "training": {"seeds": seeds, **training},
+        "per_window": {k: {p: {m: np.asarray(v).tolist() for m, v in d.items()}
+                           for p, d in pw.items()}
+                       for k, pw in (("eval", per_eval), ("train", per_train))},
+        "summary": summary,
+        "selection": {"on": "training windows", "metric": HEADLINE, "values": sel_values,
+                      "best": best},
+        "headline": {"best_heuristic": best,
+                     LEARNED: next(r for r in head if r["learned"] == LEARNED),
+                     "per_seed": [r for r in head if r["learned"] != LEARNED]},
+        "paired": paired,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# ------------------------------------------------------------------------------ formatting
+
+# The columns of the tables, in order: metric -> (label, format).
+COLUMNS = {HEADLINE: ("time in system (s)", ".2f"), "ttft_p50": ("TTFT p50 (s)", ".2f"),
+           "ttft_p99": ("TTFT p99 (s)", ".1f"), "slo_attainment": ("SLO attainment", ".3f"),
+           "goodput": ("goodput (req/s)", ".3f"), "token_hit_rate": ("token hit rate", ".3f"),
+           "dropped": ("drops", ".1f"), "preemptions": ("preemptions", ".1f")}
+DIFF_COLUMNS = (HEADLINE, "ttft_p50", "ttft_p99", "goodput", "token_hit_rate")
+
+
+def verdict(row: dict) -> str:
+    """"learned better" / "learned worse" where the 95% interval excludes 0, else "no
+    significant difference"."""
+    return ("learned better" if row["learned_better"] else "learned worse"
+            if row["learned_worse"] else "no significant difference")
+
+
+def ci_text(row: dict, fmt: str = "+.3g") -> str:
+    """`mean [low, high]` of a comparison row."""
+    return f"{row['mean']:{fmt}} [{row['low']:{fmt}}, {row['high']:{fmt}}]"
+
+
+def format_prefix_study(result: dict) -> str:
+    """Markdown: the learned router against the best heuristic (chosen on the training
+    windows), every policy's mean metrics over the evaluation windows, and the seeds'
+    paired differences against every heuristic."""
+    head = result["headline"]
+    best = head["best_heuristic"]
+    sel = result["selection"]["values"]
+    ev, tr = result["summary"]["eval"], result["summary"]["train"]
+    seeds = [r["learned"] for r in head["per_seed"]]
+    per_seed = "; ".join(f"`{r['learned']}` {ci_text(r)} ({verdict(r)})" for r in head["per_seed"])
+    lines = [
+        f"**Learned vs the best heuristic.** The best heuristic on the training "
+        f"window{'s' if result['config']['train_windows'] > 1 else ''} (lowest mean time in "
+        f"system there, {sel[best]:.2f} s) is `{best}`. `{LEARNED}` (the {len(seeds)} seeds' "
+        f"greedy policies) minus `{best}` on the {result['config']['eval_windows']} "
+        f"evaluation windows, mean time in system: **{ci_text(head[LEARNED])} s** (crossed seed "
+        f"x window bootstrap, 95%): **{verdict(head[LEARNED])}**. Per seed (paired t over "
+        f"windows): {per_seed}.",
+        "",
+        "| policy | time in system, training (s) | " + " | ".join(
+            label for label, _ in COLUMNS.values()) + " |",
+        "| --- | ---: | " + " | ".join("---:" for _ in COLUMNS) + " |"]
+    heur = sorted((p for p in ev if p in sel), key=lambda p: ev[p][HEADLINE])
+    for p in [LEARNED, *seeds, *heur]:
+        name = f"`{p}`" + (" (best on training)" if p == best else "")
+        lines.append(f"| {name} | {tr[p][HEADLINE]:.2f} | " + " | ".join(
+            f"{ev[p][m]:{f}}" for m, (_, f) in COLUMNS.items()) + " |")
+    rows = {(r["baseline"], r["metric"]): r for r in result["paired"]
+            if r["learned"] == LEARNED}
+    lines += ["", f"`{LEARNED}` minus each heuristic on the evaluation windows (mean [95% "
+              "interval], crossed seed x window bootstrap; \\* marks an interval that excludes "
+              "0, + better or - worse for the learned router):", "",
+              "| heuristic | " + " | ".join(COLUMNS[m][0] for m in DIFF_COLUMNS) + " |",
+              "| --- | " + " | ".join("---:" for _ in DIFF_COLUMNS) + " |"]
+    for h in heur:
+        cells = []
+        for m in DIFF_COLUMNS:
+            r = rows[(h, m)]
+            mark = " \\*+" if r["learned_better"] else " \\*-" if r["learned_worse"] else ""
+            cells.append(ci_text(r) + mark)
+        lines.append(f"| `{h}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

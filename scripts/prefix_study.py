@@ -1,0 +1,79 @@
+"""jaxserve-prefix-study: PPO against every prefix-cache-aware and load-only router.
+
+Example (one configuration of experiment (p), at its quick budget)::
+
+    python -m scripts.prefix_study --workload system_prompts --load 1.0 --seeds 0,1,2 \
+        --steps 32768 --windows 4 --out runs/prefix_study/system_prompts_1.json
+
+Trains PPO (set network, unshaped) on the workload's training trace and replays disjoint
+evaluation windows under the learned policies and every router
+(`agents.experiments.prefix_study`: workloads, loads and statistics). Progress lines go to
+stderr (the study takes minutes); the markdown tables to stdout; the result as JSON to --out.
+Errors print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from scripts.cli import Parser, run_cli
+
+
+def build_parser() -> Parser:
+    from agents.experiments.prefix_study import WORKLOADS
+    ap = Parser(prog="jaxserve-prefix-study", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="system_prompts", choices=WORKLOADS)
+    ap.add_argument("--load", type=float, default=1.0,
+                    help="load multiplier: of the scenario's rate (system_prompts) or of the "
+                         "capacity measured on the training windows (mooncake)")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated PPO seeds")
+    ap.add_argument("--steps", type=int, default=32_768, help="PPO env steps per seed")
+    ap.add_argument("--windows", type=int, default=4, help="evaluation windows (>= 2)")
+    ap.add_argument("--train-windows", type=int, default=None,
+                    help="mooncake: windows of the training part the best heuristic is "
+                         "chosen on (default: --windows)")
+    ap.add_argument("--window-requests", type=int, default=512, help="requests per window")
+    ap.add_argument("--heuristics", default=None,
+                    help="comma-separated routers (default: all of prefix_study.HEURISTICS)")
+    ap.add_argument("--eval-seed", type=int, default=20261202, help="evaluation key seed")
+    ap.add_argument("--out", default=None, help="JSON file for the result")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    def body():
+        from agents.experiments.prefix_study import format_prefix_study, run_prefix_study
+        from jaxserve.evaluation.serialize import to_jsonable
+
+        args = build_parser().parse_args(argv)
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        heur = (None if args.heuristics is None else
+                [h.strip() for h in args.heuristics.split(",") if h.strip()])
+        t0 = time.perf_counter()
+
+        def log(msg: str) -> None:
+            print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", file=sys.stderr, flush=True)
+
+        res = run_prefix_study(workload=args.workload, load=args.load, seeds=seeds,
+                               total_steps=args.steps, eval_windows=args.windows,
+                               train_windows=args.train_windows,
+                               window_requests=args.window_requests, heuristics=heur,
+                               eval_seed=args.eval_seed, log=log)
+        res["command"] = "python -m scripts.prefix_study " + " ".join(
+            sys.argv[1:] if argv is None else argv)
+        print(format_prefix_study(res))
+        if args.out:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(to_jsonable(res), indent=1))
+            print(f"wrote {out} ({res['seconds']:.0f} s)")
+        return 0
+    return run_cli("jaxserve-prefix-study", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

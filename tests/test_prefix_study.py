@@ -1,0 +1,166 @@
+"""Experiment (p)'s study (`agents.experiments.prefix_study`) end to end on tiny windows.
+
+PPO's training program takes over a minute to compile on the 2-core CPU, so the pipeline test
+replaces `train_set_ppo` with untrained set networks of the same shape (the learned lanes,
+comparisons and tables are exercised; what PPO learns is the study's result, not a test's).
+Everything else is the real code: the workload's traces, every router on every window in one
+program, the metrics, the selection on the training window and the paired statistics.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from agents.defaults import make_config
+from agents.networks import make_network
+from agents.policy import LearnedPolicy
+from agents.experiments import prefix_study as P
+from agents.experiments.prefix_routing import section_body
+from jaxserve.evaluation.serialize import to_jsonable
+from jaxserve.traces.prefix import path_nodes, prefix_window
+from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
+
+HEUR = ("llmd_scorers", "jsq_tokens", "round_robin")
+
+
+def _untrained(env, params, total_steps, seeds, *, log=None, **overrides):
+    config = make_config("ppo", "LLMRouting-v0", env, 1024, 0, set_mixer="attention")
+    net = make_network(config, env.num_actions)
+    obs, _ = env.reset(jax.random.PRNGKey(0), params)
+    pols = [LearnedPolicy(net, net.init(jax.random.PRNGKey(s), obs)) for s in seeds]
+    return pols, {"compile_s": 0.0, "run_s": 0.0, "final_return": [0.0] * len(seeds)}
+
+
+@pytest.fixture(scope="module")
+def result():
+    mp = pytest.MonkeyPatch()
+    seen = {}
+    real_select = P.select_best
+
+    def spy(per_window, heuristics, metric=P.HEADLINE):
+        seen["per_window"] = per_window
+        return real_select(per_window, heuristics, metric)
+
+    mp.setattr(P, "train_set_ppo", _untrained)
+    mp.setattr(P, "select_best", spy)
+    try:
+        res = P.run_prefix_study(workload="system_prompts", load=1.0, seeds=(0, 1),
+                                 total_steps=1024, eval_windows=2, window_requests=40,
+                                 heuristics=HEUR, log=lambda msg: None)
+    finally:
+        mp.undo()
+    return res, seen
+
+
+def test_every_policy_has_every_metric_per_window(result):
+    res, _ = result
+    names = {*HEUR, "ppo_seed0", "ppo_seed1", P.LEARNED}
+    for part, windows in (("eval", 2), ("train", 1)):
+        pw = res["per_window"][part]
+        assert set(pw) == names
+        for d in pw.values():
+            assert set(d) == set(P.METRICS)
+            assert all(len(v) == windows and np.all(np.isfinite(v)) for v in d.values())
+    ev = res["per_window"]["eval"]
+    assert all(0.0 <= v <= 1.0 for d in ev.values() for v in d["token_hit_rate"])
+    # Cache affinity shows even on 40 requests: llm-d hits more than round robin.
+    assert np.mean(ev["llmd_scorers"]["token_hit_rate"]) > np.mean(
+        ev["round_robin"]["token_hit_rate"])
+    assert res["workload"]["windows"] == {"train": [0], "eval": [100, 101]}
+
+
+def test_best_heuristic_is_chosen_on_the_training_window_only(result):
+    res, seen = result
+    train, ev = res["per_window"]["train"], res["per_window"]["eval"]
+    # select_best saw the training windows' values, never the evaluation windows'.
+    for h in HEUR:
+        np.testing.assert_array_equal(seen["per_window"][h][P.HEADLINE], train[h][P.HEADLINE])
+    sel = res["selection"]
+    assert sel["on"] == "training windows" and sel["metric"] == P.HEADLINE
+    assert sel["values"] == {h: pytest.approx(np.mean(train[h][P.HEADLINE])) for h in HEUR}
+    assert sel["best"] == min(sel["values"], key=sel["values"].get)
+    assert res["headline"]["best_heuristic"] == sel["best"]
+    # The training window is not an evaluation window: different requests, different values.
+    assert train["llmd_scorers"][P.HEADLINE] != ev["llmd_scorers"][P.HEADLINE][0]
+
+
+def test_learned_minus_best_has_finite_intervals(result):
+    res, _ = result
+    best = res["headline"]["best_heuristic"]
+    head = res["headline"][P.LEARNED]
+    assert head["baseline"] == best and head["metric"] == P.HEADLINE
+    assert np.isfinite([head["mean"], head["low"], head["high"]]).all()
+    assert head["low"] <= head["mean"] <= head["high"]
+    d = np.subtract(res["per_window"]["eval"][P.LEARNED][P.HEADLINE],
+                    res["per_window"]["eval"][best][P.HEADLINE])
+    assert head["mean"] == pytest.approx(d.mean())
+    assert [r["learned"] for r in res["headline"]["per_seed"]] == ["ppo_seed0", "ppo_seed1"]
+    for r in res["headline"]["per_seed"]:
+        assert np.isfinite([r["low"], r["high"]]).all()
+    # learned minus every heuristic, every metric, per seed and for the seeds together
+    assert len(res["paired"]) == 3 * len(HEUR) * len(P.METRICS)
+
+
+def test_format_renders_the_tables(result):
+    res, _ = result
+    text = P.format_prefix_study(res)
+    assert text.startswith("**Learned vs the best heuristic.**")
+    assert f"is `{res['headline']['best_heuristic']}`" in text
+    for name in (*HEUR, "ppo_seed0", P.LEARNED):
+        assert f"| `{name}`" in text
+    assert "| heuristic | time in system (s) |" in text
+    assert "nan" not in text
+    # Experiment (p)'s section, from the result as the results JSON stores it.
+    body = section_body({"system_prompts@1": json.loads(json.dumps(to_jsonable(res)))},
+                        "pytest")
+    assert body.startswith("Command: `pytest`.")
+    assert f"| system_prompts | 1 | `{res['headline']['best_heuristic']}` |" in body
+    assert "### system_prompts, load 1" in body and text in body
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(workload="sessions"), "workload"),
+    (dict(seeds=()), "seeds"),
+    (dict(seeds=(1, 1)), "seeds"),
+    (dict(total_steps=0), "total_steps"),
+    (dict(eval_windows=1), "eval_windows"),
+    (dict(heuristics=("llmd_scorers", "oracle")), "heuristic"),
+    (dict(load=0.0), "load"),
+    (dict(load=float("nan")), "load"),
+    (dict(window_requests=1), "windows of 1 requests"),
+])
+def test_bad_arguments_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        P.run_prefix_study(**{"total_steps": 1024, **kw}, log=lambda msg: None)
+
+
+def test_spread_windows_are_disjoint_and_inside():
+    rows = P.spread_windows(3008, 12031, 4, 256)
+    assert rows[0][0] == 3008 and rows[-1][1] == 12031
+    assert all(b - a == 256 for a, b in rows)
+    assert all(rows[i][1] <= rows[i + 1][0] for i in range(3))
+    with pytest.raises(ValueError, match="do not fit"):
+        P.spread_windows(0, 1000, 4, 256)
+
+
+def test_prefix_window_keeps_the_windows_prefixes():
+    pt = generate_shared_prefix(60, SharedPrefixConfig(session_rate=2.0, turns_mean=3.0,
+                                                       think_s=5.0, first_user_median=900.0),
+                                seed=3)
+    w = prefix_window(pt, 10, 50, time_scale=2.0)
+    assert len(w) == 40 and w.trace.arrival_s[0] == 0.0
+    np.testing.assert_allclose(w.trace.arrival_s,
+                               2.0 * (pt.trace.arrival_s[10:50] - pt.trace.arrival_s[10]))
+    np.testing.assert_array_equal(w.trace.prompt_tokens, pt.trace.prompt_tokens[10:50])
+    # Same hash-id path per request; the tree holds only the window's nodes.
+    for i in range(40):
+        old = [pt.tree.hash_id[k] for k in path_nodes(pt.tree, int(pt.node[10 + i]))]
+        new = [w.tree.hash_id[k] for k in path_nodes(w.tree, int(w.node[i]))]
+        assert old == new
+    assert w.tree.num_nodes < pt.tree.num_nodes
+    with pytest.raises(ValueError, match="window"):
+        prefix_window(pt, 50, 50)
+    with pytest.raises(ValueError, match="time_scale"):
+        prefix_window(pt, 0, 10, time_scale=0.0)
