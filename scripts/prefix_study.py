@@ -19,11 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from agents.experiments.prefix_study import WORKLOADS, format_prefix_study, run_prefix_study
+from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import Parser, run_cli
 
 
 def build_parser() -> Parser:
-    from agents.experiments.prefix_study import WORKLOADS
     ap = Parser(prog="jaxserve-prefix-study", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="system_prompts", choices=WORKLOADS)
     ap.add_argument("--load", type=float, default=1.0,
@@ -46,8 +47,6 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     def body():
-        from agents.experiments.prefix_study import format_prefix_study, run_prefix_study
-        from jaxserve.evaluation.serialize import to_jsonable
 
         args = build_parser().parse_args(argv)
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

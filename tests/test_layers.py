@@ -81,3 +81,50 @@ def test_the_walk_sees_imports_that_point_up():
     assert layer_of("jaxserve.evaluation.stats") > layer_of("jaxserve.core.stats")
     assert layer_of("jaxserve.core") == 1 and layer_of("numpy") is None
     assert layer_of("jaxserve.reference.sim") < layer_of("jaxserve.core.replica")
+
+
+# ---- imports at module top (issue 23, item 1)
+
+DEFERRED_MARK = "# deferred:"
+
+
+def deferred_imports(tree: ast.AST, lines: list[str]) -> list[tuple[int, str, bool]]:
+    """(line, statement, justified) of every import inside a function body; justified when
+    the statement's first line or the line above it carries `# deferred: <why>`."""
+    out, seen = [], set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in seen:
+                seen.add(id(node))
+                near = lines[node.lineno - 1] + (lines[node.lineno - 2] if node.lineno > 1
+                                                 else "")
+                out.append((node.lineno, ast.unparse(node), DEFERRED_MARK in near))
+    return out
+
+
+def unjustified_deferred_imports() -> list[str]:
+    found = []
+    files = [p for pkg in ("jaxserve", "agents", "scripts") for p in (ROOT / pkg).rglob("*.py")]
+    for path in sorted(files):
+        text = path.read_text()
+        for line, stmt, ok in deferred_imports(ast.parse(text, str(path)), text.splitlines()):
+            if not ok:
+                found.append(f"{path.relative_to(ROOT)}:{line}: {stmt}")
+    return found
+
+
+def test_imports_sit_at_module_top_unless_a_reason_is_given():
+    """An import inside a function hides a dependency from the reader and from the layer walk's
+    overview; one stays only with `# deferred: <why>` (a cycle, matplotlib's backend choice)."""
+    assert unjustified_deferred_imports() == []
+
+
+def test_the_deferred_import_check_sees_unmarked_ones():
+    src = ("import os\ndef f():\n    import json\n    # deferred: a cycle\n"
+           "    from a import b\n    import c  # deferred: backend\n"
+           "    def g():\n        import d\n")
+    found = deferred_imports(ast.parse(src), src.splitlines())
+    assert sorted((ln, ok) for ln, _, ok in found) == [(3, False), (5, True), (6, True),
+                                                       (8, False)]

@@ -36,11 +36,25 @@ The experiment, end to end (`run_study`):
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.policies.llm_routing import POLICIES
+import agents
+import jaxserve
+from jaxserve.core import arrivals as A
+from jaxserve.core.continuous_load import capacity
+from jaxserve.core.replica import replica_profile, stack_replicas
+from jaxserve.core.sources import split_trace
+from jaxserve.core.stats import paired_difference, seed_env_bootstrap
+from jaxserve.core.types import Trace
+from jaxserve.evaluation.llm_metrics import request_metrics, slo_attainment
+from jaxserve.policies.llm_routing import POLICIES, make_sita_prompt
+from jaxserve.traces import default_traces_dir, load
+from jaxserve.traces.fitting import fit_mmpp
 
 DEFAULT_TRACE = "conv"
 TRACE_FILES = {"conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
@@ -65,7 +79,6 @@ def study_replicas(max_seqs: int = 16, queue_cap: int = 16):
     """The study's cluster: two `opt13b-a100-80g` and two `opt13b-a100-40g` replicas (the
     registered default's mix) with `max_seqs` / `queue_cap` reduced to keep CPU training to
     minutes."""
-    from jaxserve.core.replica import replica_profile
     kw = dict(max_seqs=max_seqs, queue_cap=queue_cap)
     return ([replica_profile("opt13b-a100-80g", **kw)] * 2
             + [replica_profile("opt13b-a100-40g", **kw)] * 2)
@@ -73,9 +86,7 @@ def study_replicas(max_seqs: int = 16, queue_cap: int = 16):
 
 def load_trace(name: str, traces_dir=None):
     """The Azure LLM 2023 trace `name` ("conv" or "code") from `shared/traces`."""
-    from pathlib import Path
 
-    from jaxserve.traces import default_traces_dir, load
     if name not in TRACE_FILES:
         raise ValueError(f"trace must be one of {sorted(TRACE_FILES)}, got {name!r}")
     root = default_traces_dir() if traces_dir is None else Path(traces_dir)
@@ -86,7 +97,6 @@ def load_trace(name: str, traces_dir=None):
 
 
 def _scale(trace, f: float):
-    from jaxserve.core.types import Trace
     a = np.asarray(trace.arrival_s, np.float64)
     return Trace(arrival_s=(a - a[0]) * f, prompt_tokens=trace.prompt_tokens,
                  output_tokens=trace.output_tokens)
@@ -105,13 +115,7 @@ def prepare(trace, replicas, load: float, fit_fraction: float = 0.25,
       sizes), `arrivals` (fitted MMPP), `tokens` (empirical rows of the training window),
       `sita_threshold`.
     """
-    import jax.numpy as jnp
 
-    from jaxserve.core import arrivals as A
-    from jaxserve.core.continuous_load import capacity
-    from jaxserve.core.replica import stack_replicas
-    from jaxserve.core.sources import split_trace
-    from jaxserve.traces.fitting import fit_mmpp
 
     if not 0 < float(load):
         raise ValueError(f"load must be > 0, got {load}")
@@ -148,11 +152,7 @@ def measured_capacity(env, params, train, policy, *, slo_ttft: float, slo_tpot: 
       dict: `capacity` (req/s), `attainment` there, `light_attainment`, `target_attainment`,
       `stretch` (time factor from `train` to the capacity), `bracketed`, `replays`.
     """
-    import jax
 
-    import jaxserve
-    from jaxserve.core.types import Trace
-    from jaxserve.evaluation.llm_metrics import slo_attainment
 
     if not 0 < target <= 1 or not 0 < light_load < 1:
         raise ValueError(f"target must be in (0, 1] and light_load in (0, 1), got {target}, "
@@ -206,7 +206,6 @@ def env_overrides(prep: dict, replicas, **extra) -> dict:
 def window_metrics(result: dict, output_tokens, *, slo_ttft: float, slo_tpot: float,
                    drop_penalty_s: float) -> dict:
     """The `METRICS` of one replayed window (s, fractions, req/s)."""
-    from jaxserve.evaluation.llm_metrics import request_metrics, slo_attainment
     m = request_metrics(result, output_tokens)
     slo = slo_attainment(result, output_tokens, slo_ttft, slo_tpot)
     dropped = np.asarray(result["dropped"], bool)
@@ -232,10 +231,7 @@ def evaluate_policies(env, params, policies: dict, eval_trace, *, window_request
     Returns:
       dict: policy name -> metric -> `(eval_windows,)` numpy array.
     """
-    import jax
 
-    import jaxserve
-    from jaxserve.core.types import Trace
 
     n = int(window_requests)
     if n < 2 or eval_windows < 1 or n * eval_windows > len(eval_trace):
@@ -265,7 +261,6 @@ def compare(per_window: dict, learned: Sequence[str], baselines: Sequence[str], 
     """Paired differences (learned minus baseline) of every metric of `metrics`, with 95%
     Student-t CIs; a difference is "better" upward for the metrics of `higher_better`,
     downward for the others."""
-    from jaxserve.core.stats import paired_difference
     rows = []
     for ln in learned:
         for b in baselines:
@@ -285,7 +280,6 @@ def compare_seeds(per_window: dict, seeds: Sequence[str], baselines: Sequence[st
     learned policies together (`seeds`: their names in `per_window`): the mean over seeds and
     windows with the crossed seed x window bootstrap's 95% interval
     (`core.stats.seed_env_bootstrap`), rows named `label`, in `compare`'s form."""
-    from jaxserve.core.stats import seed_env_bootstrap
     rows = []
     for b in baselines:
         for m in metrics:
@@ -331,9 +325,6 @@ def run_study(*, trace: str = DEFAULT_TRACE, load: float = 0.8, seeds: Sequence[
       (policy -> metric -> mean over windows), `paired` (learned minus heuristic, per seed and
       for the seeds' mean policy metrics), `seconds`.
     """
-    import agents
-    import jaxserve
-    from jaxserve.policies.llm_routing import make_sita_prompt
 
     t0 = time.perf_counter()
     seeds = [int(s) for s in seeds]

@@ -3,13 +3,21 @@ caching, driven by a trace with prefix identity; its default cluster, workload a
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core import arrivals as A
+from jaxserve.core import continuous as CB
+from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile, stack_replicas
 from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
                                     replica_sizes, set_reward_scales)
+from jaxserve.envs.llm_routing import LLMRouting, PrefixRoutingParams
 from jaxserve.envs.routing import DEFAULT_SHAPING_GAMMA
+from jaxserve.traces.mooncake import load_mooncake
+from jaxserve.traces.prefix import PrefixTrace
+from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
 
 def prefix_replicas():
@@ -20,7 +28,6 @@ def prefix_replicas():
     binds. 128-token blocks (vLLM uses 16) keep the prefix engine's `O(M^2)` lookup cheap;
     the cost is rounding up to 127 tokens per request where vLLM wastes at most 15. 16
     running and 16 waiting slots (scheduler settings, not measurements)."""
-    from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile
 
     kv = kv_blocks_for(40, 5120, 40.0, _OPT13B_WEIGHTS_GB, block_size=PREFIX_BLOCK_SIZE)
     return [replica_profile("opt13b-a100-40g", block_size=PREFIX_BLOCK_SIZE, kv_blocks=kv,
@@ -43,7 +50,6 @@ def prefix_workload(n_requests: int = PREFIX_REQUESTS, seed: int = PREFIX_SEED,
     replica's cache) and `session_rate = PREFIX_SESSION_RATE` sessions/s, at which four
     default replicas' KV caches are mostly full (the registry test checks evictions occur).
     Raises ValueError for an unknown scenario."""
-    from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
     if scenario not in PREFIX_SCENARIOS:
         raise ValueError(f"unknown LLMPrefixRouting-v0 scenario {scenario!r}; known: "
@@ -97,12 +103,7 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     `tree_depth` pad the prefix tables (`continuous.prefix_tables`) so that traces of
     different trees share one program. Other keywords as LLMRouting-v0 (reward scalars).
     """
-    import dataclasses
 
-    from jaxserve.core import continuous as CB
-    from jaxserve.core.replica import stack_replicas
-    from jaxserve.envs.llm_routing import LLMRouting, PrefixRoutingParams
-    from jaxserve.traces.prefix import PrefixTrace
 
     for bad in ("arrivals", "arrival_rate", "tokens"):
         if bad in kw:
@@ -112,7 +113,6 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     elif scenario != "sessions":
         raise ValueError("give either trace= or scenario=, not both")
     elif isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
-        from jaxserve.traces.mooncake import load_mooncake
         trace = load_mooncake(trace)
     if not isinstance(trace, PrefixTrace):
         raise ValueError(f"trace must be a PrefixTrace or a Mooncake file path, got "
