@@ -137,7 +137,7 @@ def headline_summary(data: dict) -> str:
         "fresh seeds, fresh streams")) if proto else ""
     if not rows:
         return ""
-    note = ([f"The (x) row is the best of (x)'s PPO variants on (w)'s short_bursts streams, "
+    note = (["The (x) row is the best of (x)'s PPO variants on (w)'s short_bursts streams, "
              "a training choice picked after seeing them: "
              + ("the (y) row re-measures that pick with training seeds and evaluation streams "
                 "it was not found on (its protocol fixed before the run), and "
@@ -303,8 +303,8 @@ def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
     cpu = platform.processor() or platform.machine()
     kept = sorted(set(blocks) - set(new_keys))
     if not new_keys:  # `--only ""`: the summary and this line from the kept sections' data
-        scope = (f"it ran no experiment and rewrote only the summary above the sections, from "
-                 f"the data of (" + "), (".join(kept) + ") as earlier runs wrote them (each "
+        scope = ("it ran no experiment and rewrote only the summary above the sections, from "
+                 "the data of (" + "), (".join(kept) + ") as earlier runs wrote them (each "
                  "section names the command and commit that wrote it)")
     elif kept:
         scope = (f"it rewrote section(s) {', '.join(f'({k})' for k in new_keys)} and kept "

@@ -383,7 +383,6 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
     w_valid, win = Q.front(q, s_n)
     w_slots = (q.head[:, None] + idx) % q.capacity
     w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
-    w_pre = jnp.take_along_axis(rep.q_pre, w_slots, -1)
     w_prompt = win.prompt.astype(jnp.int32)
     w_len = jnp.where(w_valid, w_prompt + w_gen, 0)
     k_j = k1[:, None] - (_cumsum(w_len) - w_len)
