@@ -68,7 +68,9 @@ import numpy as np
 from agents.experiments import llm_routing_study as study
 from agents.experiments.common import stack_params, train_scenarios
 from agents.policy import LearnedPolicy
-from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile
+from jaxserve.core import continuous as CB
+from jaxserve.core.replica import (_OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile,
+                                   stack_replicas)
 from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, PREFIX_SEED,
                                               make_llm_prefix_routing, prefix_replicas,
                                               prefix_workload)
@@ -288,14 +290,13 @@ def mooncake_capacity(raw, train_rows, rate: float, replicas) -> dict:
 
 
 def _never_fit(ptrace, replicas) -> int:
-    """Requests of `ptrace` that fit no replica's KV cache (`continuous.never_fits`' rule:
-    `ceil((p + o) / b) > kv_blocks - floor(watermark * kv_blocks)`, identical replicas)."""
-    r = (replicas or prefix_replicas())[0]
-    kv, b = int(r.kv_blocks), int(r.block_size)
-    room = kv - int(np.floor(float(r.watermark) * kv))
+    """Requests of `ptrace` that fit no replica (the engine's own rule,
+    `continuous.never_fits`, per request and replica)."""
+    prof = stack_replicas(replicas or prefix_replicas())
     t = ptrace.trace
-    need = -(-(np.asarray(t.prompt_tokens) + np.asarray(t.output_tokens)) // b)
-    return int(np.sum(need > room))
+    never = jax.vmap(lambda p, o: CB.never_fits(prof, p, o))(
+        jnp.asarray(t.prompt_tokens, jnp.int32), jnp.asarray(t.output_tokens, jnp.int32))
+    return int(np.asarray(never).all(-1).sum())
 
 
 # ----------------------------------------------------------------------------- evaluation
