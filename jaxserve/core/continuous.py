@@ -41,7 +41,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.core import queues as Q
-from jaxserve.core.lanes import batch_max, compacted_while
+from jaxserve.core.lanes import batch_max, compacted_while, lane_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.replica import ReplicaProfile, iteration_time
 from jaxserve.core.tree import select
@@ -1455,13 +1455,18 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     if audit:
         ex0 = {**ex0, "audit_failures": jnp.int32(0)}
     pc0 = rep.pc
-    carry = (rep, StepMetrics.zeros(), ex0, log, *_due(rep, horizon))
-    # Under vmap the environments' iteration counts between two arrivals differ (how many
-    # decode iterations fit in the gap), so the loop compacts its lanes.
-    rep, m, ex, log, *_ = compacted_while(lambda c, _: c[-1], body, carry,
-                                          (prof, jnp.asarray(horizon, jnp.float32),
-                                           jnp.asarray(slo_s, jnp.float32), tables),
-                                          gated=True)
+    horizon = jnp.asarray(horizon, jnp.float32)
+    slo_s = jnp.asarray(slo_s, jnp.float32)
+    if log is None or log.ttft.shape[0] == 0:
+        rep, m, ex = _replica_lanes(body, rep, prof, horizon, slo_s, tables, ex0)
+    else:
+        # The request log is one array for all replicas, written where requests finish, so
+        # a logged run (replay) keeps the cluster in one lane: every trip is a pass over all
+        # replicas. Under vmap the environments' trip counts differ (how many decode
+        # iterations fit in the gap), so the loop compacts its environment lanes.
+        carry = (rep, StepMetrics.zeros(), ex0, log, *_due(rep, horizon))
+        rep, m, ex, log, *_ = compacted_while(lambda c, _: c[-1], body, carry,
+                                              (prof, horizon, slo_s, tables), gated=True)
     finite = jnp.isfinite(horizon)
     h = jnp.where(finite, horizon, 0.0)
     part = jnp.where(rep.in_iter & finite, h - jnp.maximum(rep.t_start, 0.0), 0.0)
@@ -1474,6 +1479,36 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     if prefix:
         ex = {**ex, **prefix_extras(pc0, rep.pc)}
     return rep, m, ex, log
+
+
+def _replica_lanes(body, rep: Replicas, prof: ReplicaProfile, horizon, slo_s, tables,
+                   ex0: dict):
+    """`advance`'s loop with one lane per replica (`lanes.lane_while`), for runs without a
+    request log: replicas are independent between arrivals, so each runs its own boundary
+    passes, as a one-replica cluster, and a pass costs one replica's work, not the whole
+    cluster's. Returns (replicas, metrics summed over replicas, extras: counters summed over
+    replicas, `boundaries` their maximum, which is the number of whole-cluster passes the
+    logged loop makes: a replica's due passes come first and stop together)."""
+    r = rep.num_replicas
+    one = lambda x: x.reshape((r, 1) + x.shape[1:])  # noqa: E731 (replica r: a 1-replica cluster)
+    rep_l = jax.tree.map(one, rep)
+    prof_l = jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x), (r,)).reshape(r, 1), prof)
+    h_l, slo_l = jnp.broadcast_to(horizon, (r,)), jnp.broadcast_to(slo_s, (r,))
+    per_lane = lambda x: jnp.zeros((r,) + jnp.shape(x), jnp.asarray(x).dtype)  # noqa: E731
+    m_l = jax.tree.map(per_lane, StepMetrics.zeros())
+    ex_l = jax.tree.map(per_lane, ex0)
+    end_l, due_l = jax.vmap(_due)(rep_l, h_l)
+
+    def lane_body(carry, consts, active):
+        (p, h, slo), tbl = consts
+        return body(carry, (p, h, slo, tbl), active)
+
+    rep_l, m_l, ex_l, *_ = lane_while(lambda c, _: c[-1], lane_body,
+                                      (rep_l, m_l, ex_l, None, end_l, due_l),
+                                      (prof_l, h_l, slo_l), tables)
+    ex = {k: (v.max(0) if k == "boundaries" else v.sum(0)) for k, v in ex_l.items()}
+    return (jax.tree.map(lambda x: x.reshape((r,) + x.shape[2:]), rep_l),
+            jax.tree.map(lambda x: x.sum(0), m_l), ex)
 
 
 PREFIX_EXTRAS = ("prefix_hit_tokens", "prefix_lookup_tokens", "prefix_hit_blocks",

@@ -138,6 +138,62 @@ def compacted_while(cond_fn: Callable[[Any, Any], jax.Array], body_fn: Callable[
     return loop(carry, consts)
 
 
+def lane_while(cond_fn: Callable[[Any, Any], jax.Array], body_fn: Callable[..., Any],
+               carry: Any, consts: Any, shared: Any = None) -> Any:
+    """A gated `compacted_while` over lanes that are already an axis of the arguments.
+
+    Every leaf of `carry` and `consts` has a leading axis of `L` lanes (e.g. the replicas of
+    one cluster, which are independent between two arrivals); `shared` (any pytree, may be
+    None) is read by every lane. `cond_fn(carry_l, (consts_l, shared))` and
+    `body_fn(carry_l, (consts_l, shared), active)` see one lane (the leading axis removed),
+    and the body is gated as in `compacted_while(gated=True)`. Alone, the `L` lanes run as a
+    masked loop (`L` is small); under `vmap` of `B` environments the `B x L` lanes run as one
+    batch, with `compacted_while`'s dense phase and compact chunks over *lanes*, not
+    environments: an environment whose one replica has an event due pays for that replica's
+    pass, not for all of its replicas. Returns the final carry (leading axis `L`).
+
+    Under nested `vmap`s the innermost one merges with the lanes; an outer one batches the
+    resulting loop as a plain `while_loop` (correct; compacted over the inner axis only).
+    """
+    loop = _lane_loop(cond_fn, body_fn)
+    return loop(carry, consts, shared)
+
+
+def _lane_loop(cond_fn, body_fn):
+    def run(carry, consts, shared, shared_batched, lanes):
+        compact = batched_path() == "compact" and lanes > MIN_COMPACT_LANES
+        flags = (jax.tree.map(lambda _: True, consts), shared_batched)
+        return _batched_loop(cond_fn, body_fn, carry, (consts, shared), flags, lanes, compact)
+
+    def plain(carry, consts, shared):
+        lanes = jax.tree.leaves(carry)[0].shape[0]
+        return run(carry, consts, shared, jax.tree.map(lambda _: False, shared), lanes)
+
+    loop = jax.custom_batching.custom_vmap(plain)
+
+    @loop.def_vmap
+    def _rule(axis_size, in_batched, carry, consts, shared):
+        carry_b, consts_b, shared_b = in_batched
+        lanes = jax.tree.leaves(carry)[0].shape[int(jax.tree.leaves(carry_b)[0])]
+
+        def merge(x, b):  # (B, L, ...) or (L, ...) -> (B * L, ...)
+            x = x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x))
+            return x.reshape((axis_size * lanes,) + x.shape[2:])
+
+        def per_lane(x, b):  # a batched shared leaf, (B, ...) -> (B * L, ...)
+            if not b:
+                return x
+            x = jnp.broadcast_to(x[:, None], (axis_size, lanes) + x.shape[1:])
+            return x.reshape((axis_size * lanes,) + x.shape[2:])
+
+        out = run(jax.tree.map(merge, carry, carry_b), jax.tree.map(merge, consts, consts_b),
+                  jax.tree.map(per_lane, shared, shared_b), shared_b, axis_size * lanes)
+        out = jax.tree.map(lambda x: x.reshape((axis_size, lanes) + x.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return loop
+
+
 def _select_body(body_fn):
     """A gated body (see `compacted_while`) from one that may change inactive lanes."""
     def body(carry, consts, active):
