@@ -562,3 +562,62 @@ def test_decode_run_length_at_any_horizon_equals_every_boundary():
     np.testing.assert_array_equal(g1, g0)
     np.testing.assert_allclose(t1, t0, rtol=1e-6)
     assert int(b1.max()) <= 4 < int(b0.max())  # the skip did run
+
+
+def test_replica_lanes_equal_the_logged_loop():
+    """`advance` without a request log runs one loop lane per replica (`_replica_lanes`, what
+    the environments run); with one (replay) one lane per cluster, which the tests above hold
+    to the reference per request. Both must reach bit-identical replicas after every window,
+    with the same boundary-pass counts, alone and vmapped over 48 environments of 4 replicas
+    (192 lanes: past `lanes.MIN_COMPACT_LANES`, so the dense phase and the compact chunks
+    both run). Float metrics are sums in another order: equal to 1e-6 relative."""
+    from jaxserve.core import queues as Q
+
+    rng = np.random.default_rng(11)
+    profiles = [ReplicaProfile(
+        c0=rng.uniform(0.005, 0.02), alpha=rng.uniform(1e-5, 1e-4), beta=rng.uniform(0, 2e-3),
+        gamma=rng.uniform(0, 1e-4), delta=rng.uniform(0, 1e-6),
+        kv_blocks=int(rng.integers(30, 60)), block_size=16, max_seqs=8,
+        max_tokens=int(rng.choice([256, 512])), chunked_prefill=bool(g % 2), watermark=0.01,
+        queue_cap=8) for g in range(4)]
+    prof = stack_replicas(profiles)
+    n, envs = 40, 48
+    gaps = rng.exponential(0.08, size=(envs, n)).astype(np.float32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    prompt = f32(rng.integers(1, 300, size=(envs, n)))
+    output = f32(rng.integers(1, 80, size=(envs, n)))
+    replica = jnp.asarray(rng.integers(0, 4, size=(envs, n)), jnp.int32)
+
+    def episode(gap, prompt, output, replica, logged):
+        rep = CB.empty_replicas(4, 8, 8)
+        log = CB.empty_log(n if logged else 0)
+
+        def step(c, x):
+            rep, log = c
+            g, p, o, r, i = x
+            req = Q.Request(arrival=jnp.float32(0.0), prompt=p, output=o, estimate=o,
+                            size_class=jnp.int32(0), req_id=i)
+            rep, _, _ = CB.route(rep, prof, req, r)
+            rep, m, ex, log = CB.advance(rep, prof, g, jnp.float32(1.0), log)
+            return (CB.rebase(rep, g), log), (rep, m, ex)
+
+        xs = (gap, prompt, output, replica, jnp.arange(n, dtype=jnp.int32))
+        return jax.lax.scan(step, (rep, log), xs)[1]
+
+    def check(got, want):
+        rep_g, m_g, ex_g = got
+        rep_w, m_w, ex_w = want
+        assert rep_g.preemptions.sum() > 0 and rep_g.run.count.max() > 1
+        for a, b in zip(jax.tree.leaves(rep_g), jax.tree.leaves(rep_w)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(jax.tree.leaves((m_g, ex_g)), jax.tree.leaves((m_w, ex_w))):
+            if jnp.issubdtype(a.dtype, jnp.integer):  # counts, boundary passes included
+                np.testing.assert_array_equal(a, b)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    run = jax.jit(jax.vmap(episode, in_axes=(0, 0, 0, 0, None)), static_argnums=4)
+    check(run(gaps, prompt, output, replica, False), run(gaps, prompt, output, replica, True))
+    one = jax.jit(episode, static_argnums=4)
+    check(one(gaps[0], prompt[0], output[0], replica[0], False),
+          one(gaps[0], prompt[0], output[0], replica[0], True))
