@@ -7,8 +7,10 @@ tokens dropped), then, only if nothing was preempted, FCFS admission from the wa
 `max_seqs`, the token budget (chunked prefill or not) and the watermark.
 
 Event-driven and exact: `advance` jumps from iteration boundary to iteration boundary with a
-`lax.while_loop`, all replicas at once (they are independent between arrivals); there is no time
-step. Each scheduling decision is computed in closed form with prefix sums over the running slots
+`lax.while_loop`; there is no time step. Replicas are independent between arrivals, so the
+loop runs one lane per replica (`lanes.lane_while`: under `vmap` every environment's replicas
+form one batch of lanes, compacted on CPU), except when a request log is kept (replay), where
+the cluster is one lane. Each scheduling decision is computed in closed form with prefix sums over the running slots
 (see `_schedule`), so a boundary costs O(max_seqs^2) vector work and no inner loop.
 
 Clock: stored times are relative to the current decision instant (time 0); `rebase` moves the
@@ -1404,11 +1406,14 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     Time-in-system over `[0, horizon]` is `sum over completions of t_c + N(horizon) *
     horizon` (N only falls inside the window). Does not rebase the clock.
 
-    Each trip of the loop is one boundary pass over all replicas: iteration ends due, then,
-    where a replica is free, the closed-form skip of a fixed pure-decode run (`_decode_run`;
-    off with `decode_runs=False`, which runs every iteration's boundary: same results up to
-    float32 rounding, for tests and profiling), then the scheduler. `extra["boundaries"]`
-    counts the trips.
+    A boundary pass: iteration ends due, then, where a replica is free, the closed-form skip
+    of a fixed pure-decode run (`_decode_run`; off with `decode_runs=False`, which runs every
+    iteration's boundary: same results up to float32 rounding, for tests and profiling), then
+    the scheduler. Without a log (`log` None or of length 0: the environments) each replica
+    runs its own passes in its own loop lane (`_replica_lanes`); with one, each trip of the
+    loop is a pass over all replicas. Both give the same replicas bit for bit.
+    `extra["boundaries"]` counts the cluster's passes (with lanes: the largest count among
+    its replicas, the same number).
 
     With prefix caching (`rep.pc` present) the scheduler is `_schedule_prefix` with the
     trace's prefix tree `tables` (required). A skipped decode run then also carries out its
