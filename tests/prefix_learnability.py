@@ -1,19 +1,22 @@
 """Does the minimal PureJaxRL-style PPO learn LLMPrefixRouting-v0? (issue 22, item 4)
 
     python -m tests.prefix_learnability [--steps 262144] [--seed 0] \
-        [--scenario sessions|system_prompts] [--network mlp|set] [--no-shaping]
+        [--scenario sessions|system_prompts] [--network mlp|set] [--no-shaping] [--ranked]
 
 Trains `tests/minimal_ppo.py` (PureJaxRL's CartPole-v1 settings, MLP on the flat observation,
 no reward normalisation; `--network set`: `agents.ppo` with LLMRouting-v0's PPO settings and
 the attention set network, which scores every replica with the same weights:
 `agents.experiments.prefix_study.train_set_ppo`, which experiment (p) trains with) on
 `make_llm_prefix_routing(scenario=...)` (prefix caching on, a 512-request synthetic
-shared-prefix trace; `--no-shaping`: `shaping_gamma=None`) for `--steps` env steps, then
+shared-prefix trace; `--no-shaping`: `shaping_gamma=None`; `--ranked`: PPO acts on the
+ranked environment, `LLMRouting`'s "Ranked replicas") for `--steps` env steps, then
 runs one episode
 (the whole trace, the routing of `scripts/prefix_routers.py`) under the greedy PPO policy,
 every production prefix router (`policies.prefix_routing.POLICIES`) and the load-only
-baselines, and prints each one's mean time in system per request (s), drops and token hit
-rate. One trace and one key: a learnability probe, not a confidence statement.
+baselines (these on the index-ordered environment: the dynamics are the same), and prints
+each one's mean time in system per request (s), drops and token hit rate; with `--ranked`
+also the constant policy "always rank 0" (most cached prefix, then least load). One trace
+and one key: a learnability probe, not a confidence statement.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from agents.experiments.prefix_study import train_set_ppo
@@ -65,12 +69,15 @@ def main(argv=None):
     ap.add_argument("--network", default="mlp", choices=("mlp", "set"),
                     help="mlp: the minimal PureJaxRL PPO; set: agents.ppo, attention set net")
     ap.add_argument("--no-shaping", action="store_true", help="shaping_gamma=None")
+    ap.add_argument("--ranked", action="store_true",
+                    help="PPO on the ranked environment (actions and rows in rank order)")
     ap.add_argument("--eval-seeds", default="0",
                     help="comma-separated generator seeds of the evaluation traces (0 is the "
                          "training trace; others are traces PPO never saw)")
     args = ap.parse_args(argv)
     env, params = make_llm_prefix_routing(
-        scenario=args.scenario, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA)
+        scenario=args.scenario, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA,
+        ranked=args.ranked)
     t0 = time.perf_counter()
     if args.network == "mlp":
         train, network = make_train({"TOTAL_TIMESTEPS": args.steps}, env, params)
@@ -80,9 +87,15 @@ def main(argv=None):
     else:
         learned = train_set_ppo(env, params, args.steps, [args.seed])[0][0]
     print(f"trained {args.steps:,} steps (seed {args.seed}, {args.network}, scenario "
-          f"{args.scenario}, shaping {'off' if args.no_shaping else 'on'}) in "
-          f"{time.perf_counter() - t0:.0f} s", flush=True)
-    pols = {"ppo (greedy)": learned, **PR.POLICIES,
+          f"{args.scenario}, shaping {'off' if args.no_shaping else 'on'}"
+          f"{', ranked' if args.ranked else ''}) in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    # Policies acting on the ranked environment (PPO's actions are ranks); the routers name
+    # replicas and act on the index-ordered one.
+    on_ranked = {"ppo (greedy)": learned}
+    if args.ranked:
+        on_ranked["always rank 0"] = lambda key, obs, state, params: jnp.int32(0)
+    pols = {**on_ranked, **PR.POLICIES,
             "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
             "round_robin": L.round_robin, "least_marginal": L.least_marginal}
     for seed in (int(x) for x in args.eval_seeds.split(",")):
@@ -92,8 +105,9 @@ def main(argv=None):
         n = int(params_e.max_steps_in_episode)  # the whole trace
         print(f"evaluation trace: generator seed {seed}"
               + (" (the training trace)" if seed == PREFIX_SEED else " (not seen in training)"))
+        env_r = env_e.replace_static(ranked=args.ranked)
         for name, pol in pols.items():
-            m = episode_metrics(env_e, params_e, pol, n)
+            m = episode_metrics(env_r if name in on_ranked else env_e, params_e, pol, n)
             print(f"  {name:22s} mean time in system {m['time_in_system_s']:7.2f} s  drops "
                   f"{m['dropped']:4.0f}  token hit rate {m['hit_rate']:.3f}", flush=True)
 

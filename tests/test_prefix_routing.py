@@ -496,3 +496,49 @@ def test_system_prompts_scenario_rewards_cache_affinity():
     assert llmd["time_in_system_s"] < 0.6 * jsq["time_in_system_s"]
     with pytest.raises(ValueError, match="scenario"):
         make_llm_prefix_routing(scenario="nope")
+
+
+def test_ranked_replicas_reorder_actions_and_rows_only():
+    """`ranked=True` changes what an action and an observation row name, not the dynamics:
+    driven by the same replica choices (each turned into its rank by `action_for_replica`),
+    the ranked environment's states, rewards and infos equal the index-ordered one's, its
+    rows are the same rows in `replica_order`, and that order puts the replicas with the
+    most cached blocks of the pending prompt first."""
+    reps = [REPS[0]] * 3
+    env, params = small(replicas=reps)
+    renv, _ = small(replicas=reps, ranked=True)
+    assert renv.ranked and not env.ranked
+    choice = jax.random.randint(jax.random.PRNGKey(5), (STEPS,), 0, 3)
+
+    @jax.jit
+    def go(key):
+        _, s = env.reset(key, params)
+        _, rs = renv.reset(key, params)
+
+        def step(c, x):
+            s, rs = c
+            k, r = x
+            a = renv.action_for_replica(rs, params, r)
+            picked = renv.replica_order(rs, params)[a]
+            o, s, rew, _, _, info = env.step(k, s, r, params)
+            ro, rs, rrew, _, _, rinfo = renv.step(k, rs, a, params)
+            order = renv.replica_order(rs, params)
+            hit = pending_cached_blocks(rs, params)
+            return (s, rs), (picked, o, ro, rew, rrew, info, rinfo, order, hit)
+
+        return jax.lax.scan(step, (s, rs), (jax.random.split(key, STEPS), choice))
+
+    (s, rs), (picked, o, ro, rew, rrew, info, rinfo, order, hit) = go(jax.random.PRNGKey(6))
+    np.testing.assert_array_equal(picked, choice)
+    chex.assert_trees_all_equal(s, rs)
+    drop_obs = lambda i: {k: v for k, v in i.items() if k != "final_observation"}  # noqa: E731
+    chex.assert_trees_all_equal((rew, drop_obs(info)), (rrew, drop_obs(rinfo)))
+    rows = np.asarray(o)[:, 3:].reshape(STEPS, 3, -1)
+    order = np.asarray(order)
+    np.testing.assert_array_equal(np.sort(order, -1), np.tile(np.arange(3), (STEPS, 1)))
+    np.testing.assert_array_equal(np.asarray(ro)[:, 3:].reshape(STEPS, 3, -1),
+                                  np.take_along_axis(rows, order[:, :, None], 1))
+    np.testing.assert_array_equal(np.asarray(ro)[:, :3], np.asarray(o)[:, :3])
+    ranked_hit = np.take_along_axis(np.asarray(hit), order, 1)
+    assert np.all(np.diff(ranked_hit, axis=1) <= 0)
+    assert (order != np.arange(3)).any(1).sum() > STEPS // 4  # the ranking is exercised

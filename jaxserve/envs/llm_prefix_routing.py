@@ -87,7 +87,7 @@ PREFIX_SCENARIOS = {
 def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_seqs=None,
                             shaping_gamma=DEFAULT_SHAPING_GAMMA, reward="time_in_system",
                             caching=True, tree_nodes=None, tree_depth=None,
-                            scenario="sessions", **kw):
+                            scenario="sessions", ranked=False, **kw):
     """LLMPrefixRouting-v0 (experimental, not in `jaxserve.make`'s registry: a standard PPO
     does not yet learn it to the best router's level): LLMRouting-v0's class with automatic prefix
     caching on (`LLMRoutingStatic.prefix_blocks` = the largest `kv_blocks`), driven by a
@@ -101,7 +101,9 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     `prefix_replicas()`; `caching=False` builds the same scenario without a prefix cache
     (LLMRouting-v0's engine; params still `PrefixRoutingParams`). `tree_nodes` and
     `tree_depth` pad the prefix tables (`continuous.prefix_tables`) so that traces of
-    different trees share one program. Other keywords as LLMRouting-v0 (reward scalars).
+    different trees share one program. `ranked` puts actions and observation rows in rank
+    order (`LLMRouting`, Ranked replicas: most cached prefix first). Other keywords as
+    LLMRouting-v0 (reward scalars).
     """
 
 
@@ -147,7 +149,8 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     blocks = int(np.max(np.asarray(prof.kv_blocks))) if caching else 0
     env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,
                      trace_len=params.trace.gap.shape[0], default=params,
-                     shaping_gamma=shaping_gamma, reward=reward, prefix_blocks=blocks)
+                     shaping_gamma=shaping_gamma, reward=reward, prefix_blocks=blocks,
+                     ranked=bool(ranked))
     env.check_params(params)
     return env, params
 

@@ -98,6 +98,8 @@ class LLMRoutingStatic:
         (LLMPrefixRouting-v0; `continuous.empty_replicas(prefix_blocks=M)`), params are
         `PrefixRoutingParams` and each replica's observation row gains
         `NUM_PREFIX_FEATURES` features.
+      ranked: actions and observation rows in rank order (see `LLMRouting`, Ranked
+        replicas) instead of replica index order.
     """
 
     num_replicas: int
@@ -108,6 +110,7 @@ class LLMRoutingStatic:
     shaping_gamma: float | None = DEFAULT_SHAPING_GAMMA
     reward: str = "time_in_system"
     prefix_blocks: int = 0
+    ranked: bool = False
 
     def __post_init__(self):
         check_sizes(self, positive=("num_replicas", "queue_buffer", "max_seqs"),
@@ -213,6 +216,16 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
       `prefix_lookup_blocks`, `prefix_evictions` and `prefix_shared_preemptions`. Replay
       fixed decisions with `evaluation.replay.replay_prefix` (`jaxserve.replay` takes a
       plain `Trace`, which has no prefix nodes, and refuses this environment).
+
+    Ranked replicas (`ranked=True`): action `k` routes to the replica ranked `k`, and the
+      observation's replica rows come in that order: most of the pending request's prompt
+      blocks cached there first (`pending_cached_blocks`; 0 everywhere without prefix
+      caching), then fewest estimated tokens in flight (`continuous.tokens_in_flight`), then
+      the lower index (`replica_order`). The replicas are interchangeable to a router up to
+      what their rows show, and in index order an MLP must learn "go where the prompt is
+      cached" once per replica column; ranked, "go to rank 0 unless its load says
+      otherwise" is one rule. A router that names replicas acts through
+      `action_for_replica`. The dynamics are those of the index-ordered environment.
     """
 
     Static = LLMRoutingStatic  # static configuration (`env.static`; fields read as attributes)
@@ -276,8 +289,35 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             slo_busy=jnp.zeros((slots,), jnp.bool_), slo_output=jnp.zeros((slots,), jnp.float32))
         return self.get_obs(state, params), state
 
+    def replica_order(self, state, params) -> jax.Array:
+        """`(R,)` int32: the replica at each rank (see `LLMRouting`, Ranked replicas):
+        cached prefix blocks of the pending request descending, then tokens in flight
+        ascending, then index. Index order when not `ranked`."""
+        r = jnp.arange(self.num_replicas, dtype=jnp.int32)
+        if not self.ranked:
+            return r
+        hit = (pending_cached_blocks(state, params) if self.prefix
+               else jnp.zeros((self.num_replicas,), jnp.int32))
+        load = CB.tokens_in_flight(state.cluster)
+        # better[i, j]: replica j ranks before replica i; a replica's rank counts them.
+        h_i, h_j, l_i, l_j = hit[:, None], hit[None, :], load[:, None], load[None, :]
+        better = (h_j > h_i) | ((h_j == h_i) & ((l_j < l_i) | ((l_j == l_i)
+                                                               & (r[None, :] < r[:, None]))))
+        rank = better.sum(1).astype(jnp.int32)
+        return jnp.zeros_like(r).at[rank].set(r)
+
+    def action_for_replica(self, state, params, replica) -> jax.Array:
+        """The action that routes the pending request to `replica` (its rank when
+        `ranked`, else `replica` itself). int32."""
+        replica = jnp.asarray(replica, jnp.int32)
+        if not self.ranked:
+            return replica
+        return jnp.argmax(self.replica_order(state, params) == replica).astype(jnp.int32)
+
     def step_env(self, key, state, action, params):
         replica, invalid = common.discrete_action(action, self.num_replicas)
+        if self.ranked:
+            replica = self.replica_order(state, params)[replica]
         slo = self.reward == "slo"
         routed, log0 = state.pending, state.log
         if slo:
@@ -334,6 +374,8 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         rows = replica_features(state.cluster, state.pending, params, added)
         if self.prefix:
             rows = jnp.concatenate([rows, prefix_features(state, params)], axis=-1)
+        if self.ranked:
+            rows = rows[self.replica_order(state, params)]
         return jnp.concatenate([common.request_features(state.pending, params), rows.ravel()])
 
     def is_terminated(self, state, params):
