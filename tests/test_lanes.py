@@ -84,6 +84,46 @@ def test_unbatched_carry_leaves_are_broadcast():
     np.testing.assert_allclose(np.asarray(got[1]), [1.0, 4.0, 37.0, 1.0])
 
 
+def _lane_body(c, consts, active):
+    (scale,), (offset,) = consts  # per-lane consts, then the shared ones
+    new = _body(c, (scale, offset))
+    return jax.tree.map(lambda a, b: jnp.where(active, a, b), new, c)
+
+
+@pytest.mark.parametrize("shared_batched", [False, True])
+def test_lane_while_equals_a_loop_per_lane(shared_batched):
+    """`lane_while` over 4 lanes per environment: alone, each lane as its own `while_loop`;
+    under `vmap` of 128 environments (512 lanes: the dense phase, then >= 2 compact chunks)
+    the same, with the shared constant per environment or common."""
+    rng = np.random.default_rng(2)
+    envs, per = 128, 4
+    limits = np.where(rng.random((envs, per)) < 0.6, rng.integers(0, 5, (envs, per)),
+                      rng.integers(5, 61, (envs, per)))
+    carry = (jnp.zeros((envs, per), jnp.int32),
+             jnp.asarray(rng.random((envs, per)), jnp.float32),
+             jnp.asarray(limits, jnp.int32))
+    scale = jnp.asarray(rng.uniform(0.5, 0.9, (envs, per)), jnp.float32)
+    offset = (jnp.asarray(rng.uniform(0.0, 0.5, envs), jnp.float32) if shared_batched
+              else jnp.float32(0.25))
+    got = jax.jit(jax.vmap(lambda c, sc, off: lanes.lane_while(
+        lambda x, _: _cond(x, None), _lane_body, c, (sc,), (off,)),
+        in_axes=(0, 0, 0 if shared_batched else None)))(carry, scale, offset)
+    offs = np.broadcast_to(np.asarray(offset), (envs,))
+
+    def one(c, sc, off):
+        return _plain(c, (sc, off))
+
+    want = jax.jit(jax.vmap(jax.vmap(one, in_axes=(0, 0, None))))(
+        carry, scale, jnp.asarray(offs))
+    np.testing.assert_array_equal(np.asarray(got[0]), limits)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+    alone = lanes.lane_while(lambda x, _: _cond(x, None), _lane_body,
+                             jax.tree.map(lambda x: x[0], carry), (scale[0],),
+                             (jnp.float32(offs[0]),))
+    np.testing.assert_array_equal(np.asarray(alone[0]), limits[0])
+    np.testing.assert_allclose(np.asarray(alone[1]), np.asarray(want[1][0]), rtol=1e-6)
+
+
 def test_active_order_equals_nonzero():
     rng = np.random.default_rng(1)
     for rows, cols in ((37, 8), (5, 1), (64, 3)):

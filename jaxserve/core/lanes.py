@@ -4,7 +4,9 @@ Under `vmap` a `lax.while_loop` runs every lane (environment) for the batch's la
 iteration count, masking the lanes that are done. When the counts are skewed (most lanes
 finish in a few iterations, a few need many) most of that work is wasted. The helpers here
 list the lanes that still have work (`active_order`) and run them in compact chunks
-(`chunk_width`); `compacted_while` packages that as a drop-in `while_loop`.
+(`chunk_width`); `compacted_while` packages that as a drop-in `while_loop`, and
+`lane_while` does the same for loops whose lanes are already an axis of their arguments (the
+continuous engine's replicas: under `vmap` the lanes are (environment, replica) pairs).
 `cluster.advance_static` uses the first two for its (environment, GPU) lanes.
 """
 
