@@ -10,8 +10,9 @@ Event-driven and exact: `advance` jumps from iteration boundary to iteration bou
 `lax.while_loop`; there is no time step. Replicas are independent between arrivals, so the
 loop runs one lane per replica (`lanes.lane_while`: under `vmap` every environment's replicas
 form one batch of lanes, compacted on CPU), except when a request log is kept (replay), where
-the cluster is one lane. Each scheduling decision is computed in closed form with prefix sums over the running slots
-(see `_schedule`), so a boundary costs O(max_seqs^2) vector work and no inner loop.
+the cluster is one lane. Each scheduling decision is computed in closed form with prefix sums
+over the running slots (see `_schedule`), so a boundary costs O(max_seqs^2) vector work and
+no inner loop.
 
 Clock: stored times are relative to the current decision instant (time 0); `rebase` moves the
 origin forward, so float32 times stay as precise as the spans between nearby events. Within one
@@ -1421,8 +1422,8 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     the blocks its tokens fill (`_run_blocks`), and ends before it would take one of the
     waiting head's unreferenced cache hits, the one thing in the run that could change the
     head's admission test (`_run_head_check`). `audit` (tests) adds
-    `extra["audit_failures"]`: boundaries at which some replica's block pool failed
-    `prefix_audit`.
+    `extra["audit_failures"]`: boundary passes at which a block pool failed `prefix_audit`
+    (per replica with lanes, per cluster with a log; 0 either way when the pools hold).
 
     Returns:
       (replicas, StepMetrics of the window, extra counters (`zero_extras` keys), log).
