@@ -81,17 +81,20 @@ PREFIX_SCENARIOS = {
 
 
 # Not registered (`jaxserve.make` does not build it): every registered env must be learnable by a
-# standard PPO as it is, and on this one a minimal PPO trails the best router after 1M steps
-# (`python -m tests.prefix_learnability`; with prefix caching on it steps at ~2,350
-# env-steps/s on a 2-core CPU at 256 envs). Built by this function.
+# standard PPO as it is. With replicas in index order a minimal MLP PPO trails the best router
+# after 1M steps; with `ranked=True` it learns affinity with a load guard (3 seeds at 1M steps
+# beat llm-d's scorers over three system_prompts traces, not resolved on the two it never saw;
+# docs/prefix_caching.md), but the
+# registered form, its contract tests and a CI-sized learnability test are not in place yet
+# (`python -m tests.prefix_learnability`). Built by this function.
 def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_seqs=None,
                             shaping_gamma=DEFAULT_SHAPING_GAMMA, reward="time_in_system",
                             caching=True, tree_nodes=None, tree_depth=None,
                             scenario="sessions", ranked=False, **kw):
-    """LLMPrefixRouting-v0 (experimental, not in `jaxserve.make`'s registry: a standard PPO
-    does not yet learn it to the best router's level): LLMRouting-v0's class with automatic prefix
-    caching on (`LLMRoutingStatic.prefix_blocks` = the largest `kv_blocks`), driven by a
-    trace with prefix identity.
+    """LLMPrefixRouting-v0 (experimental, not in `jaxserve.make`'s registry; see the comment
+    above): LLMRouting-v0's class with automatic prefix caching on
+    (`LLMRoutingStatic.prefix_blocks` = the largest `kv_blocks`), driven by a trace with
+    prefix identity.
 
     `trace`: a `traces.prefix.PrefixTrace`, or a path to a Mooncake JSONL(.gz) file
     (`traces.mooncake.load_mooncake`); default `prefix_workload(scenario=scenario)` (512
