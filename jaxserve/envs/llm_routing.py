@@ -289,15 +289,18 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             slo_busy=jnp.zeros((slots,), jnp.bool_), slo_output=jnp.zeros((slots,), jnp.float32))
         return self.get_obs(state, params), state
 
-    def replica_order(self, state, params) -> jax.Array:
+    def replica_order(self, state, params, hit=None) -> jax.Array:
         """`(R,)` int32: the replica at each rank (see `LLMRouting`, Ranked replicas):
-        cached prefix blocks of the pending request descending, then tokens in flight
-        ascending, then index. Index order when not `ranked`."""
+        cached prefix blocks of the pending request descending (`hit`, when the caller has
+        `pending_cached_blocks` already), then tokens in flight ascending, then index.
+        Index order when not `ranked`."""
         r = jnp.arange(self.num_replicas, dtype=jnp.int32)
         if not self.ranked:
             return r
-        hit = (pending_cached_blocks(state, params) if self.prefix
-               else jnp.zeros((self.num_replicas,), jnp.int32))
+        if not self.prefix:
+            hit = jnp.zeros((self.num_replicas,), jnp.int32)
+        elif hit is None:
+            hit = pending_cached_blocks(state, params)
         load = CB.tokens_in_flight(state.cluster)
         # better[i, j]: replica j ranks before replica i; a replica's rank counts them.
         h_i, h_j, l_i, l_j = hit[:, None], hit[None, :], load[:, None], load[None, :]
@@ -372,10 +375,13 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
     def _observe(self, state, params, added=None):
         """`get_obs`, with the marginal-backlog feature's input `added` when the step has it."""
         rows = replica_features(state.cluster, state.pending, params, added)
+        # The pending prompt's cached blocks feed both the prefix features and the ranking:
+        # one lookup (a walk of the prefix tree per replica).
+        hit = pending_cached_blocks(state, params) if self.prefix else None
         if self.prefix:
-            rows = jnp.concatenate([rows, prefix_features(state, params)], axis=-1)
+            rows = jnp.concatenate([rows, prefix_features(state, params, hit)], axis=-1)
         if self.ranked:
-            rows = rows[self.replica_order(state, params)]
+            rows = rows[self.replica_order(state, params, hit)]
         return jnp.concatenate([common.request_features(state.pending, params), rows.ravel()])
 
     def is_terminated(self, state, params):
@@ -414,11 +420,15 @@ def pending_cached_blocks(state: LLMRoutingState, params: PrefixRoutingParams) -
                                    pending_node(state, params), state.pending.prompt)
 
 
-def prefix_features(state: LLMRoutingState, params: PrefixRoutingParams) -> jax.Array:
+def prefix_features(state: LLMRoutingState, params: PrefixRoutingParams,
+                    hit: jax.Array | None = None) -> jax.Array:
     """The per-replica prefix features, `(num_replicas, 2)`: cached fraction of the pending
-    request's prompt, and cached-unreferenced blocks / kv_blocks (see `LLMRouting`)."""
+    request's prompt, and cached-unreferenced blocks / kv_blocks (see `LLMRouting`). `hit`:
+    `pending_cached_blocks(state, params)` when the caller has it."""
     prof = params.gpus
-    hit = pending_cached_blocks(state, params) * prof.block_size
+    if hit is None:
+        hit = pending_cached_blocks(state, params)
+    hit = hit * prof.block_size
     unref = CB.block_accounting(state.cluster, prof)["cached_unreferenced"]
     rows = jnp.stack([hit / jnp.maximum(state.pending.prompt, 1.0),
                       unref / prof.kv_blocks.astype(jnp.float32)], axis=-1)
