@@ -41,6 +41,15 @@ ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
                     num_minibatches=4, update_epochs=8, gamma=0.99, gae_lambda=0.95,
                     ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
     },
+    # LLMPrefixRouting-v0: LLMRouting-v0's settings with the attention set network (one set of
+    # weights scores every replica, so it reads cache affinity in any replica order); experiment
+    # (p) trains with these, and at 1M steps this network reached the production routers'
+    # level on unseen traces (docs/prefix_caching.md).
+    "LLMPrefixRouting-v0": {
+        "ppo": dict(total_steps=1_048_576, num_envs=16, num_steps=64, lr=1e-3,
+                    num_minibatches=4, update_epochs=8, gamma=0.99, gae_lambda=0.95,
+                    ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="attention"),
+    },
     # Batching-v0 is semi-Markov (a wait lasts one arrival gap, a dispatch until the GPU frees):
     # discount by simulated time, not per decision, or "always wait" looks cheap
     # (docs/training.md, "Batching-v0"). Its registered latency_scale (1000) keeps rewards O(1).

@@ -64,7 +64,6 @@ from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replica
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import routing as R
-from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
                                            make_runner, state_bytes, time_env)
 from jaxserve.evaluation.replay import replay_prefix_arrays
@@ -350,8 +349,7 @@ TRACE_ENVS = ("Routing-v0", "LLMRouting-v0", "LLMPrefixRouting-v0")
 
 def trace_env(counts, steps, top=25, name="Routing-v0"):
     """Per-XLA-op trace of the bench's compiled scan of `name` (from reset, `steps` steps;
-    Routing-v0: the issue's workload, `routing_env`; LLMRouting-v0: the registered defaults;
-    LLMPrefixRouting-v0: `make_llm_prefix_routing()`, prefix caching on).
+    Routing-v0: the issue's workload, `routing_env`; the LLM envs: their registered defaults).
 
     For each env count: op executions per step, traced op time (self time summed over
     threads, so CPU time) against the untraced wall time of the same call (tracing adds
@@ -359,12 +357,7 @@ def trace_env(counts, steps, top=25, name="Routing-v0"):
     each with its share, executions per step, and shape/opcode/source line from the
     optimized HLO. The run is one call after a warm-up call, so compile is not in it.
     """
-    if name == "Routing-v0":
-        env, params = routing_env()
-    elif name == "LLMPrefixRouting-v0":
-        env, params = make_llm_prefix_routing()
-    else:
-        env, params = jaxserve.make(name)
+    env, params = routing_env() if name == "Routing-v0" else jaxserve.make(name)
     out = {}
     for n in counts:
         run = make_runner(env, params, steps)
@@ -472,13 +465,15 @@ def prefix_bench(counts, steps, repeats):
 
 
 def prefix_env_bench(counts, steps, repeats):
-    """env-steps/s of LLMPrefixRouting-v0's default scenario (random actions, from reset,
-    auto-reset on), with prefix caching and without it (`caching=False`: the same replicas
-    and trace on LLMRouting-v0's engine), measured in one process, plus state bytes."""
+    """env-steps/s of LLMPrefixRouting-v0 at its registered defaults (random actions, from
+    reset, auto-reset on), with prefix caching and without it (`caching=False`: the same
+    replicas and trace on LLMRouting-v0's engine), measured in one process, plus state bytes.
+    (Rows measured before the env was registered, 2026-12-05, ran the "sessions" workload
+    in index order, shaped.)"""
 
     out = []
     for caching in (True, False):
-        env, params = make_llm_prefix_routing(caching=caching)
+        env, params = jaxserve.make("LLMPrefixRouting-v0", caching=caching)
         nbytes = state_bytes(env, params)
         for n in counts:
             r = time_env(env, params, n, steps, 0, repeats)

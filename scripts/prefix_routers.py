@@ -37,8 +37,8 @@ def main(argv=None):
     ap.add_argument("--scenario", default="sessions", choices=sorted(PREFIX_SCENARIOS),
                     help="the synthetic workload (envs.llm_prefix_routing.PREFIX_SCENARIOS)")
     args = ap.parse_args(argv)
-    env, params = make_llm_prefix_routing(
-        trace=prefix_workload(args.requests, args.seed, scenario=args.scenario))
+    env, params = make_llm_prefix_routing(  # index order: the routers name replicas
+        trace=prefix_workload(args.requests, args.seed, scenario=args.scenario), ranked=False)
     pols = {**PR.POLICIES, "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
             "least_kv": L.least_kv, "least_marginal": L.least_marginal,
             "round_robin": L.round_robin}

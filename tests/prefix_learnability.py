@@ -77,7 +77,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     env, params = make_llm_prefix_routing(
         scenario=args.scenario, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA,
-        ranked=args.ranked)
+        ranked=bool(args.ranked))
     t0 = time.perf_counter()
     if args.network == "mlp":
         train, network = make_train({"TOTAL_TIMESTEPS": args.steps}, env, params)
@@ -101,7 +101,8 @@ def main(argv=None):
     for seed in (int(x) for x in args.eval_seeds.split(",")):
         trace = prefix_workload(PREFIX_REQUESTS, seed, scenario=args.scenario)
         env_e, params_e = make_llm_prefix_routing(
-            trace=trace, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA)
+            trace=trace, shaping_gamma=None if args.no_shaping else DEFAULT_SHAPING_GAMMA,
+            ranked=False)
         n = int(params_e.max_steps_in_episode)  # the whole trace
         print(f"evaluation trace: generator seed {seed}"
               + (" (the training trace)" if seed == PREFIX_SEED else " (not seen in training)"))

@@ -151,7 +151,10 @@ def test_one_trace_and_vmap_over_envs_and_params_equals_loop(name):
     # New keys and new parameter values reuse the compiled program (one trace, below).
     runs = [single(p, k) for p, k in lane_args]
     chex.assert_trees_all_equal(runs[0], single(params, k1))  # same key, same result
-    assert not np.array_equal(np.asarray(runs[0][1][1]), np.asarray(runs[1][1][1]))
+    # Another key, another rollout (the sampled actions, and for sampled arrivals the
+    # rewards; a replayed trace's first steps may earn the same rewards under any action).
+    assert any(not np.array_equal(a, b) for a, b in
+               zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])))
     # Doubling latency_scale halves every reward.
     np.testing.assert_allclose(np.asarray(runs[2][1][1]), np.asarray(runs[0][1][1]) / 2.0,
                                rtol=1e-5, atol=1e-7)

@@ -36,7 +36,8 @@ CASES = (("Routing-v0", "Routing-v0", {}),
          ("Batching-v0", "Batching-v0", {}),
          ("Autoscaling-v0", "Autoscaling-v0", {}),
          ("LLMRouting-v0", "LLMRouting-v0", {}),
-         ("LLMAutoscaling-v0", "LLMAutoscaling-v0", {}))
+         ("LLMAutoscaling-v0", "LLMAutoscaling-v0", {}),
+         ("LLMPrefixRouting-v0", "LLMPrefixRouting-v0", {}))
 
 
 def fingerprint(name: str, kw: dict, steps: int = STEPS) -> dict:

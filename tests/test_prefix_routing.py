@@ -16,7 +16,8 @@ import jaxserve
 from jaxserve import policies as P
 from jaxserve.core import continuous as CB
 from jaxserve.envs.base import FEATURE_CLIP, with_static
-from jaxserve.envs.llm_routing import PrefixRoutingParams, pending_cached_blocks
+from jaxserve.envs.llm_routing import (DEFAULT_SHAPING_GAMMA, PrefixRoutingParams,
+                                       pending_cached_blocks)
 from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.policies import prefix_routing as PR
 from jaxserve.traces.prefix import PrefixTrace, PrefixTree
@@ -35,8 +36,12 @@ STEPS = 40  # > N: the rollout crosses an episode end (termination and auto-rese
 
 
 def small(**kw):
+    """The tiny scenario, in index order and shaped as LLMRouting-v0 (so that it can be
+    compared with LLMRouting-v0 and driven by replica indices); keywords override."""
     kw.setdefault("replicas", REPS)
     kw.setdefault("trace", PT)
+    kw.setdefault("ranked", False)
+    kw.setdefault("shaping_gamma", DEFAULT_SHAPING_GAMMA)
     return make_llm_prefix_routing(**kw)
 
 
@@ -65,10 +70,12 @@ ACTIONS = jnp.asarray(np.random.default_rng(0).integers(0, 2, STEPS), jnp.int32)
 # ------------------------------------------------------------------------------ environment
 
 def test_default_scenario():
-    # Not registered: registered envs must be learnable as they are, and this one is too slow
-    # to train on yet (docs/prefix_caching.md).
-    assert "LLMPrefixRouting-v0" not in jaxserve.registered_envs()
-    env, params = make_llm_prefix_routing()
+    """The registered defaults: the system_prompts workload, ranked replicas, no shaping
+    (`make_llm_prefix_routing`'s docstring gives the reasons)."""
+    assert "LLMPrefixRouting-v0" in jaxserve.registered_envs()
+    env, params = jaxserve.make("LLMPrefixRouting-v0")
+    assert env.ranked and env.shaping_gamma is None
+    assert env == make_llm_prefix_routing()[0]
     assert env.name == "LLMPrefixRouting-v0" and env.policy_kind == "prefix_routing"
     assert isinstance(params, PrefixRoutingParams)
     assert env.num_replicas == 4 and env.prefix_blocks == 79 and env.max_seqs == 16
@@ -287,7 +294,7 @@ HAND_PT = PrefixTrace(
 
 @pytest.fixture(scope="module")
 def hand():
-    env, params = make_llm_prefix_routing(replicas=HAND_REPS, trace=HAND_PT)
+    env, params = make_llm_prefix_routing(replicas=HAND_REPS, trace=HAND_PT, ranked=False)
     _, state = env.reset(jax.random.PRNGKey(0), params)
     return env, params, state
 
@@ -488,7 +495,8 @@ def test_system_prompts_scenario_rewards_cache_affinity():
     margin (0.40 measured against the 0.6 bound) is the tolerance."""
     from tests.prefix_learnability import episode_metrics
 
-    env, params = make_llm_prefix_routing(scenario="system_prompts")
+    env, params = make_llm_prefix_routing(scenario="system_prompts", ranked=False,
+                                          shaping_gamma=DEFAULT_SHAPING_GAMMA)
     llmd = episode_metrics(env, params, PR.POLICIES["llmd_scorers"], 512)
     from jaxserve.policies.llm_routing import jsq_tokens
     jsq = episode_metrics(env, params, jsq_tokens, 512)
@@ -500,7 +508,8 @@ def test_system_prompts_scenario_rewards_cache_affinity():
 
 def test_ranked_replicas_reorder_actions_and_rows_only():
     """`ranked=True` changes what an action and an observation row name, not the dynamics:
-    driven by the same replica choices (each turned into its rank by `action_for_replica`),
+    driven by the same replica choices (each turned into its rank by `replica_policy`, as a
+    registered router is on the ranked registered env),
     the ranked environment's states, rewards and infos equal the index-ordered one's, its
     rows are the same rows in `replica_order`, and that order puts the replicas with the
     most cached blocks of the pending prompt first."""
@@ -508,6 +517,8 @@ def test_ranked_replicas_reorder_actions_and_rows_only():
     env, params = small(replicas=reps)
     renv, _ = small(replicas=reps, ranked=True)
     assert renv.ranked and not env.ranked
+    router = PR.POLICIES["session_affinity"]
+    assert env.replica_policy(router) is router  # index order: the router itself
     choice = jax.random.randint(jax.random.PRNGKey(5), (STEPS,), 0, 3)
 
     @jax.jit
@@ -518,7 +529,7 @@ def test_ranked_replicas_reorder_actions_and_rows_only():
         def step(c, x):
             s, rs = c
             k, r = x
-            a = renv.action_for_replica(rs, params, r)
+            a = renv.replica_policy(lambda k, o, s, p: r)(k, None, rs, params)
             picked = renv.replica_order(rs, params)[a]
             o, s, rew, _, _, info = env.step(k, s, r, params)
             ro, rs, rrew, _, _, rinfo = renv.step(k, rs, a, params)

@@ -116,8 +116,8 @@ def mooncake_replicas(max_seqs: int = 16, queue_cap: int = 16):
 
 def train_set_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
                   **overrides) -> tuple[list[LearnedPolicy], dict]:
-    """PPO on `(env, params)` with LLMRouting-v0's settings (`agents.defaults.ENV_DEFAULTS`)
-    and the attention set network (one set of weights scores every replica), one run per seed
+    """PPO on `(env, params)` with LLMPrefixRouting-v0's settings (`agents.defaults.
+    ENV_DEFAULTS`: LLMRouting-v0's with the attention set network), one run per seed
     in one compiled program (`experiments.common.train_scenarios`; seed `s` trains from
     `jax.random.key(s)`). `overrides`: other PPO hyperparameters (e.g. `num_envs`, tests).
 
@@ -131,9 +131,8 @@ def train_set_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=No
     if int(total_steps) < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     ctx = None if log is None else _LogContext(log)
-    pols, curves = train_scenarios("LLMRouting-v0", env, [params], "ppo", seeds,
-                                   int(total_steps), ctx=ctx, set_mixer="attention",
-                                   **overrides)
+    pols, curves = train_scenarios("LLMPrefixRouting-v0", env, [params], "ppo", seeds,
+                                   int(total_steps), ctx=ctx, **overrides)
     ret = np.asarray(curves["episode_return"])[0]  # (seeds, updates)
     return pols[0], {"compile_s": float(curves["compile_s"]), "run_s": float(curves["run_s"]),
                      "final_return": [float(r[-1]) for r in ret]}
@@ -169,8 +168,11 @@ def _build(traces, replicas, tokens=None):
     `max_prompt`) are scaled alike in every window and as in training."""
     nodes = max(t.tree.num_nodes for t in traces)
     depth = max(int(np.max(t.tree.depth)) if t.tree.num_nodes else 1 for t in traces)
+    # Index order (ranked=False): the routers name replicas, and the set network scores
+    # every replica with the same weights, so it needs no ranking.
     built = [make_llm_prefix_routing(trace=t, replicas=replicas, shaping_gamma=None,
-                                     tree_nodes=nodes, tree_depth=depth) for t in traces]
+                                     ranked=False, tree_nodes=nodes, tree_depth=depth)
+             for t in traces]
     plist = [b[1] if tokens is None else b[1].replace(tokens=tokens) for b in built]
     params = stack_params(plist)
     return _shared_env(built[0][0], params), params
@@ -452,7 +454,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
         f"training and {len(wl['eval_windows'])} evaluation windows of {window_requests}")
 
     env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps,
-                                          shaping_gamma=None)
+                                          shaping_gamma=None, ranked=False)
     pols, training = train_set_ppo(env, params, int(total_steps), seeds, log=log,
                                    **(ppo_overrides or {}))
     learned = {f"ppo_seed{s}": p for s, p in zip(seeds, pols)}

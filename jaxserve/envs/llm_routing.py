@@ -224,8 +224,9 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
       the lower index (`replica_order`). The replicas are interchangeable to a router up to
       what their rows show, and in index order an MLP must learn "go where the prompt is
       cached" once per replica column; ranked, "go to rank 0 unless its load says
-      otherwise" is one rule. A router that names replicas acts through
-      `action_for_replica`. The dynamics are those of the index-ordered environment.
+      otherwise" is one rule. A router that names replicas (every registered one) acts
+      through `replica_policy` (or `action_for_replica`). The dynamics are those of the
+      index-ordered environment. LLMPrefixRouting-v0 is registered ranked.
     """
 
     Static = LLMRoutingStatic  # static configuration (`env.static`; fields read as attributes)
@@ -316,6 +317,18 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         if not self.ranked:
             return replica
         return jnp.argmax(self.replica_order(state, params) == replica).astype(jnp.int32)
+
+    def replica_policy(self, policy):
+        """`policy(key, obs, state, params) -> replica` (every registered router names a
+        replica) as a policy of this environment's actions: on a ranked environment the
+        replica's rank (`action_for_replica`), otherwise `policy` itself. The routers read
+        the state, not the observation's rows, so ranking changes nothing else for them."""
+        if not self.ranked:
+            return policy
+
+        def ranked_policy(key, obs, state, params):
+            return self.action_for_replica(state, params, policy(key, obs, state, params))
+        return ranked_policy
 
     def step_env(self, key, state, action, params):
         replica, invalid = common.discrete_action(action, self.num_replicas)

@@ -3,10 +3,9 @@
 The table of registered environments and `make`; nothing else. Each builder lives beside its
 environment and owns that environment's default scenario (`envs.routing.make_routing`,
 `envs.batching.make_batching`, `envs.autoscaling.make_autoscaling`,
-`envs.llm_routing.make_llm_routing`, `envs.llm_autoscaling.make_llm_autoscaling`); the
-keywords every builder shares are documented at `envs.defaults.build_params`.
-`envs.llm_prefix_routing.make_llm_prefix_routing` builds the experimental, unregistered
-LLMPrefixRouting-v0.
+`envs.llm_routing.make_llm_routing`, `envs.llm_autoscaling.make_llm_autoscaling`,
+`envs.llm_prefix_routing.make_llm_prefix_routing`); the keywords every builder shares are
+documented at `envs.defaults.build_params`.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Callable
 from jaxserve.envs.autoscaling import make_autoscaling
 from jaxserve.envs.batching import make_batching
 from jaxserve.envs.llm_autoscaling import make_llm_autoscaling
+from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.envs.llm_routing import make_llm_routing
 from jaxserve.envs.routing import make_routing
 
@@ -25,10 +25,8 @@ _REGISTRY: dict[str, Callable] = {
     "Autoscaling-v0": make_autoscaling,
     "LLMRouting-v0": make_llm_routing,
     "LLMAutoscaling-v0": make_llm_autoscaling,
+    "LLMPrefixRouting-v0": make_llm_prefix_routing,
 }
-# LLMPrefixRouting-v0 is not in the table: every registered env must be learnable by a
-# standard PPO as it is, and on it a minimal PPO trails the best router after 1M steps
-# (`python -m tests.prefix_learnability`); `envs.llm_prefix_routing` builds it.
 
 
 def register(name: str):

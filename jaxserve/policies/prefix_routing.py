@@ -2,6 +2,8 @@
 
 Same signature as every jaxserve policy: `policy(key, obs, state, params) -> int32 replica`,
 pure JAX, jit- and vmap-safe, registered with kind "prefix_routing" (`policies.get(name)`).
+They name replicas by index; the registered LLMPrefixRouting-v0 is ranked (its action is a
+rank), so act there with `env.replica_policy(router)`.
 Each reads only what the real router reads (/work/shared/ROUTERS.md, "Cache-aware routers"):
 
 * the replicas' reported cached blocks of the pending request
