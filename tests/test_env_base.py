@@ -49,7 +49,8 @@ def test_with_static_is_cached_by_value():
 
 STATIC_TYPES = {"Routing-v0": "RoutingStatic", "Batching-v0": "BatchingStatic",
                 "Autoscaling-v0": "AutoscalingStatic", "LLMRouting-v0": "LLMRoutingStatic",
-                "LLMAutoscaling-v0": "AutoscalingStatic"}
+                "LLMAutoscaling-v0": "AutoscalingStatic",
+                "LLMPrefixRouting-v0": "LLMRoutingStatic"}
 
 
 @pytest.mark.parametrize("name", sorted(STATIC_TYPES))
