@@ -51,6 +51,14 @@ from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
 from scripts.cli import parse_pairs, run_cli
 
+# Registered environments whose learned policies other commands compare with the heuristics.
+_COMPARED_ELSEWHERE = {
+    "LLMRouting-v0": "the LLM routers are compared by `python -m scripts.llm_routing` and "
+                     "experiment (f) of scripts/reproduce.py",
+    "LLMPrefixRouting-v0": "the prefix routers are compared by `python -m scripts.prefix_study` "
+                           "(experiment (p)) and `python -m scripts.prefix_routers`",
+}
+
 # Hyperparameter flags: (flag, config field, type).
 HPARAM_FLAGS = (
     ("--lr", "lr", float), ("--ent-coef", "ent_coef", float), ("--clip-eps", "clip_eps", float),
@@ -249,7 +257,10 @@ def run(args, argv) -> int:
         resumed = (f", resumed at update {result.resumed_from}" if result.resumed_from else "")
         what = (f"trained {result.algo} on {result.env_name}: {total} in "
                 f"{result.wall_time_s:.1f} s (compile {result.compile_time_s:.1f} s{resumed})")
-    print(f"{what}; final return {result.final_return():.4g}; overrides {result.env_overrides}")
+    ret = result.final_return()
+    ret_text = (f"final return {ret:.4g}" if np.isfinite(ret) else
+                "no episode finished yet (final return undefined: train longer than one episode)")
+    print(f"{what}; {ret_text}; overrides {result.env_overrides}")
 
     doc = {"command": "jaxserve-train " + " ".join(sys.argv[1:] if argv is None else argv),
            "env": args.env, "algo": args.algo, "seed": args.seed,
@@ -298,7 +309,8 @@ def run(args, argv) -> int:
             for n, r in results.items():
                 w.writerow([n, *[r[k] for k in columns]])
     elif not evaluable and not args.no_eval:
-        print(f"{args.env} is not a jaxserve serving environment: no heuristic comparison")
+        print(f"no heuristic comparison for {args.env} here: "
+              + _COMPARED_ELSEWHERE.get(args.env, "not a jaxserve serving environment"))
     doc["total_wall_s"] = time.perf_counter() - t0
     with open(out / "results.json", "w") as f:
         json.dump(to_jsonable(doc), f, indent=1)
