@@ -14,7 +14,6 @@ from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_pro
 from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
                                     replica_sizes, set_reward_scales)
 from jaxserve.envs.llm_routing import LLMRouting, PrefixRoutingParams
-from jaxserve.envs.routing import DEFAULT_SHAPING_GAMMA
 from jaxserve.traces.mooncake import load_mooncake
 from jaxserve.traces.prefix import PrefixTrace
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
@@ -48,10 +47,10 @@ def prefix_workload(n_requests: int = PREFIX_REQUESTS, seed: int = PREFIX_SEED,
     "system_prompts" (the default, `PREFIX_SCENARIO`): eight long shared system prompts,
     short user inputs (`PREFIX_SCENARIOS` gives the reasons). "sessions": Mooncake-like
     sessions (the generator's defaults: one 512-token system prompt, multi-turn
-    conversations, first-turn user input median 5,500 tokens) except `max_prompt = 8192` (a session ends when its conversation outgrows a
-    replica's cache) and `session_rate = PREFIX_SESSION_RATE` sessions/s, at which four
-    default replicas' KV caches are mostly full (the registry test checks evictions occur).
-    Raises ValueError for an unknown scenario."""
+    conversations, first-turn user input median 5,500 tokens) except `max_prompt = 8192`
+    (a session ends when its conversation outgrows a replica's cache) and `session_rate =
+    PREFIX_SESSION_RATE` sessions/s, at which four default replicas' KV caches are mostly
+    full. Raises ValueError for an unknown scenario."""
 
     if scenario not in PREFIX_SCENARIOS:
         raise ValueError(f"unknown LLMPrefixRouting-v0 scenario {scenario!r}; known: "
