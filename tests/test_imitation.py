@@ -76,12 +76,16 @@ def test_imitation_arguments_are_checked(bursty):
                         imitation={"policy": "sita"})
 
 
-def test_train_with_imitate_records_it_and_resume_checks_it(tmp_path, bursty):
+def test_train_with_imitate_records_it_and_resume_checks_it(tmp_path, bursty, monkeypatch):
     """`agents.train(..., imitate=...)`: a run of one PPO update from the clone of
     sita_predicted routes far better than JSQ (a network one update from random does not);
     the checkpoint records the heuristic, and resuming without it (or with another) is
-    refused while resuming with it continues."""
+    refused while resuming with it continues. The clone is fitted on 128 demonstration steps
+    per environment instead of `imitation.DEFAULTS`' 512 (the same code, 4x fewer samples to
+    fit): measured 11.4 s against JSQ's 35.1 s."""
     import agents
+    from agents import imitation
+    monkeypatch.setitem(imitation.DEFAULTS, "num_steps", 128)
     env, params, _, key = bursty
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="cannot imitate 'sed_oracle'"):
