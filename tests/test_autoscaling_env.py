@@ -54,11 +54,12 @@ def test_contract_jit_vmap_and_spaces():
     assert reward.dtype == jnp.float32 and obs.dtype == jnp.float32
     assert {"gpu_seconds", "active", "serving", "provisioned", "slo_violations",
             "final_observation"} <= set(info)
-    # vmap over environments equals a Python loop over them.
+    # vmap over environments equals a Python loop over them (17 steps, the truncation check's
+    # length, so the loop and that check share one compiled program).
     keys = jax.random.split(jax.random.key(2), 3)
-    _, (obs_b, r_b, *_ ) = jax.vmap(lambda k: run(env, params, k, 6))(keys)
+    _, (obs_b, r_b, *_ ) = jax.vmap(lambda k: run(env, params, k, 17))(keys)
     for i in range(3):
-        _, (obs_i, r_i, *_) = run(env, params, keys[i], 6)
+        _, (obs_i, r_i, *_) = run(env, params, keys[i], 17)
         np.testing.assert_allclose(r_b[i], r_i, rtol=1e-6)
     # Truncation after max_steps_in_episode intervals.
     _, (_, _, term, trunc, _) = run(env, params, jax.random.key(3), 17)
