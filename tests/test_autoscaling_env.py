@@ -176,8 +176,8 @@ def test_diurnal_arrival_counts_follow_the_rate():
                         control_interval_s=dt, max_replicas=8, max_steps_in_episode=10_000)
     steps = int(5 * period / dt)
     keys = jax.random.split(jax.random.key(11), 8)
-    _, (_, _, _, _, info) = jax.vmap(
-        lambda k: rollout(env, params, k, steps, jnp.full((steps,), 7, jnp.int32)))(keys)
+    _, (_, _, _, _, info) = jax.jit(jax.vmap(  # jitted: one program, no op-by-op reset
+        lambda k: rollout(env, params, k, steps, jnp.full((steps,), 7, jnp.int32))))(keys)
     counts = np.asarray(info["arrived"], float).reshape(8, 5, -1)  # env, period, phase
     per_phase = counts.reshape(40, -1)
     clock = np.arange(per_phase.shape[1]) * dt
