@@ -54,11 +54,12 @@ def test_contract_jit_vmap_and_spaces():
     assert reward.dtype == jnp.float32 and obs.dtype == jnp.float32
     assert {"gpu_seconds", "active", "serving", "provisioned", "slo_violations",
             "final_observation"} <= set(info)
-    # vmap over environments equals a Python loop over them.
+    # vmap over environments equals a Python loop over them (17 steps, the truncation check's
+    # length, so the loop and that check share one compiled program).
     keys = jax.random.split(jax.random.key(2), 3)
-    _, (obs_b, r_b, *_ ) = jax.vmap(lambda k: run(env, params, k, 6))(keys)
+    _, (obs_b, r_b, *_ ) = jax.vmap(lambda k: run(env, params, k, 17))(keys)
     for i in range(3):
-        _, (obs_i, r_i, *_) = run(env, params, keys[i], 6)
+        _, (obs_i, r_i, *_) = run(env, params, keys[i], 17)
         np.testing.assert_allclose(r_b[i], r_i, rtol=1e-6)
     # Truncation after max_steps_in_episode intervals.
     _, (_, _, term, trunc, _) = run(env, params, jax.random.key(3), 17)
@@ -175,8 +176,8 @@ def test_diurnal_arrival_counts_follow_the_rate():
                         control_interval_s=dt, max_replicas=8, max_steps_in_episode=10_000)
     steps = int(5 * period / dt)
     keys = jax.random.split(jax.random.key(11), 8)
-    _, (_, _, _, _, info) = jax.vmap(
-        lambda k: rollout(env, params, k, steps, jnp.full((steps,), 7, jnp.int32)))(keys)
+    _, (_, _, _, _, info) = jax.jit(jax.vmap(  # jitted: one program, no op-by-op reset
+        lambda k: rollout(env, params, k, steps, jnp.full((steps,), 7, jnp.int32))))(keys)
     counts = np.asarray(info["arrived"], float).reshape(8, 5, -1)  # env, period, phase
     per_phase = counts.reshape(40, -1)
     clock = np.arange(per_phase.shape[1]) * dt
@@ -276,21 +277,25 @@ def test_random_phase_spreads_the_time_of_day_per_key():
 def test_random_initial_and_invalid_penalty():
     env, params = small(max_replicas=4, initial_replicas=2, action_mode=1)
     keys = jax.random.split(jax.random.key(5), 64)
-    n0 = lambda p: np.asarray(jax.vmap(  # noqa: E731
-        lambda k: (env.reset(k, p)[1].mode == AS.ACTIVE).sum())(keys))
+    # Jitted, one program each for every call below (op by op, each eager step compiled its
+    # own event-loop programs).
+    active = jax.jit(jax.vmap(lambda k, p: (env.reset(k, p)[1].mode == AS.ACTIVE).sum(),
+                              in_axes=(0, None)))
+    n0 = lambda p: np.asarray(active(keys, p))  # noqa: E731
     assert (n0(params) == 2).all()
     n = n0(params.replace(random_initial=jnp.int32(1)))
     assert set(n.tolist()) == {1, 2, 3, 4}  # 64 draws of 4 values: each missing w.p. < 1e-7
     # A clipped step costs exactly invalid_penalty_s more, same key, same everything else.
     _, state = env.reset(jax.random.key(0), params)
+    step = jax.jit(env.step_env)
 
     def reward(p, a):
-        return float(env.step_env(jax.random.key(1), state, jnp.int32(a), p)[2])
+        return float(step(jax.random.key(1), state, jnp.int32(a), p)[2])
     pen = params.replace(invalid_penalty_s=jnp.float32(250.0))
     scale = float(params.serving.latency_scale)
     assert reward(pen, 3) == reward(params, 3)  # action 3 steps +1 (a - 2): 2 -> 3, valid
     full = state.replace(mode=jnp.full((4,), AS.ACTIVE, jnp.int32))
-    r = lambda p, a: float(env.step_env(jax.random.key(1), full, jnp.int32(a), p)[2])  # noqa
+    r = lambda p, a: float(step(jax.random.key(1), full, jnp.int32(a), p)[2])  # noqa
     assert r(pen, 3) == pytest.approx(r(params, 3) - 250.0 / scale, abs=1e-6)  # 4 -> 5: clipped
     with pytest.raises(ValueError, match="random_initial"):
         env.check_params(params.replace(random_initial=jnp.int32(3)))

@@ -15,6 +15,9 @@ from jaxserve.core import queues as Q
 from jaxserve.core.replica import replica_profile, stack_replicas
 
 MAX_SEQS, QUEUE = 20, 100
+# Jitted once here: called eagerly, `advance`'s event loop compiled a `while` program for
+# each state, and `route` dispatched (and compiled) its operations one by one.
+_route, _advance = jax.jit(CB.route), jax.jit(CB.advance)
 
 
 def _state(n_requests: int, seed: int, advance_s: float):
@@ -30,9 +33,9 @@ def _state(n_requests: int, seed: int, advance_s: float):
                         prompt=jnp.float32(rng.integers(1, 200)), output=jnp.float32(out),
                         estimate=jnp.float32(out * rng.uniform(0.5, 2.0)),
                         size_class=jnp.int32(0), req_id=jnp.int32(i))
-        rep, dropped, _ = CB.route(rep, prof, req, jnp.int32(i % 2))
+        rep, dropped, _ = _route(rep, prof, req, jnp.int32(i % 2))
         assert not bool(dropped)
-    rep, *_ = CB.advance(rep, prof, jnp.float32(advance_s), jnp.float32(jnp.inf))
+    rep, *_ = _advance(rep, prof, jnp.float32(advance_s), jnp.float32(jnp.inf))
     return rep, prof
 
 

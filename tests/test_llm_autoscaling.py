@@ -93,8 +93,11 @@ def test_evaluate_autoscalers_counts_requests_in_flight():
     key = jax.random.PRNGKey(0)
     # Both requests arrive at 0. Three replicas: one each, both finish at FINISH. One
     # replica: they share its iterations (prefill 0.5 + 16 / 64 s, then 15 decodes of
-    # 0.5 + 2 / 64 s) and finish at 8.71875 s. Held after one 4 s interval, done after three.
-    early = evaluate_autoscalers(env, params, pols, key, num_envs=1, num_steps=1)
+    # 0.5 + 2 / 64 s) and finish at 8.71875 s. Held after three 1 s intervals, done after
+    # three 4 s intervals. The interval is a traced parameter and the number of intervals
+    # is the same, so both runs are one compiled program.
+    early = evaluate_autoscalers(env, params.replace(control_interval_s=jnp.float32(1.0)),
+                                 pols, key, num_envs=1, num_steps=3)
     late = evaluate_autoscalers(env, params, pols, key, num_envs=1, num_steps=3)
     for name in pols:
         assert early[name]["in_flight"] == 2.0

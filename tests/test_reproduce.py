@@ -332,12 +332,20 @@ def test_train_scenarios_checkpoints_are_the_same_run_cut_into_parts():
 
 
 @pytest.mark.slow
-def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys):
+def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, monkeypatch):
     """(x) through `python -m scripts.ablate` at the tiny budget: two variants that share one
     training program (only a parameter differs) and an imitation warm start (its own
     program, with its clone's row), sita_tuned and least_marginal beside them, the paired
-    columns and the agreement diagnostics; bad input exits 2 without a traceback."""
+    columns and the agreement diagnostics; bad input exits 2 without a traceback.
+
+    The warm start runs a shorter imitation than `agents.imitation.DEFAULTS` (the same code
+    path; only scan lengths and the demonstration batch shrink): the default 512
+    demonstration steps x 300 Adam steps ran 11 s on CPU, for rows whose values are not
+    checked here."""
+    from agents import imitation
     from scripts.ablate import main
+    monkeypatch.setitem(imitation.DEFAULTS, "num_steps", 32)
+    monkeypatch.setitem(imitation.DEFAULTS, "epochs", 8)
     out = tmp_path / "x.md"
     assert main(["--budget", "tiny", "--variants",
                  "ppo,uninformative-estimate,imitation-warm-start",
