@@ -32,7 +32,6 @@ training trajectory can flip it, and the test then says so; the round-robin marg
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -41,6 +40,7 @@ from jaxserve.core.sources import sample_stream
 from jaxserve.envs.base import with_static
 from jaxserve.evaluation.stats import paired_difference
 from jaxserve.policies import llm_routing as P
+from tests.drained import drained_latencies
 from tests.minimal_ppo import greedy_policy, make_train
 
 pytestmark = pytest.mark.slow
@@ -63,32 +63,15 @@ def drained_latency(env, params, policies: dict, key, num_streams: int, num_requ
       `{name: (num_streams,) float64}`: (summed latency + drop_penalty_s * drops) / requests.
     """
     env_t = with_static(env, trace_len=int(num_requests))
-    fns = tuple(policies.values())
 
     @jax.jit
     def run(key):
         k_s, k_e = jax.random.split(key)
         streams = jax.vmap(lambda k: sample_stream(k, params, num_requests))(
             jax.random.split(k_s, num_streams))
-
-        def episode(i, tr, k):
-            p = params.replace(trace=tr)
-            obs, state = env_t.reset_env(k, p)
-
-            def step(carry, k):
-                obs, state = carry
-                k_a, k_s = jax.random.split(k)
-                a = jax.lax.switch(i, fns, k_a, obs, state, p)
-                obs, state, _, _, info = env_t.step_env(k_s, state, a, p)
-                return (obs, state), (info["latency_sum"], info["dropped"])
-
-            _, (lat, drop) = jax.lax.scan(step, (obs, state),
-                                          jax.random.split(k, num_requests))
-            return (lat.sum() + params.drop_penalty_s * drop.sum()) / num_requests
-
-        keys = jax.random.split(k_e, num_streams)
-        return jax.vmap(lambda i: jax.vmap(lambda tr, k: episode(i, tr, k))(streams, keys))(
-            jnp.arange(len(fns)))
+        lanes = jax.vmap(lambda tr: params.replace(trace=tr))(streams)
+        return drained_latencies(env_t, policies, lanes, jax.random.split(k_e, num_streams),
+                                 num_requests)
 
     per = np.asarray(jax.device_get(run(key)), np.float64)
     return {name: per[j] for j, name in enumerate(policies)}

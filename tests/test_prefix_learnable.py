@@ -42,6 +42,7 @@ from jaxserve.envs.llm_prefix_routing import (PREFIX_REQUESTS, PREFIX_SEED, make
                                               prefix_workload)
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import prefix_routing as PR
+from tests.drained import drained_latencies
 from tests.minimal_ppo import greedy_policy, make_train
 
 pytestmark = pytest.mark.slow
@@ -71,29 +72,10 @@ def drained_latency(env, params, policies: dict, key) -> dict:
     """Drop-inclusive mean end-to-end latency (s) of each policy on each trace of the
     stacked `params` (one episode per trace, to its end), the same environment keys for
     every policy. Returns `{name: (traces,) float64}`."""
-    fns = tuple(policies.values())
     n = int(params.trace.length[0])
-
-    @jax.jit
-    def run(params, key):
-        def episode(i, p, k):
-            obs, state = env.reset_env(k, p)
-
-            def step(carry, k):
-                obs, state = carry
-                k_a, k_s = jax.random.split(k)
-                a = jax.lax.switch(i, fns, k_a, obs, state, p)
-                obs, state, _, _, info = env.step_env(k_s, state, a, p)
-                return (obs, state), (info["latency_sum"], info["dropped"])
-
-            _, (lat, drop) = jax.lax.scan(step, (obs, state), jax.random.split(k, n))
-            return (lat.sum() + p.drop_penalty_s * drop.sum()) / n
-
-        keys = jax.random.split(key, params.trace.length.shape[0])
-        return jax.vmap(lambda i: jax.vmap(lambda p, k: episode(i, p, k))(params, keys))(
-            jnp.arange(len(fns)))
-
-    per = np.asarray(jax.device_get(run(params, key)), np.float64)
+    keys = jax.random.split(key, params.trace.length.shape[0])
+    run = jax.jit(lambda params, keys: drained_latencies(env, policies, params, keys, n))
+    per = np.asarray(jax.device_get(run(params, keys)), np.float64)
     return {name: per[j] for j, name in enumerate(policies)}
 
 
