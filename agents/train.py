@@ -149,6 +149,25 @@ def _cached_trainer(env_name, overrides, algo, config, env, env_params, shard):
     return env, env_params, trainer
 
 
+def _canonical_runner(runner: RunnerState, shard: bool) -> RunnerState:
+    """`runner` typed and placed alike whether fresh or restored, so that one compiled chunk
+    serves both: no weakly typed leaves (flax's `TrainState.step` starts as a Python 0, a
+    checkpoint restores it as a strong int32), and unsharded, committed to the default device
+    (restored arrays are). Without this a resumed run compiled its chunk again (measured
+    4.8 s for a small Routing-v0 PPO on the 2-core CPU; a fresh run with the same config
+    reused it). Values are unchanged."""
+    def strong(x):
+        return x.astype(x.dtype) if getattr(x, "weak_type", False) else x
+
+    runner = jax.tree.map(strong, runner)
+    if shard:
+        return runner
+    device = jax.config.jax_default_device  # a Device, a platform name, or None
+    if not isinstance(device, jax.Device):
+        device = jax.local_devices(backend=device)[0]
+    return jax.device_put(runner, device)
+
+
 def _compile_chunk(trainer: Trainer, runner: RunnerState, n: int):
     """AOT-compiles `train_chunk(., n)` when possible; returns `(fn(runner), seconds)`."""
     t0 = time.perf_counter()
@@ -267,6 +286,7 @@ def train(
                       flush=True)
             runner = jax.jit(lambda r: imitation.warm_start(r, env, env_params, teacher,
                                                             config))(runner)
+    runner = _canonical_runner(runner, shard)
     compile_s = 0.0
     run_chunk = None
     chunks_done = 0
