@@ -1,4 +1,5 @@
-"""The production cache-aware routers (and three load-only baselines) on LLMPrefixRouting-v0.
+"""The production cache-aware routers (and the `most_cached` and five load-only baselines) on
+LLMPrefixRouting-v0.
 
 Each router routes one episode of a named workload (`--scenario`, default "sessions": the
 whole 512-request synthetic trace, drained at its end); all routers run as lanes of one vmapped program (`lax.switch`
@@ -39,7 +40,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     env, params = make_llm_prefix_routing(  # index order: the routers name replicas
         trace=prefix_workload(args.requests, args.seed, scenario=args.scenario), ranked=False)
-    pols = {**PR.POLICIES, "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
+    pols = {**PR.POLICIES, **PR.BASELINES, "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
             "least_kv": L.least_kv, "least_marginal": L.least_marginal,
             "round_robin": L.round_robin}
     names, fns = list(pols), list(pols.values())

@@ -5,7 +5,8 @@ Example (one configuration of experiment (p), at its quick budget)::
     python -m scripts.prefix_study --workload system_prompts --load 1.0 --seeds 0,1,2 \
         --steps 32768 --windows 4 --out runs/prefix_study/system_prompts_1.json
 
-Trains PPO (set network, unshaped) on the workload's training trace and replays disjoint
+Trains PPO (LLMPrefixRouting-v0's settings on the environment as registered: ranked replicas,
+unshaped reward) on the workload's training trace and replays disjoint
 evaluation windows under the learned policies and every router
 (`agents.experiments.prefix_study`: workloads, loads and statistics). Progress lines go to
 stderr (the study takes minutes); the markdown tables to stdout; the result as JSON to --out.

@@ -6,7 +6,7 @@
 Trains `tests/minimal_ppo.py` (PureJaxRL's CartPole-v1 settings, MLP on the flat observation,
 no reward normalisation; `--network set`: `agents.ppo` with LLMRouting-v0's PPO settings and
 the attention set network, which scores every replica with the same weights:
-`agents.experiments.prefix_study.train_set_ppo`, which experiment (p) trains with) on
+`agents.experiments.prefix_study.SET_PPO`, what experiment (p) trained until commit fa60d44) on
 `make_llm_prefix_routing(scenario=...)` (prefix caching on, a 512-request synthetic
 shared-prefix trace; `--no-shaping`: `shaping_gamma=None`; `--ranked`: PPO acts on the
 ranked environment, `LLMRouting`'s "Ranked replicas") for `--steps` env steps, then
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents.experiments.prefix_study import train_set_ppo
+from agents.experiments.prefix_study import SET_PPO, train_ppo
 from jaxserve.envs.llm_prefix_routing import (PREFIX_REQUESTS, PREFIX_SCENARIOS, PREFIX_SEED,
                                               make_llm_prefix_routing, prefix_workload)
 from jaxserve.envs.llm_routing import DEFAULT_SHAPING_GAMMA
@@ -85,7 +85,7 @@ def main(argv=None):
         jax.block_until_ready(net_params)
         learned = greedy_policy(network, net_params)
     else:
-        learned = train_set_ppo(env, params, args.steps, [args.seed])[0][0]
+        learned = train_ppo(env, params, args.steps, [args.seed], **SET_PPO)[0][0]
     print(f"trained {args.steps:,} steps (seed {args.seed}, {args.network}, scenario "
           f"{args.scenario}, shaping {'off' if args.no_shaping else 'on'}"
           f"{', ranked' if args.ranked else ''}) in {time.perf_counter() - t0:.0f} s",

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxserve
+from agents.experiments.prefix_study import ranked_router
 from jaxserve import policies as P
 from jaxserve.core import continuous as CB
 from jaxserve.envs.base import FEATURE_CLIP, with_static
@@ -20,6 +21,7 @@ from jaxserve.envs.llm_routing import (DEFAULT_SHAPING_GAMMA, PrefixRoutingParam
                                        pending_cached_blocks)
 from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.policies import prefix_routing as PR
+from jaxserve.policies.llm_routing import would_drop
 from jaxserve.traces.prefix import PrefixTrace, PrefixTree
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 from tests.test_env_contract import assert_close_trees
@@ -553,3 +555,44 @@ def test_ranked_replicas_reorder_actions_and_rows_only():
     ranked_hit = np.take_along_axis(np.asarray(hit), order, 1)
     assert np.all(np.diff(ranked_hit, axis=1) <= 0)
     assert (order != np.arange(3)).any(1).sum() > STEPS // 4  # the ranking is exercised
+
+
+def test_ranked_router_replays_a_ranked_policy_in_index_order():
+    """`prefix_study.ranked_router` (how experiment (p) runs a policy trained on the ranked
+    environment in the routers' index-ordered program) routes as the policy does on the
+    ranked environment: same states, rewards and infos. With the constant policy "rank 0"
+    it is the `most_cached` baseline wherever no replica would drop the request."""
+    reps = [REPS[0]] * 3
+    env, params = small(replicas=reps)
+    renv, _ = small(replicas=reps, ranked=True)
+    obs0, _ = env.reset(jax.random.PRNGKey(0), params)
+    w = jax.random.normal(jax.random.PRNGKey(7), (obs0.shape[0], 3))
+    policy = lambda k, o: jnp.argmax(o @ w).astype(jnp.int32)  # noqa: E731
+    router = ranked_router(env, policy)
+    rank0 = ranked_router(env, lambda k, o: jnp.int32(0))
+
+    @jax.jit
+    def go(key):
+        o, s = env.reset(key, params)
+        ro, rs = renv.reset(key, params)
+
+        def step(c, k):
+            o, s, ro, rs = c
+            r = router(k, o, s, params)
+            first = rank0(k, o, s, params)
+            mc = PR.most_cached(k, o, s, params)
+            full = would_drop(s, params).any()
+            o, s, rew, _, _, info = env.step(k, s, r, params)
+            ro, rs, rrew, _, _, rinfo = renv.step(k, rs, policy(k, ro), params)
+            return (o, s, ro, rs), (rew, rrew, info, rinfo, first, mc, full, r)
+
+        return jax.lax.scan(step, (o, s, ro, rs), jax.random.split(key, STEPS))
+
+    (_, s, _, rs), (rew, rrew, info, rinfo, first, mc, full, r) = go(jax.random.PRNGKey(6))
+    chex.assert_trees_all_equal(s, rs)
+    drop_obs = lambda i: {k: v for k, v in i.items() if k != "final_observation"}  # noqa: E731
+    chex.assert_trees_all_equal((rew, drop_obs(info)), (rrew, drop_obs(rinfo)))
+    assert len(np.unique(np.asarray(r))) == 3  # the policy routes to every replica
+    open_ = ~np.asarray(full)
+    assert open_.sum() > STEPS // 2
+    np.testing.assert_array_equal(np.asarray(first)[open_], np.asarray(mc)[open_])

@@ -1,8 +1,9 @@
 """Experiment (p)'s study (`agents.experiments.prefix_study`) end to end on tiny windows.
 
 PPO's training program takes over a minute to compile on the 2-core CPU, so the pipeline test
-replaces `train_set_ppo` with untrained set networks of the same shape (the learned lanes,
-comparisons and tables are exercised; what PPO learns is the study's result, not a test's).
+replaces `train_ppo` with untrained networks of the registered settings' shape (the learned
+lanes, which act through the ranked view as trained policies do, the comparisons and the
+tables are exercised; what PPO learns is the study's result, not a test's).
 Everything else is the real code: the workload's traces, every router on every window in one
 program, the metrics, the selection on the training window and the paired statistics.
 """
@@ -26,7 +27,8 @@ HEUR = ("llmd_scorers", "jsq_tokens", "round_robin")
 
 
 def _untrained(env, params, total_steps, seeds, *, log=None, **overrides):
-    config = make_config("ppo", "LLMRouting-v0", env, 1024, 0, set_mixer="attention")
+    assert env.ranked  # the study trains on the environment as registered
+    config = make_config("ppo", "LLMPrefixRouting-v0", env, None, 0)
     net = make_network(config, env.num_actions)
     obs, _ = env.reset(jax.random.PRNGKey(0), params)
     pols = [LearnedPolicy(net, net.init(jax.random.PRNGKey(s), obs)) for s in seeds]
@@ -43,7 +45,7 @@ def result():
         seen["per_window"] = per_window
         return real_select(per_window, heuristics, metric)
 
-    mp.setattr(P, "train_set_ppo", _untrained)
+    mp.setattr(P, "train_ppo", _untrained)
     mp.setattr(P, "select_best", spy)
     try:
         res = P.run_prefix_study(workload="system_prompts", load=1.0, seeds=(0, 1),

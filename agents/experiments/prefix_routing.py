@@ -1,8 +1,9 @@
 """Experiment (p): the learned prefix-cache-aware router against every router (issue 22,
 item 6).
 
-`agents.experiments.prefix_study` runs one (workload, load) configuration: PPO (set network,
-unshaped) trained on the workload's training trace, every production cache-aware router and
+`agents.experiments.prefix_study` runs one (workload, load) configuration: PPO (the registered
+environment's settings: ranked replicas, unshaped reward, PureJaxRL's MLP PPO) trained on the
+workload's training trace, every production cache-aware router, the `most_cached` baseline and
 every load-only router, all evaluated on disjoint later windows, learned minus the best
 heuristic (chosen on the training windows) with the crossed seed x window bootstrap. This
 module registers it with the budget's seeds. It is the slowest experiment on a CPU (the
@@ -17,13 +18,13 @@ from agents.experiments import prefix_study as study
 from agents.experiments.common import Context, Section
 from agents.experiments.registry import experiment
 
-# PPO env steps per seed, by budget and workload. "full" gives the 1M steps at which the set
-# network reached llm-d's level on system_prompts (docs/prefix_caching.md; meant for a GPU);
-# "quick" fits the whole experiment in about 25 minutes on the shared 2-core CPU (measured
-# 2026-12-05 at load average 3-7 from other jobs: PPO at ~390-650 env-steps/s on system_prompts
-# and ~175-300 on Mooncake for three seeds together, each configuration compiling its
-# training program for ~45-65 s; 1,513 s in all), far below the 1M steps PPO needed to match
-# llm-d, so quick-budget verdicts say what PPO learns in that budget.
+# PPO env steps per seed, by budget and workload. "full" gives the 1M steps at which PPO
+# reached llm-d's level on system_prompts (docs/prefix_caching.md; meant for a GPU); "quick"
+# fitted the whole experiment in about 25 minutes on the shared 2-core CPU (measured
+# 2026-12-05 with the set network of `prefix_study.SET_PPO`: ~390-650 env-steps/s on
+# system_prompts and ~175-300 on Mooncake for three seeds together, each configuration
+# compiling its training program for ~45-65 s; 1,513 s in all), far below the 1M steps PPO
+# needs to match llm-d, so quick-budget verdicts say what PPO learns in that budget.
 STEPS = {"full": {"system_prompts": 1_048_576, "mooncake": 1_048_576},
          "quick": {"system_prompts": 32_768, "mooncake": 16_384},
          "tiny": {"system_prompts": 2048, "mooncake": 2048}}
@@ -77,10 +78,11 @@ def section_body(data: dict, command: str) -> str:
     steps = ", ".join(dict.fromkeys(f"{r['config']['workload']} {r['config']['total_steps']:,}"
                                     for r in data.values()))
     return (
-        f"Command: `{command}`. PPO (`agents.ppo`, LLMRouting-v0's settings, attention "
-        f"set network, unshaped reward) with seeds {first['seeds']}, env steps per seed: "
-        f"{steps}; greedy policies. Every router of `policies.prefix_routing.POLICIES` and "
-        "every load-only router of `policies.llm_routing.POLICIES` (but `random`, and "
+        f"Command: `{command}`. PPO (`agents.ppo` with LLMPrefixRouting-v0's settings on the "
+        f"environment as registered: ranked replicas, unshaped reward) with seeds "
+        f"{first['seeds']}, env steps per seed: {steps}; greedy policies. Every router of "
+        "`policies.prefix_routing.POLICIES`, its `most_cached` baseline and every load-only "
+        "router of `policies.llm_routing.POLICIES` (but `random`, and "
         "`sita_prompt`, which is `jsq_requests` on identical replicas). system_prompts: "
         "trained on the generator's seed-0 trace, evaluated on the traces of seeds 100, 101, "
         "...; Mooncake conversation: trained on its first 25% of requests, evaluated on "

@@ -34,14 +34,19 @@ The experiment, per workload and load (`run_prefix_study`):
    keeps 90% of its light-load SLO attainment; training data only). A time stretch also
    stretches the think time between a session's turns.
 
-3. **Training**: `train_set_ppo`: `agents.ppo` with LLMRouting-v0's PPO settings and the
-   attention set network, unshaped reward (`shaping_gamma=None`), one run per seed, all
-   seeds in one compiled program (`experiments.common.train_scenarios`).
+3. **Training**: `train_ppo`: `agents.ppo` with LLMPrefixRouting-v0's settings
+   (`agents.defaults.ENV_DEFAULTS`: PureJaxRL's CartPole-v1 PPO, an MLP on the flat
+   observation) on the environment as registered (ranked replicas, unshaped reward), one run
+   per seed, all seeds in one compiled program (`experiments.common.train_scenarios`).
+   (Until commit fa60d44's run the study trained the attention set network on
+   index-ordered replicas, `SET_PPO`.)
 
 4. **Evaluation**: every policy replays every window from an empty cluster with the window's
    key (common random numbers: the same noisy output estimates for every policy), greedy
    for the learned ones; all policies and windows of a workload run in one compiled program
-   (`replay_windows`). Per window (`window_metrics`): (f)'s metrics
+   (`replay_windows`) on the index-ordered environment, where the routers name replicas; a
+   policy trained on the ranked environment acts there through `ranked_router` (it reads the
+   ranked observation and its action's replica is the replica of that rank, as in training). Per window (`window_metrics`): (f)'s metrics
    (`llm_routing_study.window_metrics`: TTFT / TPOT / E2E p50 and p99 in s, SLO attainment
    and goodput with the environment's `slo_ttft_s` / `slo_tpot_s`, drops, preemptions, the
    mean time in system with drops charged `drop_penalty_s`, `HEADLINE`) plus the token hit
@@ -74,6 +79,7 @@ from jaxserve.core.replica import (_OPT13B_WEIGHTS_GB, kv_blocks_for, replica_pr
 from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, PREFIX_SEED,
                                               make_llm_prefix_routing, prefix_replicas,
                                               prefix_workload)
+from jaxserve.envs.base import with_static
 from jaxserve.evaluation import episodes
 from jaxserve.evaluation.evaluate import trace_env
 from jaxserve.evaluation.replay import token_log
@@ -87,9 +93,9 @@ WORKLOADS = ("system_prompts", "mooncake")
 # Every production cache-aware router and every load-only LLM router but `random` (no
 # router's rule) and `sita_prompt` (with identical replicas its two groups are all replicas:
 # `jsq_requests` exactly, its docstring).
-HEURISTICS = tuple(PR.POLICIES) + tuple(n for n in L.POLICIES
-                                        if n not in ("random", "sita_prompt"))
-HEURISTIC_FNS = {**PR.POLICIES, **L.POLICIES}
+HEURISTICS = (tuple(PR.POLICIES) + tuple(PR.BASELINES)
+              + tuple(n for n in L.POLICIES if n not in ("random", "sita_prompt")))
+HEURISTIC_FNS = {**PR.POLICIES, **PR.BASELINES, **L.POLICIES}
 METRICS = study.METRICS + ("token_hit_rate",)
 HIGHER_BETTER = study.HIGHER_BETTER + ("token_hit_rate",)
 # Mean time in system per request (s), a dropped request counted at `drop_penalty_s`: the
@@ -114,12 +120,21 @@ def mooncake_replicas(max_seqs: int = 16, queue_cap: int = 16):
                             max_seqs=max_seqs, queue_cap=queue_cap)] * 4
 
 
-def train_set_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
-                  **overrides) -> tuple[list[LearnedPolicy], dict]:
+# The PPO of the study's earlier runs (to commit fa60d44): LLMRouting-v0's settings with the
+# attention set network, which scores every replica with one set of weights, so it can act on
+# index-ordered replicas (`tests/prefix_learnability.py --network set` trains it).
+SET_PPO = dict(network="set", set_mixer="attention", hidden_sizes=(32, 32), num_envs=16,
+               num_steps=64, lr=1e-3, anneal_lr=True, num_minibatches=4, update_epochs=8,
+               gamma=0.99, gae_lambda=0.95, ent_coef=0.01)
+
+
+def train_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
+              **overrides) -> tuple[list[LearnedPolicy], dict]:
     """PPO on `(env, params)` with LLMPrefixRouting-v0's settings (`agents.defaults.
-    ENV_DEFAULTS`: LLMRouting-v0's with the attention set network), one run per seed
-    in one compiled program (`experiments.common.train_scenarios`; seed `s` trains from
-    `jax.random.key(s)`). `overrides`: other PPO hyperparameters (e.g. `num_envs`, tests).
+    ENV_DEFAULTS`: PureJaxRL's CartPole-v1 PPO with its MLP), one run per seed in one compiled
+    program (`experiments.common.train_scenarios`; seed `s` trains from
+    `jax.random.key(s)`). `overrides`: other PPO hyperparameters (`SET_PPO`; `num_envs`,
+    tests).
 
     Returns:
       (greedy `LearnedPolicy` per seed, `{"compile_s", "run_s", "final_return": [per seed]}`),
@@ -161,6 +176,21 @@ def spread_windows(lo: int, hi: int, count: int, size: int) -> list[tuple[int, i
     return [(int(s), int(s) + size) for s in starts]
 
 
+def ranked_router(env, policy) -> Callable:
+    """`policy(key, obs)`, trained on the ranked variant of `env` (an LLMPrefixRouting-v0
+    environment), as a router of `env`'s states: `router(key, obs, state, params) ->
+    replica`, which builds the ranked observation of `state` and returns the replica of the
+    chosen rank (`LLMRouting.replica_order`). The inverse of `LLMRouting.replica_policy`:
+    with it the learned policy and the routers run in one index-ordered program."""
+    ranked = with_static(env, ranked=True)
+
+    def router(key, obs, state, params):
+        rank = jnp.clip(jnp.asarray(policy(key, ranked.get_obs(state, params)), jnp.int32),
+                        0, env.num_replicas - 1)
+        return ranked.replica_order(state, params)[rank]
+    return router
+
+
 def _build(traces, replicas, tokens=None):
     """One environment (shared static shapes: trees padded to the largest) and the stacked
     params of `traces`; `tokens` (a `TokenDist`, e.g. the training params') replaces each
@@ -168,8 +198,8 @@ def _build(traces, replicas, tokens=None):
     `max_prompt`) are scaled alike in every window and as in training."""
     nodes = max(t.tree.num_nodes for t in traces)
     depth = max(int(np.max(t.tree.depth)) if t.tree.num_nodes else 1 for t in traces)
-    # Index order (ranked=False): the routers name replicas, and the set network scores
-    # every replica with the same weights, so it needs no ranking.
+    # Index order (ranked=False): the routers name replicas; a learned policy of the
+    # ranked environment acts through `ranked_router`.
     built = [make_llm_prefix_routing(trace=t, replicas=replicas, shaping_gamma=None,
                                      ranked=False, tree_nodes=nodes, tree_depth=depth)
              for t in traces]
@@ -303,11 +333,12 @@ def _never_fit(ptrace, replicas) -> int:
 
 # ----------------------------------------------------------------------------- evaluation
 
-@partial(jax.jit, static_argnames=("env", "heuristics", "network"))
-def _replay_lanes(env, heuristics, network, params, keys, theta):
+@partial(jax.jit, static_argnames=("env", "heuristics", "network", "ranked"))
+def _replay_lanes(env, heuristics, network, ranked, params, keys, theta):
     """Every lane (heuristic `h` for lanes `h < H`, then the learned network with
-    `theta[k]` for lane `H + k`) on every window of `params` (leading axis W), one episode
-    each from `env.reset_env(keys[w])` through the trace's end (its last step drains).
+    `theta[k]` for lane `H + k`, through `ranked_router` when `ranked`) on every window of
+    `params` (leading axis W), one episode each from `env.reset_env(keys[w])` through the
+    trace's end (its last step drains).
 
     The lanes run one after another (`lax.map`: the `switch` on an unbatched lane index
     branches, so a step computes one policy, not all of them); the windows of a lane run in
@@ -331,7 +362,9 @@ def _replay_lanes(env, heuristics, network, params, keys, theta):
                     for h in heuristics]
         if K:
             th = jax.tree.map(lambda x: x[jnp.clip(lane - H, 0, K - 1)], theta)
-            branches.append(lambda k, o, s: LearnedPolicy(network, th)(k, o))
+            net = LearnedPolicy(network, th)
+            learned = ranked_router(env, net) if ranked else (lambda k, o, s, pp: net(k, o))
+            branches.append(lambda k, o, s: learned(k, o, s, p))
 
         def act(i, k, o, s):
             return jax.lax.switch(jnp.minimum(lane, len(branches) - 1), branches, k, o, s)
@@ -349,13 +382,14 @@ def _replay_lanes(env, heuristics, network, params, keys, theta):
 
 
 def replay_windows(env, params, windows, heuristics: dict, learned: dict | None = None, *,
-                   keys) -> dict:
+                   keys, ranked: bool = True) -> dict:
     """Every policy on every window: `{name: {metric: (W,) array}}` of `METRICS`.
 
     `env, params`: one environment and the windows' stacked params (`_build`); `windows`: the
     `PrefixTrace`s in that order; `heuristics`: name -> router; `learned`: name ->
-    `LearnedPolicy`, all of one network; `keys`: `(W,)` PRNG keys, window `w` replayed with
-    `keys[w]` by every policy (common random numbers).
+    `LearnedPolicy`, all of one network, trained on the ranked environment when `ranked`
+    (else on `env` itself); `keys`: `(W,)` PRNG keys, window `w` replayed with `keys[w]` by
+    every policy (common random numbers).
     """
     learned = learned or {}
     env_t = trace_env(env, len(windows[0]))
@@ -365,7 +399,8 @@ def replay_windows(env, params, windows, heuristics: dict, learned: dict | None 
     theta = (jax.tree.map(lambda *x: jnp.stack(x), *[p.params for p in learned.values()])
              if learned else None)
     log, (dropped, replica, hit, look) = jax.device_get(_replay_lanes(
-        env_t, tuple(heuristics.values()), nets.pop() if nets else None, params, keys, theta))
+        env_t, tuple(heuristics.values()), nets.pop() if nets else None, bool(ranked), params,
+        keys, theta))
     slo_ttft, slo_tpot = (float(np.asarray(params.slo_ttft_s).ravel()[0]),
                           float(np.asarray(params.slo_tpot_s).ravel()[0]))
     drop_s = float(np.asarray(params.drop_penalty_s).ravel()[0])
@@ -453,9 +488,9 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
         f"PPO trains on {len(wl['train_trace'])} requests; {len(wl['train_windows'])} "
         f"training and {len(wl['eval_windows'])} evaluation windows of {window_requests}")
 
-    env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps,
-                                          shaping_gamma=None, ranked=False)
-    pols, training = train_set_ppo(env, params, int(total_steps), seeds, log=log,
+    # The environment as registered (ranked replicas, no shaping), on the training trace.
+    env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps)
+    pols, training = train_ppo(env, params, int(total_steps), seeds, log=log,
                                    **(ppo_overrides or {}))
     learned = {f"ppo_seed{s}": p for s, p in zip(seeds, pols)}
     log(f"trained {len(seeds)} seed(s) x {int(total_steps):,} steps: compile "

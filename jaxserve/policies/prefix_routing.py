@@ -3,7 +3,9 @@
 Same signature as every jaxserve policy: `policy(key, obs, state, params) -> int32 replica`,
 pure JAX, jit- and vmap-safe, registered with kind "prefix_routing" (`policies.get(name)`).
 They name replicas by index; the registered LLMPrefixRouting-v0 is ranked (its action is a
-rank), so act there with `env.replica_policy(router)`.
+rank), so act there with `env.replica_policy(router)`. `most_cached` (in `BASELINES`, not
+`POLICIES`) is no production router's rule: the plain cache-first baseline, the ranked
+environment's rank 0.
 Each reads only what the real router reads (/work/shared/ROUTERS.md, "Cache-aware routers"):
 
 * the replicas' reported cached blocks of the pending request
@@ -213,9 +215,25 @@ def session_affinity(key, obs, state, params):
     return jnp.where(use_ring, target, fallback).astype(jnp.int32)
 
 
+def most_cached(key, obs, state, params):
+    """Not a production router: the plain cache-first rule that the registered (ranked)
+    LLMPrefixRouting-v0 puts at rank 0. The replica holding the most leading blocks of the
+    pending prompt (`pending_cached_blocks`), ties to the fewest tokens in flight
+    (`continuous.tokens_in_flight`: prompt plus output estimate of what it holds), then the
+    lowest index; a replica that would drop the request is skipped unless all would. It has
+    no load guard (SGLang's balance thresholds, llm-d's queue and KV scorers): the baseline a
+    learned router must beat to show it learned when to leave the cache."""
+    hit = pending_cached_blocks(state, params)
+    best = jnp.max(jnp.where(_open(state, params), hit, -1))
+    load = CB.tokens_in_flight(state.cluster)
+    return _argmin_open(jnp.where(hit == best, load, jnp.inf), state, params)
+
+
 POLICIES = {"llmd_scorers": llmd_scorers, "dynamo_kv": dynamo_kv,
             "sglang_cache_aware": sglang_cache_aware,
             "aibrix_prefix_cache": aibrix_prefix_cache, "session_affinity": session_affinity}
+# Rules of no production router, registered beside them (kind "prefix_routing") as baselines.
+BASELINES = {"most_cached": most_cached}
 
 
 def _register(name, fn):
@@ -225,5 +243,5 @@ def _register(name, fn):
     register(name, KIND, factory, scenario_free=True)
 
 
-for _name, _fn in POLICIES.items():
+for _name, _fn in {**POLICIES, **BASELINES}.items():
     _register(_name, _fn)
