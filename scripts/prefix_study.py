@@ -20,6 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+from flax import serialization
+
 from agents.experiments.prefix_study import WORKLOADS, format_prefix_study, run_prefix_study
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import Parser, run_cli
@@ -42,6 +45,9 @@ def build_parser() -> Parser:
                     help="comma-separated routers (default: all of prefix_study.HEURISTICS)")
     ap.add_argument("--eval-seed", type=int, default=20261202, help="evaluation key seed")
     ap.add_argument("--out", default=None, help="JSON file for the result")
+    ap.add_argument("--save-policies", default=None, metavar="FILE",
+                    help="msgpack file for the learned networks' parameters ({name: params}, "
+                         "flax.serialization; the network is LLMPrefixRouting-v0's default)")
     return ap
 
 
@@ -62,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                                total_steps=args.steps, eval_windows=args.windows,
                                train_windows=args.train_windows,
                                window_requests=args.window_requests, heuristics=heur,
-                               eval_seed=args.eval_seed, log=log)
+                               eval_seed=args.eval_seed, log=log,
+                               keep_policies=args.save_policies is not None)
+        pols = res.pop("policies", {})
         res["command"] = "python -m scripts.prefix_study " + " ".join(
             sys.argv[1:] if argv is None else argv)
         print(format_prefix_study(res))
@@ -71,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(to_jsonable(res), indent=1))
             print(f"wrote {out} ({res['seconds']:.0f} s)")
+        if args.save_policies:
+            path = Path(args.save_policies)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(serialization.to_bytes(
+                jax.device_get({name: p.params for name, p in pols.items()})))
+            print(f"wrote {path}")
         return 0
     return run_cli("jaxserve-prefix-study", body)
 

@@ -23,7 +23,7 @@ from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces.prefix import path_nodes, prefix_window
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
-HEUR = ("llmd_scorers", "jsq_tokens", "round_robin")
+HEUR = ("llmd_scorers", "most_cached", "jsq_tokens", "round_robin")
 
 
 def _untrained(env, params, total_steps, seeds, *, log=None, **overrides):
@@ -73,6 +73,33 @@ def test_every_policy_has_every_metric_per_window(result):
     assert res["workload"]["windows"] == {"train": [0], "eval": [100, 101]}
 
 
+def test_cache_use_per_policy(result):
+    res, _ = result
+    routing = res["routing"]
+    assert set(routing) == {*HEUR, "ppo_seed0", "ppo_seed1"}
+    mc = routing["most_cached"]
+    assert mc["follows_most_cached"] == 1.0 and mc["load_ratio_left"] is None
+    assert mc["decisions"] == 2 * 40  # two evaluation windows of 40 requests
+    for u in routing.values():
+        assert sum(b["decisions"] for b in u["by_load"]) == u["decisions"]
+    # round robin ignores the cache: it leaves the most-cached replica on some decisions
+    assert routing["round_robin"]["follows_most_cached"] < 1.0
+
+
+def test_cache_use_by_hand():
+    follows = np.array([[True, False, True, False], [True, True, False, True]])
+    ratio = np.array([[0.5, 2.5, 1.2, 1.7], [0.9, 3.0, 0.2, 1.1]])
+    u = P.cache_use(follows, ratio)
+    assert u["follows_most_cached"] == 5 / 8
+    assert u["load_ratio_followed"] == pytest.approx((0.5 + 1.2 + 0.9 + 3.0 + 1.1) / 5)
+    assert u["load_ratio_left"] == pytest.approx((2.5 + 1.7 + 0.2) / 3)
+    assert [(b["decisions"], b["leave_share"]) for b in u["by_load"]] == [
+        (3, pytest.approx(1 / 3)), (2, 0.0), (1, 1.0), (2, 0.5)]
+    assert u["by_load"][-1]["high"] is None  # JSON has no inf
+    none_left = P.cache_use(np.ones((1, 3), bool), np.array([[0.5, 0.5, 0.5]]))
+    assert none_left["load_ratio_left"] is None and none_left["by_load"][1]["leave_share"] is None
+
+
 def test_best_heuristic_is_chosen_on_the_training_window_only(result):
     res, seen = result
     train, ev = res["per_window"]["train"], res["per_window"]["eval"]
@@ -114,6 +141,7 @@ def test_format_renders_the_tables(result):
         assert f"| `{name}`" in text
     assert "| heuristic | time in system (s) |" in text
     assert "nan" not in text
+    assert "How each policy uses the cache" in text and "| `most_cached` | 1.000 |" in text
     # Experiment (p)'s section, from the result as the results JSON stores it.
     body = section_body({"system_prompts@1": json.loads(json.dumps(to_jsonable(res)))},
                         "pytest")

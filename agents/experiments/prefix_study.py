@@ -345,8 +345,11 @@ def _replay_lanes(env, heuristics, network, ranked, params, keys, theta):
     parallel (`vmap`). Key layout per window as `evaluation.replay._run_policy`'s: step `i`
     with `split(fold_in(key, 1), n)[i]`, the policy with `fold_in(fold_in(key, 2), i)`.
 
-    Returns `(TokenLog, (dropped, replica, hit_tokens, lookup_tokens))`, leaves
-    `(lanes, W, n)`.
+    Returns `(TokenLog, (dropped, replica, hit_tokens, lookup_tokens, follows,
+    load_ratio))`, leaves `(lanes, W, n)`: per decision, besides the step's counters,
+    whether the request went where `most_cached` would have sent it and that replica's
+    tokens in flight over the replicas' mean (`continuous.tokens_in_flight`, before the
+    decision): what a router reads when it leaves the cache.
     """
     H = len(heuristics)
     K = 0 if theta is None else jax.tree.leaves(theta)[0].shape[0]
@@ -369,12 +372,16 @@ def _replay_lanes(env, heuristics, network, ranked, params, keys, theta):
         def act(i, k, o, s):
             return jax.lax.switch(jnp.minimum(lane, len(branches) - 1), branches, k, o, s)
 
-        def fold(acc, s: episodes.Step):
-            return acc, (s.info["dropped"], jnp.clip(s.action, 0, num_replicas - 1),
-                         s.info["prefix_hit_tokens"], s.info["prefix_lookup_tokens"])
+        def fold(before, s: episodes.Step):  # `before`: the state the decision read
+            replica = jnp.clip(s.action, 0, num_replicas - 1)
+            cached = PR.most_cached(None, None, before, p)
+            load = CB.tokens_in_flight(before.cluster)
+            ratio = load[cached] / jnp.maximum(load.mean(), 1.0)
+            return s.state, (s.info["dropped"], replica, s.info["prefix_hit_tokens"],
+                             s.info["prefix_lookup_tokens"], replica == cached, ratio)
 
         _, state, _, _, ys = episodes.scan_steps(env, act, p, obs, state, pol_keys, env_keys,
-                                                 fold=fold)
+                                                 fold=fold, acc=state)
         return state.log, ys
 
     lanes = jnp.arange(H + K, dtype=jnp.int32)
@@ -382,14 +389,15 @@ def _replay_lanes(env, heuristics, network, ranked, params, keys, theta):
 
 
 def replay_windows(env, params, windows, heuristics: dict, learned: dict | None = None, *,
-                   keys, ranked: bool = True) -> dict:
+                   keys, ranked: bool = True, decisions: dict | None = None) -> dict:
     """Every policy on every window: `{name: {metric: (W,) array}}` of `METRICS`.
 
     `env, params`: one environment and the windows' stacked params (`_build`); `windows`: the
     `PrefixTrace`s in that order; `heuristics`: name -> router; `learned`: name ->
     `LearnedPolicy`, all of one network, trained on the ranked environment when `ranked`
     (else on `env` itself); `keys`: `(W,)` PRNG keys, window `w` replayed with `keys[w]` by
-    every policy (common random numbers).
+    every policy (common random numbers). `decisions`: a dict that receives, per policy,
+    `follows` and `load_ratio`, `(W, n)` arrays of `_replay_lanes`' per-decision records.
     """
     learned = learned or {}
     env_t = trace_env(env, len(windows[0]))
@@ -398,7 +406,7 @@ def replay_windows(env, params, windows, heuristics: dict, learned: dict | None 
         raise ValueError("learned policies must share one network")
     theta = (jax.tree.map(lambda *x: jnp.stack(x), *[p.params for p in learned.values()])
              if learned else None)
-    log, (dropped, replica, hit, look) = jax.device_get(_replay_lanes(
+    log, (dropped, replica, hit, look, follows, ratio) = jax.device_get(_replay_lanes(
         env_t, tuple(heuristics.values()), nets.pop() if nets else None, bool(ranked), params,
         keys, theta))
     slo_ttft, slo_tpot = (float(np.asarray(params.slo_ttft_s).ravel()[0]),
@@ -415,6 +423,8 @@ def replay_windows(env, params, windows, heuristics: dict, learned: dict | None 
             m["token_hit_rate"] = float(hit[li, w].sum() / max(float(look[li, w].sum()), 1.0))
             rows.append(m)
         out[name] = {m: np.array([r[m] for r in rows]) for m in METRICS}
+        if decisions is not None:
+            decisions[name] = {"follows": follows[li], "load_ratio": ratio[li]}
     return out
 
 
@@ -433,7 +443,8 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                      eval_windows: int = 4, train_windows: int | None = None,
                      window_requests: int = 512, fit_fraction: float = 0.25,
                      heuristics: Sequence[str] | None = None, ppo_overrides: dict | None = None,
-                     eval_seed: int = 20261202, traces_dir=None, log=print) -> dict:
+                     eval_seed: int = 20261202, traces_dir=None, log=print,
+                     keep_policies: bool = False) -> dict:
     """Trains PPO (one run per seed) and evaluates it against the heuristics (module
     docstring).
 
@@ -451,6 +462,8 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
         `num_steps`).
       eval_seed: evaluation key: window `w` of the evaluation (training) windows replays with
         `fold_in(fold_in(PRNGKey(eval_seed), 0), w)` (`..., 1), w)`).
+      keep_policies: also return the learned policies (`policies`: name -> `LearnedPolicy`,
+        not JSON-able: pop it before serialising).
 
     Returns:
       JSON-able dict: `config`, `workload` (rate, factor, capacity, basis, calibration,
@@ -459,7 +472,8 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
       over windows), `selection` (the training windows' `HEADLINE` per heuristic and the
       best), `headline` (learned minus the best heuristic: the seeds' crossed bootstrap and
       per seed), `paired` (learned minus every heuristic, every metric, per seed and
-      "ppo_mean"), `seconds`.
+      "ppo_mean"), `routing` (per policy, `cache_use` over the evaluation windows' decisions),
+      `seconds`.
 
     Raises:
       ValueError: unknown workload or heuristic, empty seeds, a non-positive load or step
@@ -491,7 +505,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
     # The environment as registered (ranked replicas, no shaping), on the training trace.
     env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps)
     pols, training = train_ppo(env, params, int(total_steps), seeds, log=log,
-                                   **(ppo_overrides or {}))
+                               **(ppo_overrides or {}))
     learned = {f"ppo_seed{s}": p for s, p in zip(seeds, pols)}
     log(f"trained {len(seeds)} seed(s) x {int(total_steps):,} steps: compile "
         f"{training['compile_s']:.0f} s, run {training['run_s']:.0f} s")
@@ -507,7 +521,8 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
     keys = jnp.concatenate([
         jax.vmap(lambda w: jax.random.fold_in(k_train, w))(jnp.arange(nt)),
         jax.vmap(lambda w: jax.random.fold_in(k_eval, w))(jnp.arange(len(wl["eval_windows"])))])
-    both = replay_windows(env_w, params_w, wins, heur, learned, keys=keys)
+    dec: dict = {}
+    both = replay_windows(env_w, params_w, wins, heur, learned, keys=keys, decisions=dec)
     per_train = {p: {m: v[:nt] for m, v in d.items()} for p, d in both.items()}
     per_eval = {p: {m: v[nt:] for m, v in d.items()} for p, d in both.items()}
     log(f"evaluated {len(heur) + len(learned)} policies on {len(wins)} windows in "
@@ -549,8 +564,36 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                      LEARNED: next(r for r in head if r["learned"] == LEARNED),
                      "per_seed": [r for r in head if r["learned"] != LEARNED]},
         "paired": paired,
+        "routing": {name: cache_use(d["follows"][nt:], d["load_ratio"][nt:])
+                    for name, d in dec.items()},
         "seconds": time.perf_counter() - t0,
+        **({"policies": learned} if keep_policies else {}),
     }
+
+
+# Bins of the most-cached replica's load (tokens in flight over the replicas' mean) for
+# `cache_use`'s "leaves the cache" rates.
+LOAD_BINS = (0.0, 1.0, 1.5, 2.0, np.inf)
+
+
+def cache_use(follows, load_ratio) -> dict:
+    """How a router uses the cache, over all its decisions (`(W, n)` arrays of
+    `replay_windows(..., decisions=)`): `follows_most_cached`, the share of requests sent
+    where `most_cached` would send them; `load_ratio_followed` / `load_ratio_left`, the mean
+    load of that replica (over the mean) when it did / did not (None without such
+    decisions); and per `LOAD_BINS` bin of that load, the decisions and the share that left
+    it (`leave_share`, None for an empty bin)."""
+    f = np.asarray(follows, bool).ravel()
+    r = np.asarray(load_ratio, np.float64).ravel()
+    mean = lambda x: float(x.mean()) if x.size else None  # noqa: E731
+    bins = []
+    for lo, hi in zip(LOAD_BINS[:-1], LOAD_BINS[1:]):
+        inside = (r >= lo) & (r < hi)
+        bins.append({"low": lo, "high": hi if np.isfinite(hi) else None,  # JSON: no inf
+                     "decisions": int(inside.sum()),
+                     "leave_share": mean(~f[inside])})
+    return {"follows_most_cached": float(f.mean()), "load_ratio_followed": mean(r[f]),
+            "load_ratio_left": mean(r[~f]), "decisions": int(f.size), "by_load": bins}
 
 
 # ------------------------------------------------------------------------------ formatting
@@ -616,4 +659,31 @@ def format_prefix_study(result: dict) -> str:
             mark = " \\*+" if r["learned_better"] else " \\*-" if r["learned_worse"] else ""
             cells.append(ci_text(r) + mark)
         lines.append(f"| `{h}` | " + " | ".join(cells) + " |")
+    if "routing" in result:  # results written before 2026-12-05 (late) lack it
+        lines += ["", *format_cache_use(result["routing"], [*seeds, *heur])]
     return "\n".join(lines)
+
+
+def format_cache_use(routing: dict, order: Sequence[str]) -> list[str]:
+    """Markdown lines: how each policy of `order` uses the cache (`cache_use`)."""
+    opt = lambda x, f: "-" if x is None else f"{x:{f}}"  # noqa: E731
+    bins = next(iter(routing.values()))["by_load"]
+    heads = [f"{b['low']:g}-{b['high']:g}x" if b["high"] is not None else f">= {b['low']:g}x"
+             for b in bins]
+    lines = ["How each policy uses the cache, over the evaluation windows' decisions: the "
+             "share of requests sent where `most_cached` (most cached prefix blocks, then "
+             "fewest tokens in flight) sends them, the load of that replica (tokens in "
+             "flight over the replicas' mean, before the decision) when the policy follows "
+             "it and when it does not, and the share of decisions that leave it by that "
+             "load (decisions in brackets):", "",
+             "| policy | follows `most_cached` | its load when followed | its load when left | "
+             + " | ".join(f"leaves it at {h}" for h in heads) + " |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in heads) + " |"]
+    for name in order:
+        u = routing[name]
+        lines.append(f"| `{name}` | {u['follows_most_cached']:.3f} | "
+                     f"{opt(u['load_ratio_followed'], '.2f')} | "
+                     f"{opt(u['load_ratio_left'], '.2f')} | " + " | ".join(
+                         f"{opt(b['leave_share'], '.3f')} ({b['decisions']})"
+                         for b in u["by_load"]) + " |")
+    return lines
