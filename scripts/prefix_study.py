@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                                train_windows=args.train_windows,
                                window_requests=args.window_requests, heuristics=heur,
                                eval_seed=args.eval_seed, log=log,
-                               keep_policies=args.save_policies is not None)
+                               keep_policies=args.save_policies is not None, progress=True)
         pols = res.pop("policies", {})
         res["command"] = "python -m scripts.prefix_study " + " ".join(
             sys.argv[1:] if argv is None else argv)

@@ -38,7 +38,7 @@ def test_demonstrations_are_the_heuristics_decisions(bursty):
     assert np.all(np.isfinite(np.asarray(ret)))
 
 
-def test_warm_start_reproduces_the_heuristic_and_is_kept(bursty):
+def test_warm_start_reproduces_the_heuristic_and_is_kept(bursty, capsys):
     """The fitted network, before any PPO update, routes fresh evaluation streams about as
     well as the heuristic it imitates, and far better than JSQ. It need not copy every
     decision: SITA picks the GPU inside its size group by least work left, a detail a
@@ -47,11 +47,13 @@ def test_warm_start_reproduces_the_heuristic_and_is_kept(bursty):
     environment (a quarter of `imitation.DEFAULTS`' 512, to run 4x fewer fitting samples) this
     test measures 13.5 s against SITA's 12.8 s and 48% of decisions on SITA's GPU (with 512:
     12.5 s), and docs/confirmations.md (section C) 9.89 s against 9.58 s with 99% of
-    decisions on the same GPU type."""
+    decisions on the same GPU type. (The run also shows `train_scenarios`' progress bar.)"""
     env, params, sita, key = bursty
     pols, curves = train_scenarios("Routing-v0", env, [params], "ppo", (0,), 2048,
                                    imitation={"policy": sita, "num_steps": 128, "epochs": 300,
-                                              "lr": 3e-3})
+                                              "lr": 3e-3}, progress=True)
+    err = capsys.readouterr().err
+    assert "ppo on Routing-v0 (1 run, steps each)" in err and "100%" in err, err
     bc = curves["imitation_policies"][0][0]
     assert bc.name == "ppo-s0@imitation" and pols[0][0].name == "ppo-s0"
     res = jaxserve.evaluate_many(env, params, {"bc": bc, "sita": sita, "jsq": P.get("jsq")},

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from agents.defaults import ALGOS, make_config
 from agents.imitation import warm_start
@@ -95,7 +96,8 @@ def stack_params(params_list: Sequence[Any]) -> Any:
 
 def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
                     seeds: Sequence[int], total_steps: int, ctx: Context | None = None,
-                    checkpoints: int = 1, imitation: dict | None = None, **hparams):
+                    checkpoints: int = 1, imitation: dict | None = None,
+                    progress: bool = False, **hparams):
     """Trains `algo` on every scenario x seed in ONE compiled program.
 
     The environment parameters are an argument of the program (vmapped over scenarios), the
@@ -117,6 +119,10 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     T steps of its num_envs training environments, K full-batch Adam steps) instead of the
     random initialisation; one scenario only (a fitted heuristic belongs to its scenario).
     The fitted networks are kept as `curves["imitation_policies"]` (`[i][s]`).
+
+    `progress`: a tqdm bar on stderr, advanced after every update of the program (all runs
+    update together) by a `jax.debug.callback` in the update loop; off by default, so that
+    the program of a run without it has no host callback.
     """
 
     config = make_config(algo, env_name, env, int(total_steps), int(seeds[0]), **hparams)
@@ -137,8 +143,21 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
             raise ValueError("imitation takes policy (callable), num_steps, epochs, lr; got "
                              f"{sorted(imitation)}")
 
+    bar = None
+    if progress:
+        runs = len(params_list) * len(seeds)
+        bar = tqdm(total=config.num_updates * config.batch_size, unit="step", unit_scale=True,
+                   desc=f"{algo} on {env_name} ({runs} run{'s' * (runs > 1)}, steps each)",
+                   file=sys.stderr, dynamic_ncols=True)
+
     def one(p, key):
         trainer = ALGOS[algo][1](config, env, p, network)
+
+        def ticked(runner):  # the same update, then one tick of the bar
+            runner, metrics = trainer.update(runner)
+            jax.debug.callback(lambda: bar.update(config.batch_size))
+            return runner, metrics
+        update = trainer.update if bar is None else ticked
         runner = trainer.init(key)
         if imitation is not None:
             opts = {k: v for k, v in imitation.items() if k != "policy"}
@@ -147,7 +166,7 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
         start = runner.train_state.params if imitation is not None else None
 
         def run_chunk(runner, _):
-            runner, metrics = run_updates(trainer.update, runner, chunk)
+            runner, metrics = run_updates(update, runner, chunk)
             return runner, (runner.train_state.params, metrics["episode_return"])
 
         _, (snapshots, returns) = jax.lax.scan(run_chunk, runner, None, checkpoints)
@@ -159,7 +178,11 @@ def train_scenarios(env_name: str, env, params_list: Sequence[Any], algo: str,
     compiled = program.lower(stacked, keys).compile()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    (snapshots, starts), returns = jax.block_until_ready(compiled(stacked, keys))
+    try:
+        (snapshots, starts), returns = jax.block_until_ready(compiled(stacked, keys))
+    finally:
+        if bar is not None:
+            bar.close()
     run_s = time.perf_counter() - t0
     if ctx is not None:
         ctx.log(f"  trained {algo} on {env_name}: {len(params_list)} scenario(s) x "

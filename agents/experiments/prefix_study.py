@@ -129,12 +129,12 @@ SET_PPO = dict(network="set", set_mixer="attention", hidden_sizes=(32, 32), num_
 
 
 def train_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
-              **overrides) -> tuple[list[LearnedPolicy], dict]:
+              progress: bool = False, **overrides) -> tuple[list[LearnedPolicy], dict]:
     """PPO on `(env, params)` with LLMPrefixRouting-v0's settings (`agents.defaults.
     ENV_DEFAULTS`: PureJaxRL's CartPole-v1 PPO with its MLP), one run per seed in one compiled
     program (`experiments.common.train_scenarios`; seed `s` trains from
     `jax.random.key(s)`). `overrides`: other PPO hyperparameters (`SET_PPO`; `num_envs`,
-    tests).
+    tests). `progress`: a tqdm bar on stderr (`train_scenarios`).
 
     Returns:
       (greedy `LearnedPolicy` per seed, `{"compile_s", "run_s", "final_return": [per seed]}`),
@@ -147,7 +147,8 @@ def train_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     ctx = None if log is None else _LogContext(log)
     pols, curves = train_scenarios("LLMPrefixRouting-v0", env, [params], "ppo", seeds,
-                                   int(total_steps), ctx=ctx, **overrides)
+                                   int(total_steps), ctx=ctx, progress=progress,
+                                   **overrides)
     ret = np.asarray(curves["episode_return"])[0]  # (seeds, updates)
     return pols[0], {"compile_s": float(curves["compile_s"]), "run_s": float(curves["run_s"]),
                      "final_return": [float(r[-1]) for r in ret]}
@@ -444,7 +445,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                      window_requests: int = 512, fit_fraction: float = 0.25,
                      heuristics: Sequence[str] | None = None, ppo_overrides: dict | None = None,
                      eval_seed: int = 20261202, traces_dir=None, log=print,
-                     keep_policies: bool = False) -> dict:
+                     keep_policies: bool = False, progress: bool = False) -> dict:
     """Trains PPO (one run per seed) and evaluates it against the heuristics (module
     docstring).
 
@@ -462,6 +463,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
         `num_steps`).
       eval_seed: evaluation key: window `w` of the evaluation (training) windows replays with
         `fold_in(fold_in(PRNGKey(eval_seed), 0), w)` (`..., 1), w)`).
+      progress: a tqdm bar on stderr while PPO trains.
       keep_policies: also return the learned policies (`policies`: name -> `LearnedPolicy`,
         not JSON-able: pop it before serialising).
 
@@ -505,7 +507,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
     # The environment as registered (ranked replicas, no shaping), on the training trace.
     env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps)
     pols, training = train_ppo(env, params, int(total_steps), seeds, log=log,
-                               **(ppo_overrides or {}))
+                               progress=progress, **(ppo_overrides or {}))
     learned = {f"ppo_seed{s}": p for s, p in zip(seeds, pols)}
     log(f"trained {len(seeds)} seed(s) x {int(total_steps):,} steps: compile "
         f"{training['compile_s']:.0f} s, run {training['run_s']:.0f} s")
