@@ -46,11 +46,14 @@ The experiment, per workload and load (`run_prefix_study`):
    for the learned ones; all policies and windows of a workload run in one compiled program
    (`replay_windows`) on the index-ordered environment, where the routers name replicas; a
    policy trained on the ranked environment acts there through `ranked_router` (it reads the
-   ranked observation and its action's replica is the replica of that rank, as in training). Per window (`window_metrics`): (f)'s metrics
+   ranked observation and its action's replica is the replica of that rank, as in
+   training). Per window (`window_metrics`): (f)'s metrics
    (`llm_routing_study.window_metrics`: TTFT / TPOT / E2E p50 and p99 in s, SLO attainment
    and goodput with the environment's `slo_ttft_s` / `slo_tpot_s`, drops, preemptions, the
    mean time in system with drops charged `drop_penalty_s`, `HEADLINE`) plus the token hit
-   rate (cached tokens over looked-up tokens at admissions, readmissions included).
+   rate (cached tokens over looked-up tokens at admissions, readmissions included). Per
+   decision, whether a policy routed where `most_cached` would and how loaded that replica
+   was (`cache_use`: how the learned router trades the cache against load).
 
 5. **Comparison**: learned minus every heuristic on the evaluation windows: per seed a paired
    Student-t CI over windows, and the seeds together ("ppo_mean") with the crossed seed x
