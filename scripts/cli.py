@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 
@@ -38,6 +40,24 @@ def parse_pairs(pairs: list[str], flag: str) -> dict:
         if not sep or not k.strip():
             raise CLIError(f"{flag} expects KEY=VALUE, got {p!r}")
         out[k.strip()] = parse_value(v.strip())
+    return out
+
+
+def output_file(path: str | None, flag: str) -> Path | None:
+    """`path` as a file the tool may write at its end, checked before the work starts (a
+    study of an hour should not fail at its last line): its folder is created, and CLIError
+    names `flag` if `path` is a folder or its folder cannot be written. None stays None."""
+    if path is None:
+        return None
+    out = Path(path)
+    if out.is_dir():
+        raise CLIError(f"{flag} {path} is a folder; give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: cannot create its folder ({e.strerror})") from e
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise CLIError(f"{flag} {path} is not writable")
     return out
 
 

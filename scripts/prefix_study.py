@@ -18,14 +18,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import jax
 from flax import serialization
 
 from agents.experiments.prefix_study import WORKLOADS, format_prefix_study, run_prefix_study
 from jaxserve.evaluation.serialize import to_jsonable
-from scripts.cli import Parser, run_cli
+from scripts.cli import Parser, output_file, run_cli
 
 
 def build_parser() -> Parser:
@@ -59,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         heur = (None if args.heuristics is None else
                 [h.strip() for h in args.heuristics.split(",") if h.strip()])
+        out = output_file(args.out, "--out")  # checked now: the study may take an hour
+        saved = output_file(args.save_policies, "--save-policies")
         t0 = time.perf_counter()
 
         def log(msg: str) -> None:
@@ -69,22 +70,18 @@ def main(argv: list[str] | None = None) -> int:
                                train_windows=args.train_windows,
                                window_requests=args.window_requests, heuristics=heur,
                                eval_seed=args.eval_seed, log=log,
-                               keep_policies=args.save_policies is not None, progress=True)
+                               keep_policies=saved is not None, progress=True)
         pols = res.pop("policies", {})
         res["command"] = "python -m scripts.prefix_study " + " ".join(
             sys.argv[1:] if argv is None else argv)
         print(format_prefix_study(res))
-        if args.out:
-            out = Path(args.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
+        if out is not None:
             out.write_text(json.dumps(to_jsonable(res), indent=1))
             print(f"wrote {out} ({res['seconds']:.0f} s)")
-        if args.save_policies:
-            path = Path(args.save_policies)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(serialization.to_bytes(
+        if saved is not None:
+            saved.write_bytes(serialization.to_bytes(
                 jax.device_get({name: p.params for name, p in pols.items()})))
-            print(f"wrote {path}")
+            print(f"wrote {saved}")
         return 0
     return run_cli("jaxserve-prefix-study", body)
 

@@ -194,3 +194,17 @@ def test_prefix_window_keeps_the_windows_prefixes():
         prefix_window(pt, 50, 50)
     with pytest.raises(ValueError, match="time_scale"):
         prefix_window(pt, 0, 10, time_scale=0.0)
+
+
+def test_cli_refuses_unwritable_outputs_before_any_work(tmp_path, capsys):
+    """`jaxserve-prefix-study` checks --out and --save-policies before training (a full
+    study runs for an hour): a folder, or a path under a file, exits 2 with one line."""
+    from scripts.prefix_study import main
+
+    assert main(["--out", str(tmp_path)]) == 2
+    assert "--out" in capsys.readouterr().err
+    (tmp_path / "f").write_text("")
+    assert main(["--save-policies", str(tmp_path / "f" / "p.msgpack")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxserve-prefix-study: error: --save-policies") and "\n" == err[-1]
+    assert err.count("\n") == 1
