@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)  # now, not after the study: a bad --out fails fast
         res = run_study(trace=args.trace, load=args.load, seeds=seeds, total_steps=args.steps,
                         num_envs=args.num_envs, window_requests=args.window_requests,
                         eval_windows=args.eval_windows, slo_ttft=args.slo_ttft,
@@ -54,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
                         queue_cap=args.queue_cap, out_dir=str(out / "train"))
         res["command"] = "python -m scripts.llm_routing " + " ".join(
             sys.argv[1:] if argv is None else argv)
-        out.mkdir(parents=True, exist_ok=True)
         with open(out / "study.json", "w") as f:
             json.dump(to_jsonable(res), f, indent=1)
         print(format_study(res))
