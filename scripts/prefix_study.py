@@ -22,7 +22,8 @@ import time
 import jax
 from flax import serialization
 
-from agents.experiments.prefix_study import WORKLOADS, format_prefix_study, run_prefix_study
+from agents.experiments.prefix_study import (WORKLOADS, format_prefix_study, plot_cache_use,
+                                             run_prefix_study)
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import Parser, output_file, run_cli
 
@@ -47,6 +48,9 @@ def build_parser() -> Parser:
     ap.add_argument("--save-policies", default=None, metavar="FILE",
                     help="msgpack file for the learned networks' parameters ({name: params}, "
                          "flax.serialization; the network is LLMPrefixRouting-v0's default)")
+    ap.add_argument("--plot", default=None, metavar="FILE",
+                    help="PNG: hit rate against time in system per policy, and when each "
+                         "router leaves the most-cached replica (prefix_study.plot_cache_use)")
     return ap
 
 
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 [h.strip() for h in args.heuristics.split(",") if h.strip()])
         out = output_file(args.out, "--out")  # checked now: the study may take an hour
         saved = output_file(args.save_policies, "--save-policies")
+        plot = output_file(args.plot, "--plot")
         t0 = time.perf_counter()
 
         def log(msg: str) -> None:
@@ -78,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         if out is not None:
             out.write_text(json.dumps(to_jsonable(res), indent=1))
             print(f"wrote {out} ({res['seconds']:.0f} s)")
+        if plot is not None:
+            print(f"wrote {plot_cache_use(res, plot)}")
         if saved is not None:
             saved.write_bytes(serialization.to_bytes(
                 jax.device_get({name: p.params for name, p in pols.items()})))

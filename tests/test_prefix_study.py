@@ -150,6 +150,13 @@ def test_format_renders_the_tables(result):
     assert "### system_prompts, load 1" in body and text in body
 
 
+def test_plot_cache_use(result, tmp_path):
+    res, _ = result
+    stored = json.loads(json.dumps(to_jsonable(res)))  # as the CLI's JSON holds it
+    path = P.plot_cache_use(stored, tmp_path / "p.png")
+    assert path.stat().st_size > 1000
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(workload="sessions"), "workload"),
     (dict(seeds=()), "seeds"),

@@ -85,6 +85,7 @@ from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, PREFIX_SEED,
 from jaxserve.envs.base import with_static
 from jaxserve.evaluation import episodes
 from jaxserve.evaluation.evaluate import trace_env
+from jaxserve.evaluation.plots import axes_row
 from jaxserve.evaluation.replay import token_log
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import prefix_routing as PR
@@ -667,6 +668,63 @@ def format_prefix_study(result: dict) -> str:
     if "routing" in result:  # results written before 2026-12-05 (late) lack it
         lines += ["", *format_cache_use(result["routing"], [*seeds, *heur])]
     return "\n".join(lines)
+
+
+def plot_cache_use(result: dict, path) -> Path:
+    """Two panels of one (workload, load) result, written to `path` (PNG): left, every policy's
+    token hit rate against its mean time in system on the evaluation windows (the trade-off
+    between cache affinity and load; the learned seeds as filled circles); right, the share
+    of decisions that leave `most_cached`'s replica by that replica's load (`cache_use`),
+    for the learned seeds, the best heuristic and `most_cached`'s load-guarded rivals."""
+    ev = result["summary"]["eval"]
+    best = result["headline"]["best_heuristic"]
+    seeds = [r["learned"] for r in result["headline"]["per_seed"]]
+    routing = result.get("routing", {})
+    with axes_row(path, ncols=2 if routing else 1, figsize=(12, 4.6)) as (fig, axes):
+        ax = axes[0]
+        for name, m in ev.items():
+            if name == LEARNED:
+                continue
+            learned = name in seeds
+            ax.scatter(m["token_hit_rate"], m[HEADLINE], s=40 if learned else 28,
+                       marker="o" if learned else "s", color="C3" if learned else
+                       ("C0" if name == best else "0.5"), zorder=3 if learned else 2)
+            if not learned:
+                ax.annotate(name, (m["token_hit_rate"], m[HEADLINE]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("token hit rate (evaluation windows)")
+        ax.set_ylabel("mean time in system, drops at penalty (s)")
+        ax.set_title(f"{result['config']['workload']}, load {result['config']['load']:g}: "
+                     f"learned (red) vs routers (best on training: blue)", fontsize=9)
+        ax.grid(alpha=0.3)
+        if routing:
+            ax = axes[1]
+            others = [best] + [n for n in ("llmd_scorers", "sglang_cache_aware",
+                                           "aibrix_prefix_cache") if n != best and n in routing]
+            bins = routing[seeds[0]]["by_load"]
+            labels = [f"{b['low']:g}-{b['high']:g}x" if b["high"] is not None
+                      else f">={b['low']:g}x" for b in bins]
+            share = lambda n: np.array([np.nan if b["leave_share"] is None  # noqa: E731
+                                        else b["leave_share"] for b in routing[n]["by_load"]])
+            per_seed = np.array([share(n) for n in seeds])  # (seeds, bins)
+            groups = [(f"learned ({len(seeds)} seeds: mean, range)", np.nanmean(per_seed, 0),
+                       per_seed, "C3")] + [(n, share(n), None, f"C{j}")
+                                           for j, n in enumerate(others)]
+            width = 0.8 / len(groups)
+            x = np.arange(len(bins))
+            for j, (label, y, spread, color) in enumerate(groups):
+                err = None
+                if spread is not None and len(seeds) > 1:
+                    err = np.vstack([y - np.nanmin(spread, 0), np.nanmax(spread, 0) - y])
+                ax.bar(x + (j - (len(groups) - 1) / 2) * width, y, width, yerr=err,
+                       label=label, color=color, capsize=2)
+            ax.set_xticks(x, labels)
+            ax.set_xlabel("load of most_cached's replica (tokens in flight / replicas' mean)")
+            ax.set_ylabel("share of decisions sent elsewhere")
+            ax.set_title("when a router leaves the most-cached replica", fontsize=9)
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3, axis="y")
+    return Path(path)
 
 
 def format_cache_use(routing: dict, order: Sequence[str]) -> list[str]:
