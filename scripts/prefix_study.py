@@ -10,7 +10,9 @@ unshaped reward) on the workload's training trace and replays disjoint
 evaluation windows under the learned policies and every router
 (`agents.experiments.prefix_study`: workloads, loads and statistics). Progress lines go to
 stderr (the study takes minutes); the markdown tables to stdout; the result as JSON to --out.
-Errors print one line on stderr and exit with status 2.
+`--plot` draws the trade-off and when each router leaves the cache; `--save-policies` keeps the
+learned networks; `--from-json` renders the tables and plot of an earlier run's result.
+Errors print one line on stderr and exit with status 2 (output paths are checked first).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import jax
 from flax import serialization
@@ -25,7 +28,7 @@ from flax import serialization
 from agents.experiments.prefix_study import (WORKLOADS, format_prefix_study, plot_cache_use,
                                              run_prefix_study)
 from jaxserve.evaluation.serialize import to_jsonable
-from scripts.cli import Parser, output_file, run_cli
+from scripts.cli import CLIError, Parser, output_file, run_cli
 
 
 def build_parser() -> Parser:
@@ -48,6 +51,9 @@ def build_parser() -> Parser:
     ap.add_argument("--save-policies", default=None, metavar="FILE",
                     help="msgpack file for the learned networks' parameters ({name: params}, "
                          "flax.serialization; the network is LLMPrefixRouting-v0's default)")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="render the tables (and --plot) of a result an earlier run wrote with "
+                         "--out, without running the study")
     ap.add_argument("--plot", default=None, metavar="FILE",
                     help="PNG: hit rate against time in system per policy, and when each "
                          "router leaves the most-cached replica (prefix_study.plot_cache_use)")
@@ -65,6 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         out = output_file(args.out, "--out")  # checked now: the study may take an hour
         saved = output_file(args.save_policies, "--save-policies")
         plot = output_file(args.plot, "--plot")
+        if args.from_json is not None:
+            try:
+                res = json.loads(Path(args.from_json).read_text())
+                text = format_prefix_study(res)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CLIError(f"--from-json {args.from_json}: not a prefix study's result "
+                               f"({type(e).__name__}: {e})") from e
+            print(text)
+            if plot is not None:
+                print(f"wrote {plot_cache_use(res, plot)}")
+            return 0
         t0 = time.perf_counter()
 
         def log(msg: str) -> None:

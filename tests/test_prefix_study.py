@@ -150,11 +150,18 @@ def test_format_renders_the_tables(result):
     assert "### system_prompts, load 1" in body and text in body
 
 
-def test_plot_cache_use(result, tmp_path):
+def test_plot_cache_use_and_the_cli_rendering_a_stored_result(result, tmp_path, capsys):
+    from scripts.prefix_study import main
+
     res, _ = result
-    stored = json.loads(json.dumps(to_jsonable(res)))  # as the CLI's JSON holds it
-    path = P.plot_cache_use(stored, tmp_path / "p.png")
-    assert path.stat().st_size > 1000
+    stored = tmp_path / "r.json"
+    stored.write_text(json.dumps(to_jsonable(res)))  # as --out writes it
+    assert main(["--from-json", str(stored), "--plot", str(tmp_path / "p.png")]) == 0
+    assert capsys.readouterr().out.startswith(P.format_prefix_study(res))
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["--from-json", str(tmp_path / "bad.json")]) == 2
+    assert "not a prefix study's result" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kw, match", [
