@@ -52,9 +52,11 @@ environments:
   LLMAutoscaling-v0).
 - [docs/scaling.md](scaling.md): the rollout-serving workload and Autoscaling-v0.
 - [docs/prefix_caching.md](prefix_caching.md): LLMPrefixRouting-v0; its section "The study
-  (p)" holds experiment (p), the learned prefix-cache-aware router against every router
-  with CIs (system prompts, Mooncake), as `python scripts/reproduce.py --quick --only p`
-  wrote it (the quick budget skips (p) unless named).
+  (p)" holds the learned prefix-cache-aware router against every router with CIs: at 1M
+  steps on the registered environment (system prompts, load 1: better than the best router
+  on the training trace, level with the best cache-first rules on the mean, better in the
+  tail), and experiment (p) at the quick budget (system prompts, Mooncake), as `python
+  scripts/reproduce.py --quick --only p` wrote it (the quick budget skips (p) unless named).
 - [docs/benchmarks.md](benchmarks.md): speed (env-steps/s, compile time, PPO training
   throughput).
 - [docs/confirmations.md](confirmations.md): (x)'s findings re-measured on fresh training
