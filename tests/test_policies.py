@@ -41,7 +41,7 @@ def test_registry_names_and_kinds():
     assert set(ROUTING) == set(P.names("routing"))
     assert set(BATCHING) == set(P.names("batching"))
     prefix = {"llmd_scorers", "dynamo_kv", "sglang_cache_aware", "aibrix_prefix_cache",
-              "session_affinity"}
+              "session_affinity", "most_cached"}
     assert set(P.names("prefix_routing")) == prefix
     assert set(P.names()) == (set(ROUTING) | set(BATCHING) | prefix
                               | {"fixed", "hpa", "knative", "ray_serve", "scheduled"})
