@@ -34,7 +34,8 @@ requests rule with up/down delays); stateless, their windows recomputed from the
 `history`.
 Prefix routing (`prefix_routing.py`, LLMPrefixRouting-v0, kind "prefix_routing"): the
 production cache-aware routers of /work/shared/ROUTERS.md at their published defaults:
-llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache, session_affinity.
+llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache, session_affinity; and
+the baseline most_cached (the plain cache-first rule, no production router's).
 """
 
 from jaxserve.policies.registry import KINDS, Policy, get, kind_of, names, options, register
