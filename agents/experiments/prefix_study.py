@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agents.experiments import llm_routing_study as study
+from agents.defaults import make_config
 from agents.experiments.common import stack_params, train_scenarios
 from agents.policy import LearnedPolicy
 from jaxserve.core import continuous as CB
@@ -141,8 +142,9 @@ def train_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
     tests). `progress`: a tqdm bar on stderr (`train_scenarios`).
 
     Returns:
-      (greedy `LearnedPolicy` per seed, `{"compile_s", "run_s", "final_return": [per seed]}`),
-      the final return being the mean episode return of the last update.
+      (greedy `LearnedPolicy` per seed, `{"compile_s", "run_s", "final_return": [per seed],
+      "config"}`), the final return being the mean episode return of the last update and
+      `config` the effective PPO config (`TrainConfig.to_dict`, seed 0's).
     """
     seeds = [int(s) for s in seeds]
     if not seeds:
@@ -154,8 +156,11 @@ def train_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
                                    int(total_steps), ctx=ctx, progress=progress,
                                    **overrides)
     ret = np.asarray(curves["episode_return"])[0]  # (seeds, updates)
+    config = make_config("ppo", "LLMPrefixRouting-v0", env, int(total_steps), seeds[0],
+                         **overrides)
     return pols[0], {"compile_s": float(curves["compile_s"]), "run_s": float(curves["run_s"]),
-                     "final_return": [float(r[-1]) for r in ret]}
+                     "final_return": [float(r[-1]) for r in ret],
+                     "config": config.to_dict()}
 
 
 class _LogContext:
