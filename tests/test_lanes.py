@@ -124,6 +124,71 @@ def test_lane_while_equals_a_loop_per_lane(shared_batched):
     np.testing.assert_allclose(np.asarray(alone[1]), np.asarray(want[1][0]), rtol=1e-6)
 
 
+def _while_count(jaxpr) -> int:
+    """`while` loops in a jaxpr, nested ones included."""
+    return str(jaxpr).count("while[")
+
+
+@pytest.mark.parametrize("outer_shared", [False, True])
+def test_nested_vmaps_merge_into_one_batch_of_lanes(outer_shared):
+    """PPO's seeds around the environments: under `vmap(vmap(lane_while))` (4 seeds x 32
+    environments x 4 lanes = 512 lanes) every lane runs as its own `while_loop`, and the
+    lanes are compacted as one batch: the program holds the compact chunks' loops, where
+    batching the inner loop again (32 x 4 = 128 lanes: masked, no chunks) would not."""
+    rng = np.random.default_rng(3)
+    seeds, envs, per = 4, 32, 4
+    shape = (seeds, envs, per)
+    limits = np.where(rng.random(shape) < 0.6, rng.integers(0, 5, shape),
+                      rng.integers(5, 61, shape))
+    carry = (jnp.zeros(shape, jnp.int32), jnp.asarray(rng.random(shape), jnp.float32),
+             jnp.asarray(limits, jnp.int32))
+    scale = jnp.asarray(rng.uniform(0.5, 0.9, shape), jnp.float32)
+    # The shared constant: one per seed (batched only by the outer vmap) or common.
+    offset = (jnp.asarray(rng.uniform(0.0, 0.5, seeds), jnp.float32) if outer_shared
+              else jnp.float32(0.25))
+
+    def inner(c, sc, off):
+        return jax.vmap(lambda c1, s1: lanes.lane_while(
+            lambda x, _: _cond(x, None), _lane_body, c1, (s1,), (off,)))(c, sc)
+
+    nested = jax.vmap(inner, in_axes=(0, 0, 0 if outer_shared else None))
+    got = jax.jit(nested)(carry, scale, offset)
+    offs = jnp.asarray(np.broadcast_to(np.asarray(offset), (seeds,)))
+    want = jax.jit(jax.vmap(jax.vmap(jax.vmap(lambda c, sc, off: _plain(c, (sc, off)),
+                                              in_axes=(0, 0, None)), in_axes=(0, 0, None))))(
+        carry, scale, offs)
+    np.testing.assert_array_equal(np.asarray(got[0]), limits)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+    # Compacted as one batch: the dense loop, and the chunk loop with its inner while.
+    assert _while_count(jax.make_jaxpr(nested)(carry, scale, offset)) >= 3
+    flat = jax.vmap(lambda c, sc: lanes.lane_while(
+        lambda x, _: _cond(x, None), _lane_body, c, (sc,), (jnp.float32(0.25),)))
+    assert _while_count(jax.make_jaxpr(flat)(jax.tree.map(lambda x: x[0], carry),
+                                             scale[0])) == 1  # 128 lanes: masked only
+
+
+def test_nested_compacted_while_equals_plain_loops():
+    """`compacted_while` under two `vmap`s (8 x 64 = 512 lanes, consts batched by the outer
+    one only) equals a `while_loop` per lane."""
+    rng = np.random.default_rng(4)
+    limits = np.where(rng.random((8, 64)) < 0.6, rng.integers(0, 5, (8, 64)),
+                      rng.integers(5, 61, (8, 64)))
+    carry = (jnp.zeros((8, 64), jnp.int32), jnp.asarray(rng.random((8, 64)), jnp.float32),
+             jnp.asarray(limits, jnp.int32))
+    scale = jnp.asarray(rng.uniform(0.5, 0.9, 8), jnp.float32)
+
+    def inner(c, sc):
+        return jax.vmap(lambda c1: lanes.compacted_while(_cond, _body, c1,
+                                                         (sc, jnp.float32(0.25))))(c)
+
+    got = jax.jit(jax.vmap(inner))(carry, scale)
+    want = jax.jit(jax.vmap(lambda c, sc: jax.vmap(
+        lambda c1: _plain(c1, (sc, jnp.float32(0.25))))(c)))(carry, scale)
+    np.testing.assert_array_equal(np.asarray(got[0]), limits)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
+    assert _while_count(jax.make_jaxpr(jax.vmap(inner))(carry, scale)) >= 3
+
+
 def test_active_order_equals_nonzero():
     rng = np.random.default_rng(1)
     for rows, cols in ((37, 8), (5, 1), (64, 3)):
@@ -249,14 +314,16 @@ def test_disabled_route_changes_nothing():
 
 def test_batch_max_is_identity_alone_and_the_batch_max_under_vmap():
     """`batch_max` returns its input unbatched, the maximum over the mapped axis under `vmap`
-    (unbatched, so a switch on it stays one conditional), and per outer lane under two."""
+    (unbatched, so a switch on it stays one conditional), and over both axes under two (PPO's
+    seeds around the environments: still one conditional)."""
     pick = lambda i: jax.lax.switch(  # noqa: E731
         lanes.batch_max(i), [lambda: jnp.int32(10), lambda: jnp.int32(20),
                              lambda: jnp.int32(30)])
     assert int(pick(jnp.int32(1))) == 20
     np.testing.assert_array_equal(jax.vmap(pick)(jnp.array([0, 1, 0])), [20, 20, 20])
     np.testing.assert_array_equal(jax.vmap(jax.vmap(pick))(jnp.array([[0, 1], [0, 0]])),
-                                  [[20, 20], [10, 10]])
-    jaxpr = jax.make_jaxpr(jax.vmap(pick))(jnp.array([0, 1, 0]))
-    assert [e.primitive.name for e in jaxpr.eqns].count("cond") == 1
-    assert "select_n" not in str(jaxpr)
+                                  [[20, 20], [20, 20]])
+    for jaxpr in (jax.make_jaxpr(jax.vmap(pick))(jnp.array([0, 1, 0])),
+                  jax.make_jaxpr(jax.vmap(jax.vmap(pick)))(jnp.array([[0, 1], [0, 0]]))):
+        assert [e.primitive.name for e in jaxpr.eqns].count("cond") == 1
+        assert "select_n" not in str(jaxpr)

@@ -88,7 +88,8 @@ def active_order(active: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
 
 @jax.custom_batching.custom_vmap
 def batch_max(x: jax.Array) -> jax.Array:
-    """`x` itself; under `vmap`, the maximum of `x` over the mapped axis, *unbatched*.
+    """`x` itself; under `vmap`, the maximum of `x` over the mapped axis, *unbatched* (under
+    nested `vmap`s, over all of them).
 
     For choosing a static size shared by a whole batch: `lax.switch(batch_max(i), branches)`
     stays one conditional under `vmap` (each branch runs vmapped, once), where a switch on a
@@ -103,7 +104,10 @@ def batch_max(x: jax.Array) -> jax.Array:
 @batch_max.def_vmap
 def _batch_max_rule(axis_size, in_batched, x):
     (batched,) = in_batched
-    return (jnp.max(x, axis=0) if batched else x), False
+    # Called again on the reduced value, so that an enclosing `vmap` (e.g. PPO's over seeds
+    # around the environments') reduces its axis too; else its lanes would disagree and a
+    # `lax.cond` on the result would become a select running every branch.
+    return (batch_max(jnp.max(x, axis=0)) if batched else x), False
 
 
 DENSE_FRACTION = 4  # the dense phase runs while more than 1/DENSE_FRACTION of lanes are active
@@ -154,42 +158,49 @@ def lane_while(cond_fn: Callable[[Any, Any], jax.Array], body_fn: Callable[..., 
     environments: an environment whose one replica has an event due pays for that replica's
     pass, not for all of its replicas. Returns the final carry (leading axis `L`).
 
-    Under nested `vmap`s the innermost one merges with the lanes; an outer one batches the
-    resulting loop as a plain `while_loop` (correct; compacted over the inner axis only).
+    Under nested `vmap`s every one of them merges with the lanes (`_lane_loop`): PPO's
+    seeds x environments x replicas are one batch of lanes.
     """
-    loop = _lane_loop(cond_fn, body_fn)
-    return loop(carry, consts, shared)
+    flags = (jax.tree.map(lambda _: True, consts), jax.tree.map(lambda _: False, shared))
+    return _lane_loop(cond_fn, body_fn, flags)(carry, (consts, shared))
 
 
-def _lane_loop(cond_fn, body_fn):
-    def run(carry, consts, shared, shared_batched, lanes):
-        compact = batched_path() == "compact" and lanes > MIN_COMPACT_LANES
-        flags = (jax.tree.map(lambda _: True, consts), shared_batched)
-        return _batched_loop(cond_fn, body_fn, carry, (consts, shared), flags, lanes, compact)
-
-    def plain(carry, consts, shared):
+def _lane_loop(cond_fn, body_fn, lane_flags):
+    """The loop over lanes as a `custom_vmap` function `loop(carry, consts)`: every leaf of
+    `carry`, and each leaf of `consts` whose `lane_flags` leaf is True, has a leading axis of
+    lanes; the other `consts` leaves are read by every lane. Alone it is `_batched_loop`
+    over those lanes; under `vmap` of `B` it merges the new axis into the lanes (`B x L`) and
+    calls itself, so nested `vmap`s (PPO's seeds around the environments) all merge into one
+    batch of lanes, each compacted as one, instead of the outer ones batching the inner
+    loop as a plain masked `while_loop`."""
+    def plain(carry, consts):
         lanes = jax.tree.leaves(carry)[0].shape[0]
-        return run(carry, consts, shared, jax.tree.map(lambda _: False, shared), lanes)
+        compact = batched_path() == "compact" and lanes > MIN_COMPACT_LANES
+        return _batched_loop(cond_fn, body_fn, carry, consts, lane_flags, lanes, compact)
 
     loop = jax.custom_batching.custom_vmap(plain)
 
     @loop.def_vmap
-    def _rule(axis_size, in_batched, carry, consts, shared):
-        carry_b, consts_b, shared_b = in_batched
-        lanes = jax.tree.leaves(carry)[0].shape[int(jax.tree.leaves(carry_b)[0])]
+    def _rule(axis_size, in_batched, carry, consts):
+        carry_b, consts_b = in_batched
+        lead = jax.tree.leaves(carry)[0]
+        lanes = lead.shape[1] if jax.tree.leaves(carry_b)[0] else lead.shape[0]
 
-        def merge(x, b):  # (B, L, ...) or (L, ...) -> (B * L, ...)
+        def merge(x, b):  # a lane leaf: (B, L, ...) or (L, ...) -> (B * L, ...)
             x = x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x))
             return x.reshape((axis_size * lanes,) + x.shape[2:])
 
-        def per_lane(x, b):  # a batched shared leaf, (B, ...) -> (B * L, ...)
-            if not b:
-                return x
+        def per_lane(x, b):  # a shared leaf batched here: (B, ...) -> (B * L, ...)
             x = jnp.broadcast_to(x[:, None], (axis_size, lanes) + x.shape[1:])
             return x.reshape((axis_size * lanes,) + x.shape[2:])
 
-        out = run(jax.tree.map(merge, carry, carry_b), jax.tree.map(merge, consts, consts_b),
-                  jax.tree.map(per_lane, shared, shared_b), shared_b, axis_size * lanes)
+        def merge_const(x, b, lane):
+            return merge(x, b) if lane else (per_lane(x, b) if b else x)
+
+        flags = jax.tree.map(lambda b, lane: bool(b or lane), consts_b, lane_flags)
+        out = _lane_loop(cond_fn, body_fn, flags)(
+            jax.tree.map(merge, carry, carry_b),
+            jax.tree.map(merge_const, consts, consts_b, lane_flags))
         out = jax.tree.map(lambda x: x.reshape((axis_size, lanes) + x.shape[1:]), out)
         return out, jax.tree.map(lambda _: True, out)
 
@@ -216,9 +227,8 @@ def _compacted(cond_fn, body_fn):
         carry = jax.tree.map(
             lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
             carry, carry_b)
-        compact = batched_path() == "compact" and axis_size > MIN_COMPACT_LANES
-        # Otherwise the plain masked loop (GPU/TPU default): no data-dependent chunk count.
-        out = _batched_loop(cond_fn, body_fn, carry, consts, consts_b, axis_size, compact)
+        # The batch's environments are now lanes (merged with any enclosing vmap's).
+        out = _lane_loop(cond_fn, body_fn, consts_b)(carry, consts)
         return out, jax.tree.map(lambda _: True, out)
 
     return loop
