@@ -240,6 +240,38 @@ def test_env_compacted_loop_equals_single_environments(name, steps):
                                    atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["Routing-v0", "LLMRouting-v0"])
+def test_env_under_nested_vmaps_equals_single_environments(name):
+    """The engines' batched loops (`cluster.advance_static`'s lanes, the continuous engine's
+    `lane_while`) under PPO's shape, `vmap` over 2 seeds of `vmap` over 72 environments,
+    which merge into one batch: every environment equals its single run."""
+    import jaxserve
+
+    env, params = jaxserve.make(name)
+    keys = jax.random.split(jax.random.PRNGKey(5), 144).reshape(2, 72, 2)
+
+    def rollout(key):
+        _, state = env.reset(key, params)
+
+        def step(state, k):
+            action = env.action_space(params).sample(jax.random.fold_in(k, 1))
+            _, state, reward, _, _, info = env.step(k, state, action, params)
+            return state, (reward, info["arrived"], info["completed"])
+
+        return jax.lax.scan(step, state, jax.random.split(key, 3))[1]
+
+    nested = jax.jit(jax.vmap(jax.vmap(rollout)))(keys)
+    single = jax.jit(rollout)
+    done = np.asarray(nested[2]).sum(-1)
+    for s, i in {(0, 0), (1, 71), np.unravel_index(done.argmax(), done.shape),
+                 np.unravel_index(done.argmin(), done.shape)}:
+        one = single(keys[s, i])
+        np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(nested[1][s, i]))
+        np.testing.assert_array_equal(np.asarray(one[2]), np.asarray(nested[2][s, i]))
+        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(nested[0][s, i]), rtol=1e-4,
+                                   atol=1e-4)
+
+
 def _gated_body(c, consts, active):
     # The gated contract: the body itself leaves inactive lanes unchanged. It writes one entry
     # of a buffer per iteration, dropped where inactive, and selects only the scalars.

@@ -486,13 +486,38 @@ def _advance_vmap(axis_size, in_batched, cluster, gpus, horizon, slo_s, log):
     args = jax.tree.map(
         lambda x, b: x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x)),
         args, tuple(in_batched))
+    out = _advance_batch(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+
+def _advance_batch_plain(cluster: Cluster, gpus: GPUProfile, horizon, slo_s, log):
+    """`advance_static` for a batch of environments (the leading axis of every argument), on
+    the backend's batched path (`lanes.batched_path`)."""
     path = batched_path()
     if path == "dense":
-        out = jax.vmap(_advance_unrolled)(*args)
-    elif path == "loop":
-        out = jax.vmap(_advance_dense)(*args)
-    else:
-        out = _advance_lanes(*args)
+        return jax.vmap(_advance_unrolled)(cluster, gpus, horizon, slo_s, log)
+    if path == "loop":
+        return jax.vmap(_advance_dense)(cluster, gpus, horizon, slo_s, log)
+    return _advance_lanes(cluster, gpus, horizon, slo_s, log)
+
+
+# Under an enclosing `vmap` (PPO's seeds around the environments) its axis merges with the
+# environments' and the batch runs as one: otherwise the outer vmap would batch the inner
+# batch's compacted loop as a plain masked one.
+_advance_batch = jax.custom_batching.custom_vmap(_advance_batch_plain)
+
+
+@_advance_batch.def_vmap
+def _advance_batch_vmap(axis_size, in_batched, *args):
+    lead, lead_b = jax.tree.leaves(args[0])[0], jax.tree.leaves(in_batched[0])[0]
+    envs = lead.shape[1] if lead_b else lead.shape[0]
+
+    def merge(x, b):  # (S, B, ...) or (B, ...) -> (S * B, ...)
+        x = x if b else jnp.broadcast_to(x, (axis_size,) + jnp.shape(x))
+        return x.reshape((axis_size * envs,) + x.shape[2:])
+
+    out = _advance_batch(*jax.tree.map(merge, args, tuple(in_batched)))
+    out = jax.tree.map(lambda x: x.reshape((axis_size, envs) + x.shape[1:]), out)
     return out, jax.tree.map(lambda _: True, out)
 
 
