@@ -365,3 +365,56 @@ def test_free_queue_order_is_argsorts_stable_order():
         want = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, CB._BIG), stable=True)
         np.testing.assert_array_equal(order, want)
         np.testing.assert_array_equal(rank[order], np.arange(m))
+
+
+def test_lookup_equals_the_pairwise_identity_match():
+    """`_lookup` (per pool block: its position in the request, a scatter-min of `born`)
+    equals the definition it replaced: match every request block's identity against every
+    cached block, the first inserted copy per block, the longest leading run within the cap.
+    Random pools of shared blocks (on and off the request's path, at every offset), its own
+    and other requests' private blocks, uncached blocks and several copies per identity."""
+    rng = np.random.default_rng(1)
+    parent = np.array([-1, 0, 1, 2, 0, 4, -1, 6, 3, 8])  # two roots, depths up to 5
+    depth = np.array([1, 2, 3, 4, 2, 3, 1, 2, 5, 6])
+    tables = CB.prefix_tables(parent, depth, block_tokens=8)
+    b, m = 4, 40
+    per = 8 // b
+
+    def pairwise(pc, owner, code, cap):
+        match = (pc.cached[None, :] & (pc.owner[None, :] == owner[:, None])
+                 & (pc.code[None, :] == code[:, None]))
+        first = jnp.argmin(jnp.where(match, pc.born[None, :], CB._BIG), -1)
+        hit = match.any(-1) & (jnp.arange(m) < cap)
+        return int(jnp.argmin(jnp.concatenate([hit, jnp.zeros((1,), bool)]))), first
+
+    lookup = jax.jit(lambda pc, node, nsh, rid, cap: CB._lookup(
+        pc, tables, CB._path(tables, node), nsh, rid, b, cap))
+    hits = 0
+    for _ in range(60):
+        node = int(rng.integers(-1, len(parent)))
+        nsh = 0 if node < 0 else int(rng.integers(0, depth[node] * per + 1))
+        rid = int(rng.integers(0, 3))
+        owner, code = CB._identities(tables, node, nsh, rid, b, m)
+        # Pool blocks: copies of the request's own identities, shared blocks of random nodes
+        # and offsets, private blocks of requests 0-2.
+        pick = rng.integers(0, m, m)
+        rand_node = rng.integers(0, len(parent), m)
+        rand_sh = rand_node * per + rng.integers(0, per, m)
+        kind = rng.integers(0, 3, m)
+        pc = jax.tree.map(lambda a: a[0], CB.empty_prefix_cache(1, 2, 2, m))
+        pc = pc.replace(
+            owner=jnp.asarray(np.where(kind == 0, np.asarray(owner)[pick],
+                                       np.where(kind == 1, -1, rng.integers(0, 3, m))),
+                              jnp.int32),
+            code=jnp.asarray(np.where(kind == 0, np.asarray(code)[pick],
+                                      np.where(kind == 1, rand_sh, rng.integers(0, m, m))),
+                             jnp.int32),
+            cached=jnp.asarray(rng.random(m) < 0.8),
+            born=jnp.asarray(rng.permutation(m), jnp.int32))
+        cap = int(rng.integers(0, m + 1))
+        h, first = lookup(pc, node, nsh, rid, cap)
+        want_h, want_first = pairwise(pc, owner, code, cap)
+        assert int(h) == want_h
+        np.testing.assert_array_equal(np.asarray(first)[:want_h], np.asarray(want_first)[:want_h])
+        hits += want_h
+    assert hits > 20  # the cases do find cached prefixes (48 blocks with this seed)

@@ -650,9 +650,10 @@ def shared_blocks(tables: PrefixTables, node, prompt, block_size) -> jax.Array:
     return jnp.minimum(p // b, depth * (tables.block_tokens // b))
 
 
-def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int):
-    """Identities `(owner, code)` of a request's KV blocks `0..width-1` (see `PrefixCache`):
-    the path's nodes come from a parent walk of at most `max_depth` steps."""
+def _path(tables: PrefixTables, node) -> jax.Array:
+    """The root path of tree node `node`: `(max_depth,)` int32, entry `d` the node's ancestor
+    at depth `d + 1` (itself at its own depth), -1 below its depth or for `node = -1`. A
+    parent walk of `max_depth` steps."""
     dmax = tables.max_depth
 
     def walk(_, c):
@@ -662,7 +663,15 @@ def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int):
         path = path.at[jnp.where(on, tables.depth[at] - 1, dmax)].set(cur, mode="drop")
         return jnp.where(on, tables.parent[at], -1), path
 
-    _, path = jax.lax.fori_loop(0, dmax, walk, (node, jnp.full((dmax,), -1, jnp.int32)))
+    return jax.lax.fori_loop(0, dmax, walk, (jnp.asarray(node, jnp.int32),
+                                             jnp.full((dmax,), -1, jnp.int32)))[1]
+
+
+def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int, path=None):
+    """Identities `(owner, code)` of a request's KV blocks `0..width-1` (see `PrefixCache`);
+    `path` is `_path(tables, node)` if the caller has it."""
+    dmax = tables.max_depth
+    path = _path(tables, node) if path is None else path
     per = tables.block_tokens // b
     j = jnp.arange(width, dtype=jnp.int32)
     shared = j < nshared
@@ -745,16 +754,35 @@ def _cache_full(pc: PrefixCache, slot, full, owner, code) -> PrefixCache:
                       s_ncached=pc.s_ncached.at[slot].set(jnp.maximum(nc, full)))
 
 
-def _lookup(pc: PrefixCache, owner, code, cap):
+def _lookup(pc: PrefixCache, tables: PrefixTables, path, nshared, req_id, b, cap):
     """Longest cached prefix of a request's blocks (rule 3), at most `cap` blocks: `(H, the
-    first inserted cached copy of each block j < H)`."""
-    match = (pc.cached[None, :] & (pc.owner[None, :] == owner[:, None])
-             & (pc.code[None, :] == code[:, None]))  # (J, M)
-    first = jnp.argmin(jnp.where(match, pc.born[None, :], _BIG), -1).astype(jnp.int32)
-    j = jnp.arange(owner.shape[0], dtype=jnp.int32)
-    hit = match.any(-1) & (j < cap)
+    first inserted cached copy of each block j < H)` (0 where block j has no copy).
+
+    The request: its root path `path` (`_path`), `nshared` shared full KV blocks, `req_id`
+    (the owner of its private blocks). Computed per pool block, not per pair of request
+    block and pool block: a cached shared block `(-1, n per + o)` is the request's block
+    `(depth(n) - 1) per + o` when `n` lies on the request's path and that block is shared
+    (`< nshared`); a private block `(req_id, j)` is its block `j >= nshared`. The first
+    inserted copy of block `j` is then a scatter-min of `born` at `j` (ties, which the
+    counters never make, to the lowest index). O(M)."""
+    m = pc.ref.shape[-1]
+    per = tables.block_tokens // b
+    shared = pc.owner == -1
+    node = jnp.clip(jnp.where(shared, pc.code // per, 0), 0, tables.parent.shape[0] - 1)
+    d = tables.depth[node] - 1
+    j_sh = d * per + pc.code % per
+    on_path = path[jnp.clip(d, 0, tables.max_depth - 1)] == node
+    pos = jnp.where(shared, jnp.where(on_path & (j_sh < nshared), j_sh, m),
+                    jnp.where((pc.owner == req_id) & (pc.code >= nshared), pc.code, m))
+    pos = jnp.where(pc.cached & (pos >= 0) & (pos < m), pos, m)
+    born_min = jnp.full((m,), _BIG, jnp.int32).at[pos].min(pc.born, mode="drop")
+    oldest = jnp.where(pc.born == born_min[jnp.minimum(pos, m - 1)], pos, m)
+    first = jnp.full((m,), m, jnp.int32).at[oldest].min(jnp.arange(m, dtype=jnp.int32),
+                                                        mode="drop")
+    j = jnp.arange(m, dtype=jnp.int32)
+    hit = (first < m) & (j < cap)
     h = jnp.argmin(jnp.concatenate([hit, jnp.zeros((1,), jnp.bool_)])).astype(jnp.int32)
-    return h, first
+    return h, jnp.where(first < m, first, 0)
 
 
 def cached_prefix_blocks(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables, node,
@@ -766,13 +794,12 @@ def cached_prefix_blocks(rep: Replicas, prof: ReplicaProfile, tables: PrefixTabl
     admission lookup (rule 3) without the `floor((L - 1) / b)` cap, which only matters for a
     prompt whose every block is shared. Reads the cache only. `(R,)` int32 blocks (times
     `block_size` for tokens)."""
-    m = rep.pc.ref.shape[-1]
     node = jnp.asarray(node, jnp.int32)
+    path = _path(tables, node)
 
     def one(pc, b):
         nsh = shared_blocks(tables, node, prompt, b)
-        owner, code = _identities(tables, node, nsh, jnp.int32(-2), b, m)
-        return _lookup(pc, owner, code, nsh)[0]
+        return _lookup(pc, tables, path, nsh, jnp.int32(-2), b, nsh)[0]
 
     return jax.vmap(one)(rep.pc, prof.block_size).astype(jnp.int32)
 
@@ -904,8 +931,10 @@ def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: Prefix
         j, k, stop, w_n, w_comp, pc = c
         slot = keep + j
         ln = w["len"][j]
-        owner, code = _identities(tables, w["node"][j], w["nshared"][j], w["req_id"][j], b, m)
-        h, first = _lookup(pc, owner, code, (ln - 1) // b)
+        path = _path(tables, w["node"][j])
+        owner, code = _identities(tables, w["node"][j], w["nshared"][j], w["req_id"][j], b, m,
+                                  path)
+        h, first = _lookup(pc, tables, path, w["nshared"][j], w["req_id"][j], b, (ln - 1) // b)
         c_tok = h * b
         rest = ln - c_tok
         n = jnp.where(chunk, jnp.minimum(rest, k), rest)
@@ -1044,8 +1073,7 @@ def _run_head_check(pc: PrefixCache, prof: ReplicaProfile, tables: PrefixTables,
     m = pc.ref.shape[-1]
     b = prof.block_size
     exists = jnp.arange(m) < prof.kv_blocks
-    owner, code = _identities(tables, node, nshared, req_id, b, m)
-    h, first = _lookup(pc, owner, code, (ln - 1) // b)
+    h, first = _lookup(pc, tables, _path(tables, node), nshared, req_id, b, (ln - 1) // b)
     c_tok = h * b
     rest = ln - c_tok
     chunk = prof.chunked_prefill
