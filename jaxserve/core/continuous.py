@@ -830,36 +830,43 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     total = ends[-1]
     fits = total <= _free_blocks(pc, exists)
     order, rank_of = _free_order(pc, exists) if queue is None else queue
-    j = jnp.arange(m, dtype=jnp.int32)[None, :]
-    nb = pc.s_nblk[:, None]
-    on = (j >= nb) & (j < nb + extra[:, None])  # (S, M)
-    picked = order[jnp.clip((ends - extra)[:, None] + j - nb, 0, m - 1)]
-    blocks = jnp.where(on, picked, pc.s_blocks)
-    # The blocks taken are the free queue's first `total`: marked by their rank in it, with
-    # no scatter of the (S, M) block table.
+    # Both the blocks taken and the blocks newly full are enumerated as items `k < M`
+    # (slot-major), each finding its slot among the `S` running ones, so the pass writes
+    # O(M) entries instead of working on `(S, M)` block tables.
+    k = jnp.arange(m, dtype=jnp.int32)
+    slot_of = lambda ends: jnp.minimum(  # noqa: E731 (the slot of item k: ends[s-1] <= k < ends[s])
+        (ends[None, :] <= k[:, None]).sum(-1).astype(jnp.int32), s_n - 1)
+    st = slot_of(ends)
+    j_take = pc.s_nblk[st] + k - (ends[st] - extra[st])
+    blocks = pc.s_blocks.at[jnp.where(k < total, st, s_n), j_take].set(order, mode="drop")
+    # The blocks taken are the free queue's first `total`: marked by their rank in it.
     taken = (pc.ref == 0) & exists & (rank_of < total)
     pc = pc.replace(ref=jnp.where(taken, 1, pc.ref), cached=pc.cached & ~taken,
                     s_blocks=blocks, s_nblk=pc.s_nblk + extra,
                     evictions=pc.evictions + (taken & pc.cached).sum())
-    owner, code = jax.vmap(lambda nd, ns, r: _identities(tables, nd, ns, r, b, m))(
-        pc.s_node, pc.s_nshared, run.req_id)
     full = jnp.where(n > 0, (run.comp + n) // b, 0)
-    nc = pc.s_ncached[:, None]
     # A slot's blocks past its `s_ncached` are never identified (`prefix_audit` checks it),
-    # so its newly full blocks are the run `[s_ncached, full)`, ranked slot-major.
-    new = (j >= nc) & (j < full[:, None])
+    # so its newly full blocks are the run `[s_ncached, full)`; item k (slot-major) gets
+    # insertion counter `born_ctr + k`.
     count = jnp.maximum(full - pc.s_ncached, 0)
-    rank = (_cumsum(count) - count)[:, None] + j - nc
-    # Each newly full block belongs to one slot: one scatter of its (slot, j) position, then
-    # gathers of the identities, instead of a scatter per field.
-    xs = jnp.where(new, blocks, m).ravel()
-    src = jnp.full((m,), -1, jnp.int32).at[xs].set(jnp.arange(xs.shape[0], dtype=jnp.int32),
-                                                   mode="drop")
+    ends_new = _cumsum(count)
+    sn = slot_of(ends_new)
+    j_new = pc.s_ncached[sn] + k - (ends_new[sn] - count[sn])
+    is_new = k < ends_new[-1]
+    x_new = jnp.where(is_new, blocks[sn, jnp.minimum(j_new, m - 1)], m)
+    paths = jax.vmap(lambda nd: _path(tables, nd))(pc.s_node)  # (S, max_depth)
+    per = tables.block_tokens // b
+    shared = j_new < pc.s_nshared[sn]
+    code = jnp.where(shared, paths[sn, jnp.minimum(j_new // per, tables.max_depth - 1)] * per
+                     + j_new % per, j_new)
+    owner = jnp.where(shared, -1, run.req_id[sn])
+    # Each newly full block is one item: one scatter of its item number, then gathers.
+    src = jnp.full((m,), -1, jnp.int32).at[x_new].set(k, mode="drop")
     hit = src >= 0
-    at = lambda a, v: jnp.where(hit, v.ravel()[jnp.maximum(src, 0)], a)  # noqa: E731
+    at = lambda a, v: jnp.where(hit, v[jnp.maximum(src, 0)], a)  # noqa: E731
     pc = pc.replace(cached=pc.cached | hit, owner=at(pc.owner, owner),
-                    code=at(pc.code, code), born=at(pc.born, pc.born_ctr + rank),
-                    born_ctr=pc.born_ctr + new.sum(),
+                    code=at(pc.code, code), born=at(pc.born, pc.born_ctr + k),
+                    born_ctr=pc.born_ctr + ends_new[-1],
                     s_ncached=jnp.where(n > 0, jnp.maximum(pc.s_ncached, full), pc.s_ncached))
     return fits, pc, n
 
