@@ -387,8 +387,8 @@ def test_lookup_equals_the_pairwise_identity_match():
         hit = match.any(-1) & (jnp.arange(m) < cap)
         return int(jnp.argmin(jnp.concatenate([hit, jnp.zeros((1,), bool)]))), first
 
-    lookup = jax.jit(lambda pc, node, nsh, rid, cap: CB._lookup(
-        pc, tables, CB._path(tables, node), nsh, rid, b, cap))
+    lookup = jax.jit(lambda pc, node, nsh, rid, cap: CB._lookup(pc, tables, node, nsh, rid,
+                                                                 b, cap))
     hits = 0
     for _ in range(60):
         node = int(rng.integers(-1, len(parent)))
@@ -418,3 +418,31 @@ def test_lookup_equals_the_pairwise_identity_match():
         np.testing.assert_array_equal(np.asarray(first)[:want_h], np.asarray(want_first)[:want_h])
         hits += want_h
     assert hits > 20  # the cases do find cached prefixes (48 blocks with this seed)
+
+
+@pytest.mark.parametrize("max_depth", [None, 64, 300])
+def test_ancestor_equals_a_parent_walk(max_depth):
+    """`ancestor` (binary lifting over `PrefixTables.up`) equals walking parent links, for
+    every node and every depth on its path, with the tables' levels padded or not."""
+    rng = np.random.default_rng(2)
+    parent = [-1]
+    for k in range(1, 300):  # a random tree whose deepest paths reach depth ~ 30
+        parent.append(int(rng.integers(max(-1, k - 12), k)) if rng.random() < 0.9 else -1)
+    parent = np.asarray(parent)
+    depth = np.ones(len(parent), int)
+    for k, p in enumerate(parent):
+        depth[k] = 1 if p < 0 else depth[p] + 1
+    tables = CB.prefix_tables(parent, depth, block_tokens=8, max_depth=max_depth)
+    nodes, targets, want = [], [], []
+    for k in range(len(parent)):
+        chain = [k]
+        while parent[chain[-1]] >= 0:
+            chain.append(int(parent[chain[-1]]))
+        for a in chain:
+            nodes.append(k)
+            targets.append(depth[a])
+            want.append(a)
+    got = jax.jit(lambda n, d: CB.ancestor(tables, n, d))(jnp.asarray(nodes), jnp.asarray(targets))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert int(CB.ancestor(tables, -1, 1)) == -1
+    assert depth.max() > 16  # more than 4 levels of lifting are used

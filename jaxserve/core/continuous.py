@@ -515,11 +515,16 @@ class PrefixTables:
       depth: `(num_nodes,)` hash blocks from the root to the node (>= 1). int32.
       block_tokens: tokens per hash block of the tree (Mooncake: 512); every replica's
         `block_size` divides it. Static.
-      max_depth: the tree's largest depth, the bound of the parent walk. Static.
+      up: `(levels, num_nodes)` the `2^k`-th ancestor of each node (-1 above the root),
+        `levels = max(1, bit_length(max_depth - 1))`: any ancestor in `levels` gathers
+        (`ancestor`), where a parent walk takes up to `max_depth` (247 on Mooncake's
+        conversation trace). int32.
+      max_depth: the tree's largest depth (or more, padding). Static.
     """
 
     parent: jax.Array
     depth: jax.Array
+    up: jax.Array
     block_tokens: int = struct.field(pytree_node=False, default=16)
     max_depth: int = struct.field(pytree_node=False, default=1)
 
@@ -554,9 +559,26 @@ def prefix_tables(parent, depth, block_tokens: int, num_nodes: int | None = None
     pad = size - parent.shape[0]
     parent = np.concatenate([parent, np.full(pad, -1, np.int64)])
     depth = np.concatenate([depth, np.ones(pad, np.int64)])
+    up = [parent]
+    for _ in range(max(1, (max_depth - 1).bit_length()) - 1):
+        prev = up[-1]
+        up.append(np.where(prev >= 0, prev[np.maximum(prev, 0)], -1))
     return PrefixTables(parent=jnp.asarray(parent, jnp.int32),
-                        depth=jnp.asarray(depth, jnp.int32), block_tokens=int(block_tokens),
-                        max_depth=max_depth)
+                        depth=jnp.asarray(depth, jnp.int32), up=jnp.asarray(np.stack(up),
+                                                                            jnp.int32),
+                        block_tokens=int(block_tokens), max_depth=max_depth)
+
+
+def ancestor(tables: PrefixTables, node, depth) -> jax.Array:
+    """The ancestor of tree node `node` at depth `depth` (`1 <= depth <= depth(node)`; the
+    node itself at its own depth), by binary lifting over `tables.up`: `levels` gathers.
+    -1 for `node = -1`. Elementwise over broadcast `node` and `depth`. int32."""
+    node = jnp.asarray(node, jnp.int32)
+    at = jnp.maximum(node, 0)
+    steps = tables.depth[at] - jnp.asarray(depth, jnp.int32)
+    for k in range(tables.up.shape[0]):
+        at = jnp.where((steps >> k) & 1 == 1, jnp.maximum(tables.up[k][at], 0), at)
+    return jnp.where(node >= 0, at, -1)
 
 
 @struct.dataclass
@@ -650,32 +672,17 @@ def shared_blocks(tables: PrefixTables, node, prompt, block_size) -> jax.Array:
     return jnp.minimum(p // b, depth * (tables.block_tokens // b))
 
 
-def _path(tables: PrefixTables, node) -> jax.Array:
-    """The root path of tree node `node`: `(max_depth,)` int32, entry `d` the node's ancestor
-    at depth `d + 1` (itself at its own depth), -1 below its depth or for `node = -1`. A
-    parent walk of `max_depth` steps."""
-    dmax = tables.max_depth
-
-    def walk(_, c):
-        cur, path = c
-        on = cur >= 0
-        at = jnp.maximum(cur, 0)
-        path = path.at[jnp.where(on, tables.depth[at] - 1, dmax)].set(cur, mode="drop")
-        return jnp.where(on, tables.parent[at], -1), path
-
-    return jax.lax.fori_loop(0, dmax, walk, (jnp.asarray(node, jnp.int32),
-                                             jnp.full((dmax,), -1, jnp.int32)))[1]
-
-
-def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int, path=None):
-    """Identities `(owner, code)` of a request's KV blocks `0..width-1` (see `PrefixCache`);
-    `path` is `_path(tables, node)` if the caller has it."""
-    dmax = tables.max_depth
-    path = _path(tables, node) if path is None else path
+def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int):
+    """Identities `(owner, code)` of a request's KV blocks `0..width-1` (see `PrefixCache`):
+    shared block `j < nshared` lies in the hash block of the path's node at depth
+    `j // per + 1` (`ancestor`)."""
     per = tables.block_tokens // b
     j = jnp.arange(width, dtype=jnp.int32)
     shared = j < nshared
-    code = jnp.where(shared, path[jnp.minimum(j // per, dmax - 1)] * per + j % per, j)
+    node = jnp.asarray(node, jnp.int32)
+    deep = tables.depth[jnp.maximum(node, 0)]
+    code = jnp.where(shared, ancestor(tables, node, jnp.clip(j // per + 1, 1, deep)) * per
+                     + j % per, j)
     return jnp.where(shared, -1, req_id), code
 
 
@@ -754,11 +761,11 @@ def _cache_full(pc: PrefixCache, slot, full, owner, code) -> PrefixCache:
                       s_ncached=pc.s_ncached.at[slot].set(jnp.maximum(nc, full)))
 
 
-def _lookup(pc: PrefixCache, tables: PrefixTables, path, nshared, req_id, b, cap):
+def _lookup(pc: PrefixCache, tables: PrefixTables, node, nshared, req_id, b, cap):
     """Longest cached prefix of a request's blocks (rule 3), at most `cap` blocks: `(H, the
     first inserted cached copy of each block j < H)` (0 where block j has no copy).
 
-    The request: its root path `path` (`_path`), `nshared` shared full KV blocks, `req_id`
+    The request: its deepest tree node `node`, `nshared` shared full KV blocks, `req_id`
     (the owner of its private blocks). Computed per pool block, not per pair of request
     block and pool block: a cached shared block `(-1, n per + o)` is the request's block
     `(depth(n) - 1) per + o` when `n` lies on the request's path and that block is shared
@@ -768,10 +775,13 @@ def _lookup(pc: PrefixCache, tables: PrefixTables, path, nshared, req_id, b, cap
     m = pc.ref.shape[-1]
     per = tables.block_tokens // b
     shared = pc.owner == -1
-    node = jnp.clip(jnp.where(shared, pc.code // per, 0), 0, tables.parent.shape[0] - 1)
-    d = tables.depth[node] - 1
-    j_sh = d * per + pc.code % per
-    on_path = path[jnp.clip(d, 0, tables.max_depth - 1)] == node
+    blk = jnp.clip(jnp.where(shared, pc.code // per, 0), 0, tables.parent.shape[0] - 1)
+    d = tables.depth[blk]
+    j_sh = (d - 1) * per + pc.code % per
+    node = jnp.asarray(node, jnp.int32)
+    deep = jnp.where(node >= 0, tables.depth[jnp.maximum(node, 0)], 0)
+    on_path = (d <= deep) & (ancestor(tables, node, jnp.clip(d, 1, jnp.maximum(deep, 1)))
+                             == blk)
     pos = jnp.where(shared, jnp.where(on_path & (j_sh < nshared), j_sh, m),
                     jnp.where((pc.owner == req_id) & (pc.code >= nshared), pc.code, m))
     pos = jnp.where(pc.cached & (pos >= 0) & (pos < m), pos, m)
@@ -795,11 +805,10 @@ def cached_prefix_blocks(rep: Replicas, prof: ReplicaProfile, tables: PrefixTabl
     prompt whose every block is shared. Reads the cache only. `(R,)` int32 blocks (times
     `block_size` for tokens)."""
     node = jnp.asarray(node, jnp.int32)
-    path = _path(tables, node)
 
     def one(pc, b):
         nsh = shared_blocks(tables, node, prompt, b)
-        return _lookup(pc, tables, path, nsh, jnp.int32(-2), b, nsh)[0]
+        return _lookup(pc, tables, node, nsh, jnp.int32(-2), b, nsh)[0]
 
     return jax.vmap(one)(rep.pc, prof.block_size).astype(jnp.int32)
 
@@ -854,10 +863,11 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     j_new = pc.s_ncached[sn] + k - (ends_new[sn] - count[sn])
     is_new = k < ends_new[-1]
     x_new = jnp.where(is_new, blocks[sn, jnp.minimum(j_new, m - 1)], m)
-    paths = jax.vmap(lambda nd: _path(tables, nd))(pc.s_node)  # (S, max_depth)
     per = tables.block_tokens // b
     shared = j_new < pc.s_nshared[sn]
-    code = jnp.where(shared, paths[sn, jnp.minimum(j_new // per, tables.max_depth - 1)] * per
+    nd = pc.s_node[sn]
+    deep = tables.depth[jnp.maximum(nd, 0)]
+    code = jnp.where(shared, ancestor(tables, nd, jnp.clip(j_new // per + 1, 1, deep)) * per
                      + j_new % per, j_new)
     owner = jnp.where(shared, -1, run.req_id[sn])
     # Each newly full block is one item: one scatter of its item number, then gathers.
@@ -938,10 +948,9 @@ def _prefix_decide(pc: PrefixCache, run, w, prof: ReplicaProfile, tables: Prefix
         j, k, stop, w_n, w_comp, pc = c
         slot = keep + j
         ln = w["len"][j]
-        path = _path(tables, w["node"][j])
-        owner, code = _identities(tables, w["node"][j], w["nshared"][j], w["req_id"][j], b, m,
-                                  path)
-        h, first = _lookup(pc, tables, path, w["nshared"][j], w["req_id"][j], b, (ln - 1) // b)
+        owner, code = _identities(tables, w["node"][j], w["nshared"][j], w["req_id"][j], b, m)
+        h, first = _lookup(pc, tables, w["node"][j], w["nshared"][j], w["req_id"][j], b,
+                           (ln - 1) // b)
         c_tok = h * b
         rest = ln - c_tok
         n = jnp.where(chunk, jnp.minimum(rest, k), rest)
@@ -1080,7 +1089,7 @@ def _run_head_check(pc: PrefixCache, prof: ReplicaProfile, tables: PrefixTables,
     m = pc.ref.shape[-1]
     b = prof.block_size
     exists = jnp.arange(m) < prof.kv_blocks
-    h, first = _lookup(pc, tables, _path(tables, node), nshared, req_id, b, (ln - 1) // b)
+    h, first = _lookup(pc, tables, node, nshared, req_id, b, (ln - 1) // b)
     c_tok = h * b
     rest = ln - c_tok
     chunk = prof.chunked_prefill

@@ -177,11 +177,7 @@ def _mix32(x: jax.Array) -> jax.Array:
 
 def root_node(tables: CB.PrefixTables, node) -> jax.Array:
     """The depth-1 ancestor of a prefix-tree node (its first hash block), -1 for -1."""
-    def up(_, cur):
-        par = tables.parent[jnp.maximum(cur, 0)]
-        return jnp.where((cur >= 0) & (par >= 0), par, cur)
-
-    return jax.lax.fori_loop(0, tables.max_depth, up, jnp.asarray(node, jnp.int32))
+    return CB.ancestor(tables, node, 1)
 
 
 def ring_replica(key_hash: jax.Array, num_replicas: int) -> jax.Array:
