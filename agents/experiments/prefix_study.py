@@ -713,8 +713,8 @@ def plot_cache_use(result: dict, path) -> Path:
                                         else b["leave_share"] for b in routing[n]["by_load"]])
             per_seed = np.array([share(n) for n in seeds])  # (seeds, bins)
             groups = [(f"learned ({len(seeds)} seeds: mean, range)", np.nanmean(per_seed, 0),
-                       per_seed, "C3")] + [(n, share(n), None, f"C{j}")
-                                           for j, n in enumerate(others)]
+                       per_seed, "C3")] + [(n, share(n), None, c)  # C3 is the learned
+                                           for n, c in zip(others, ("C0", "C1", "C2", "C4"))]
             width = 0.8 / len(groups)
             x = np.arange(len(bins))
             for j, (label, y, spread, color) in enumerate(groups):
