@@ -464,7 +464,7 @@ def prefix_bench(counts, steps, repeats):
     return out
 
 
-def prefix_env_bench(counts, steps, repeats):
+def prefix_env_bench(counts, steps, repeats, seeds=1):
     """env-steps/s of LLMPrefixRouting-v0 at its registered defaults (random actions, from
     reset, auto-reset on), with prefix caching and without it (`caching=False`: the same
     replicas and trace on LLMRouting-v0's engine), measured in one process, plus state bytes.
@@ -476,13 +476,19 @@ def prefix_env_bench(counts, steps, repeats):
         env, params = jaxserve.make("LLMPrefixRouting-v0", caching=caching)
         nbytes = state_bytes(env, params)
         for n in counts:
-            r = time_env(env, params, n, steps, 0, repeats)
+            r = time_env(env, params, n, steps, 0, repeats, seeds=seeds)
             r.update(caching=caching, state_bytes_per_env=nbytes)
             out.append(r)
-            print(f"LLMPrefixRouting-v0 caching={caching!s:5s} envs={n:6d} compile "
+            print(f"LLMPrefixRouting-v0 caching={caching!s:5s} envs={n:6d}{_seeds(seeds)} "
+                  f"compile "
                   f"{r['compile_s']:6.1f}s {r['reset_steps_per_s']:9,.0f} env-steps/s "
                   f"{nbytes:,} B/env", flush=True)
     return out
+
+
+def _seeds(seeds: int) -> str:
+    """The row label's note of a nested-vmap timing (`--seeds`)."""
+    return "" if seeds == 1 else f" ({seeds} seeds vmapped)"
 
 
 def main(argv=None):
@@ -515,6 +521,9 @@ def main(argv=None):
     ap.add_argument("--trace-env", default="Routing-v0", choices=TRACE_ENVS,
                     help="the environment --trace traces")
     ap.add_argument("--top", type=int, default=25, help="ops listed per env count (--trace)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="time the environments as S seeds' training programs run them: vmap "
+                         "over S of vmap over num-envs / S (num-envs counts all)")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     counts = ([16, 64] if args.quick else [256, 4096]) if args.num_envs is None \
@@ -522,6 +531,8 @@ def main(argv=None):
     steps = args.num_steps or (10 if args.quick else 100)
     warmup = args.warmup if args.warmup is not None else (10 if args.quick else 300)
     repeats = args.repeats or (1 if args.quick else 3)
+    if args.seeds < 1 or any(n % args.seeds for n in counts):
+        ap.error(f"--seeds must be >= 1 and divide every --num-envs count, got {args.seeds}")
     rng = np.random.default_rng(0)
 
     res = {"device": str(jax.devices()[0]), "backend": jax.default_backend(),
@@ -532,7 +543,8 @@ def main(argv=None):
                                                              else argv)]), "results": {}}
     for flag, bench in (("prefix_env", prefix_env_bench), ("prefix", prefix_bench)):
         if getattr(args, flag):  # a mode of its own: only these rows
-            res[flag] = bench(counts, steps, repeats)
+            res[flag] = (bench(counts, steps, repeats, args.seeds) if flag == "prefix_env"
+                         else bench(counts, steps, repeats))
             res["load_average_end"] = os.getloadavg()
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=2))
@@ -555,10 +567,11 @@ def main(argv=None):
         entry = {"state_bytes": state_bytes(env, params), "rows": []}
         n_steps, n_warm = max(steps // div, 2), (warmup // div if warms else 0)
         for n in counts:
-            r = time_env(env, params, n, n_steps, n_warm, repeats if div == 1 else 1)
+            r = time_env(env, params, n, n_steps, n_warm, repeats if div == 1 else 1,
+                         seeds=args.seeds)
             entry["rows"].append(r)
-            print(f"{name:42s} envs={n:6d} compile {r['compile_s']:6.1f}s  from reset "
-                  f"{r['reset_steps_per_s']:11,.0f}  warmed {r['warm_steps_per_s']:11,.0f} "
+            print(f"{name:42s} envs={n:6d}{_seeds(args.seeds)} compile "
+                  f"{r['compile_s']:6.1f}s  from reset {r['reset_steps_per_s']:11,.0f}  warmed {r['warm_steps_per_s']:11,.0f} "
                   f"env-steps/s", flush=True)
         if kind is not None:
             entry["reference_requests_per_s"] = reference_requests_per_s(

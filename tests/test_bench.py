@@ -55,3 +55,25 @@ def test_noop_env_is_a_harness_floor_that_runs():
     r = bench.time_env(env, env.default_params, num_envs=4, num_steps=3, warmup_steps=0,
                        repeats=1)
     assert r["reset_steps_per_s"] > 0 and r["arrivals_per_step"] == 0
+
+
+def test_seeds_run_the_environments_under_nested_vmaps_with_the_same_results():
+    """`time_env(seeds=S)` runs `vmap` over S of `vmap` over num_envs / S (PPO's multi-seed
+    layout); the runner gives the same states as the flat one, and a count that S does not
+    divide is refused."""
+    import jaxserve
+    import numpy as np
+    import pytest
+
+    env, params = jaxserve.make("Routing-v0")
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    states = jax.vmap(lambda k: env.reset(k, params)[1])(keys)
+    flat = bench.make_runner(env, params, 3)(keys, states)
+    nested = bench.make_runner(env, params, 3, seeds=3)(keys, states)
+    for a, b in zip(jax.tree.leaves(flat), jax.tree.leaves(nested)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    r = bench.time_env(env, params, num_envs=6, num_steps=2, warmup_steps=0, repeats=1,
+                       seeds=3)
+    assert r["seeds"] == 3 and r["reset_steps_per_s"] > 0
+    with pytest.raises(ValueError, match="divide"):
+        bench.time_env(env, params, num_envs=6, num_steps=2, warmup_steps=0, seeds=4)

@@ -21,12 +21,15 @@ from gymnax.environments import environment as gymnax_env
 from gymnax.environments import spaces as gymnax_spaces
 
 
-def make_runner(env, params, num_steps, auto_reset=True):
+def make_runner(env, params, num_steps, auto_reset=True, seeds=1):
     """jit(vmap(scan)) of random-action steps from given states.
 
     Returns `run(keys, states) -> (states, checksum, arrived)`: `arrived` counts the requests
     that arrived (0 for gymnax environments). `auto_reset=False` calls `step_env` (no
-    auto-reset: the profile's measure of what the reset costs).
+    auto-reset: the profile's measure of what the reset costs). `seeds` > 1 runs the
+    environments as the training programs of several seeds do (`agents.experiments.common.
+    train_scenarios`): `vmap` over `seeds` of `vmap` over `num_envs / seeds` environments,
+    the layout where each engine's batched loop must merge nested `vmap`s to stay compact.
     """
 
     def one_env(key, state):
@@ -45,7 +48,15 @@ def make_runner(env, params, num_steps, auto_reset=True):
             step, (state, jnp.float32(0.0), jnp.int32(0)), jax.random.split(key, num_steps))
         return state, acc, arrived
 
-    return jax.jit(jax.vmap(one_env))
+    if seeds == 1:
+        return jax.jit(jax.vmap(one_env))
+
+    def nested(keys, states):
+        split = lambda x: x.reshape((seeds, x.shape[0] // seeds) + x.shape[1:])  # noqa: E731
+        out = jax.vmap(jax.vmap(one_env))(split(keys), jax.tree.map(split, states))
+        return jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), out)
+
+    return jax.jit(nested)
 
 
 def cpu_seconds() -> float:
@@ -64,13 +75,17 @@ def best_seconds(fn, repeats, cpu=False):
     return (best, best_cpu) if cpu else best
 
 
-def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_reset=True):
+def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_reset=True,
+             seeds=1):
     """Compile time, env-steps/s from reset and after `warmup_steps`, arrivals per step.
 
     Also the CPU time of the best from-reset call (`reset_cpu_s`): on a shared machine it
-    moves less with other jobs' load than wall-clock time does.
+    moves less with other jobs' load than wall-clock time does. `seeds`: see `make_runner`
+    (`num_envs` in all, a multiple of `seeds`; ValueError otherwise).
     """
-    run = make_runner(env, params, num_steps, auto_reset)
+    if seeds < 1 or num_envs % seeds:
+        raise ValueError(f"seeds must be >= 1 and divide num_envs ({num_envs}), got {seeds}")
+    run = make_runner(env, params, num_steps, auto_reset, seeds)
     keys = jax.random.split(jax.random.PRNGKey(0), num_envs)
     states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
     t0 = time.perf_counter()
@@ -89,9 +104,9 @@ def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_res
     # Without warm-up the "warmed" figure is the from-reset one (not timed twice).
     warm_s = best_seconds(lambda: compiled(timed_keys, warm), repeats) if warmup_steps else reset_s
     total = num_envs * num_steps
-    return {"num_envs": num_envs, "num_steps": num_steps, "warmup_steps": warmup_steps,
-            "compile_s": compile_s, "reset_run_s": reset_s, "reset_cpu_s": reset_cpu_s,
-            "warm_run_s": warm_s,
+    return {"num_envs": num_envs, "seeds": seeds, "num_steps": num_steps,
+            "warmup_steps": warmup_steps, "compile_s": compile_s, "reset_run_s": reset_s,
+            "reset_cpu_s": reset_cpu_s, "warm_run_s": warm_s,
             "reset_steps_per_s": total / reset_s, "warm_steps_per_s": total / warm_s,
             "arrivals_per_step": arrived / total}
 
