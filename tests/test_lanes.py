@@ -201,6 +201,30 @@ def test_active_order_equals_nonzero():
         assert np.all(np.asarray(order)[want.size:] == rows * cols)
 
 
+def _random_rollout(env, params, steps):
+    """`rollout(key)`: `steps` random-action steps from a reset, per step `(reward, arrived,
+    completed)`."""
+    def rollout(key):
+        _, state = env.reset(key, params)
+
+        def step(state, k):
+            action = env.action_space(params).sample(jax.random.fold_in(k, 1))
+            _, state, reward, _, _, info = env.step(k, state, action, params)
+            return state, (reward, info["arrived"], info["completed"])
+
+        return jax.lax.scan(step, state, jax.random.split(key, steps))[1]
+
+    return rollout
+
+
+def _assert_same_rollout(one, batched_one):
+    """A single environment's rollout equals its lane of a batched one (counts exactly)."""
+    np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(batched_one[1]))
+    np.testing.assert_array_equal(np.asarray(one[2]), np.asarray(batched_one[2]))
+    np.testing.assert_allclose(np.asarray(one[0]), np.asarray(batched_one[0]), rtol=1e-4,
+                               atol=1e-4)
+
+
 @pytest.mark.parametrize("name, steps", [("Batching-v0", 12), ("Autoscaling-v0", 3),
                                          ("LLMRouting-v0", 3)])
 def test_env_compacted_loop_equals_single_environments(name, steps):
@@ -212,17 +236,7 @@ def test_env_compacted_loop_equals_single_environments(name, steps):
     n = lanes.MIN_COMPACT_LANES + 32
     env, params = jaxserve.make(name)
     keys = jax.random.split(jax.random.PRNGKey(3), n)
-
-    def rollout(key):
-        _, state = env.reset(key, params)
-
-        def step(state, k):
-            action = env.action_space(params).sample(jax.random.fold_in(k, 1))
-            _, state, reward, _, _, info = env.step(k, state, action, params)
-            return state, (reward, info["arrived"], info["completed"])
-
-        return jax.lax.scan(step, state, jax.random.split(key, steps))[1]
-
+    rollout = _random_rollout(env, params, steps)
     batched = jax.jit(jax.vmap(rollout))(keys)
     single = jax.jit(rollout)
     if name == "Batching-v0":
@@ -233,11 +247,7 @@ def test_env_compacted_loop_equals_single_environments(name, steps):
     arrived = np.asarray(batched[1]).sum(1)
     # Lanes with the most and fewest arrivals, so the compacted chunks' lanes are among them.
     for i in {int(arrived.argmax()), int(arrived.argmin()), 0, n - 1}:
-        one = single(keys[i])
-        np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(batched[1][i]))
-        np.testing.assert_array_equal(np.asarray(one[2]), np.asarray(batched[2][i]))
-        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(batched[0][i]), rtol=1e-4,
-                                   atol=1e-4)
+        _assert_same_rollout(single(keys[i]), jax.tree.map(lambda x: x[i], batched))
 
 
 @pytest.mark.parametrize("name", ["Routing-v0", "LLMRouting-v0"])
@@ -249,27 +259,13 @@ def test_env_under_nested_vmaps_equals_single_environments(name):
 
     env, params = jaxserve.make(name)
     keys = jax.random.split(jax.random.PRNGKey(5), 144).reshape(2, 72, 2)
-
-    def rollout(key):
-        _, state = env.reset(key, params)
-
-        def step(state, k):
-            action = env.action_space(params).sample(jax.random.fold_in(k, 1))
-            _, state, reward, _, _, info = env.step(k, state, action, params)
-            return state, (reward, info["arrived"], info["completed"])
-
-        return jax.lax.scan(step, state, jax.random.split(key, 3))[1]
-
+    rollout = _random_rollout(env, params, 3)
     nested = jax.jit(jax.vmap(jax.vmap(rollout)))(keys)
     single = jax.jit(rollout)
     done = np.asarray(nested[2]).sum(-1)
     for s, i in {(0, 0), (1, 71), np.unravel_index(done.argmax(), done.shape),
                  np.unravel_index(done.argmin(), done.shape)}:
-        one = single(keys[s, i])
-        np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(nested[1][s, i]))
-        np.testing.assert_array_equal(np.asarray(one[2]), np.asarray(nested[2][s, i]))
-        np.testing.assert_allclose(np.asarray(one[0]), np.asarray(nested[0][s, i]), rtol=1e-4,
-                                   atol=1e-4)
+        _assert_same_rollout(single(keys[s, i]), jax.tree.map(lambda x: x[s, i], nested))
 
 
 def _gated_body(c, consts, active):
