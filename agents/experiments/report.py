@@ -56,7 +56,8 @@ environments:
   steps on the registered environment (system prompts, load 1: better than the best router
   on the training trace, level with the best cache-first rules on the mean, better in the
   tail; load 1.5: not resolved against the best on the training trace, `most_cached`, better
-  tail and hit rate, better than every production router), and experiment (p) at the quick budget (system prompts, Mooncake), as `python
+  tail and hit rate, better than every production router; Mooncake, load 1: worse than the
+  best, the load-only `least_marginal`), and experiment (p) at the quick budget (system prompts, Mooncake), as `python
   scripts/reproduce.py --quick --only p` wrote it (the quick budget skips (p) unless named).
 - [docs/benchmarks.md](benchmarks.md): speed (env-steps/s, compile time, PPO training
   throughput).
