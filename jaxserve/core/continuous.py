@@ -672,18 +672,23 @@ def shared_blocks(tables: PrefixTables, node, prompt, block_size) -> jax.Array:
     return jnp.minimum(p // b, depth * (tables.block_tokens // b))
 
 
-def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int):
-    """Identities `(owner, code)` of a request's KV blocks `0..width-1` (see `PrefixCache`):
-    shared block `j < nshared` lies in the hash block of the path's node at depth
-    `j // per + 1` (`ancestor`)."""
+def _block_code(tables: PrefixTables, node, j, b, shared):
+    """The `code` of KV block `j` of a request with deepest tree node `node` (see
+    `PrefixCache`): a shared block lies in the hash block of the path's node at depth
+    `j // per + 1` (`ancestor`), `node * per + j % per`; a private one is `j`.
+    Elementwise. int32."""
     per = tables.block_tokens // b
-    j = jnp.arange(width, dtype=jnp.int32)
-    shared = j < nshared
     node = jnp.asarray(node, jnp.int32)
     deep = tables.depth[jnp.maximum(node, 0)]
-    code = jnp.where(shared, ancestor(tables, node, jnp.clip(j // per + 1, 1, deep)) * per
+    return jnp.where(shared, ancestor(tables, node, jnp.clip(j // per + 1, 1, deep)) * per
                      + j % per, j)
-    return jnp.where(shared, -1, req_id), code
+
+
+def _identities(tables: PrefixTables, node, nshared, req_id, b, width: int):
+    """Identities `(owner, code)` of a request's KV blocks `0..width-1` (see `PrefixCache`)."""
+    j = jnp.arange(width, dtype=jnp.int32)
+    shared = j < nshared
+    return jnp.where(shared, -1, req_id), _block_code(tables, node, j, b, shared)
 
 
 # The block-pool operations below act on one replica (`PrefixCache` leaves without the
@@ -863,12 +868,8 @@ def _running_pass_fits(pc: PrefixCache, run, prof: ReplicaProfile, tables: Prefi
     j_new = pc.s_ncached[sn] + k - (ends_new[sn] - count[sn])
     is_new = k < ends_new[-1]
     x_new = jnp.where(is_new, blocks[sn, jnp.minimum(j_new, m - 1)], m)
-    per = tables.block_tokens // b
     shared = j_new < pc.s_nshared[sn]
-    nd = pc.s_node[sn]
-    deep = tables.depth[jnp.maximum(nd, 0)]
-    code = jnp.where(shared, ancestor(tables, nd, jnp.clip(j_new // per + 1, 1, deep)) * per
-                     + j_new % per, j_new)
+    code = _block_code(tables, pc.s_node[sn], j_new, b, shared)
     owner = jnp.where(shared, -1, run.req_id[sn])
     # Each newly full block is one item: one scatter of its item number, then gathers.
     src = jnp.full((m,), -1, jnp.int32).at[x_new].set(k, mode="drop")
