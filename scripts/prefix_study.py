@@ -11,7 +11,10 @@ evaluation windows under the learned policies and every router
 (`agents.experiments.prefix_study`: workloads, loads and statistics). Progress lines go to
 stderr (the study takes minutes); the markdown tables to stdout; the result as JSON to --out.
 `--plot` draws the trade-off and when each router leaves the cache; `--save-policies` keeps the
-learned networks; `--from-json` renders the tables and plot of an earlier run's result.
+learned networks and `--policies-from` evaluates them again without training (e.g. against a
+heuristic added since); `--from-json` renders the tables and plot of an earlier run's result.
+Besides the routers at their published defaults the study runs `llmd_tuned`, llm-d's scorer
+weights fitted on the training windows (`--no-tune-llmd` leaves it out).
 Errors print one line on stderr and exit with status 2 (output paths are checked first).
 """
 
@@ -51,6 +54,13 @@ def build_parser() -> Parser:
     ap.add_argument("--save-policies", default=None, metavar="FILE",
                     help="msgpack file for the learned networks' parameters ({name: params}, "
                          "flax.serialization; the network is LLMPrefixRouting-v0's default)")
+    ap.add_argument("--policies-from", default=None, metavar="FILE",
+                    help="evaluate the networks a run saved with --save-policies instead of "
+                         "training (their seeds replace --seeds; pass the run's --steps to "
+                         "record it)")
+    ap.add_argument("--no-tune-llmd", action="store_true",
+                    help="leave out llmd_tuned (llm-d's scorer weights fitted on the "
+                         "training windows)")
     ap.add_argument("--from-json", default=None, metavar="FILE",
                     help="render the tables (and --plot) of a result an earlier run wrote with "
                          "--out, without running the study")
@@ -82,6 +92,15 @@ def main(argv: list[str] | None = None) -> int:
             if plot is not None:
                 print(f"wrote {plot_cache_use(res, plot)}")
             return 0
+        trained = None
+        if args.policies_from is not None:
+            try:
+                trained = serialization.msgpack_restore(Path(args.policies_from).read_bytes())
+            except (OSError, ValueError, TypeError) as e:
+                raise CLIError(f"--policies-from {args.policies_from}: not a saved policies "
+                               f"file ({type(e).__name__}: {e})") from e
+            if not isinstance(trained, dict) or not trained:
+                raise CLIError(f"--policies-from {args.policies_from}: no networks in it")
         t0 = time.perf_counter()
 
         def log(msg: str) -> None:
@@ -92,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                                train_windows=args.train_windows,
                                window_requests=args.window_requests, heuristics=heur,
                                eval_seed=args.eval_seed, log=log,
-                               keep_policies=saved is not None, progress=True)
+                               keep_policies=saved is not None, progress=True,
+                               tune_llmd=not args.no_tune_llmd, trained=trained)
         pols = res.pop("policies", {})
         res["command"] = "python -m scripts.prefix_study " + " ".join(
             sys.argv[1:] if argv is None else argv)

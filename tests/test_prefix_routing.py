@@ -339,6 +339,13 @@ def test_hand_llmd_and_dynamo(hand):
     st3 = hand_state(s0, cached=[8, 4, 0, 12], held=[30, 2, 0, 24], waiting=[2, 2, 2, 2],
                      running=[1, 1, 1, 1])
     assert act("llmd_scorers", st3, params) == 3
+    # Other weights (queue, kv, prefix) over the same scorers: each scorer alone, and the
+    # default triple, which is llmd_scorers.
+    key = jax.random.PRNGKey(0)
+    # (0, 1, 2): kv + 2 prefix = [1.75, 1.4375, 1, 1.75], a tie (exact in float32): index 0.
+    for w, want in (((1, 0, 0), 0), ((0, 1, 0), 2), ((0, 0, 1), 3), (PR.LLMD_DEFAULT, 0),
+                    ((0, 1, 2), 0), ((0, 1, 2.5), 3)):
+        assert int(PR.llmd_weighted(w)(key, None, st, params)) == want, w
 
 
 def test_hand_sglang(hand):

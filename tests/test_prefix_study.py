@@ -15,15 +15,18 @@ import numpy as np
 import pytest
 
 from agents.defaults import make_config
-from agents.networks import make_network
-from agents.policy import LearnedPolicy
 from agents.experiments import prefix_study as P
 from agents.experiments.prefix_routing import section_body
+from agents.networks import make_network
+from agents.policy import LearnedPolicy
 from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces.prefix import path_nodes, prefix_window
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
 HEUR = ("llmd_scorers", "most_cached", "jsq_tokens", "round_robin")
+# llm-d weights fitted in the fixture: two off the default and the default itself.
+GRID = ((1.0, 0.0, 0.0), (0.0, 0.0, 1.0), (2.0, 2.0, 3.0))
+ALL_HEUR = (*HEUR, P.TUNED_LLMD)
 
 
 def _untrained(env, params, total_steps, seeds, *, log=None, **overrides):
@@ -50,15 +53,17 @@ def result():
     try:
         res = P.run_prefix_study(workload="system_prompts", load=1.0, seeds=(0, 1),
                                  total_steps=1024, eval_windows=2, window_requests=40,
-                                 heuristics=HEUR, log=lambda msg: None)
+                                 heuristics=HEUR, log=lambda msg: None, llmd_grid=GRID,
+                                 keep_policies=True)
     finally:
         mp.undo()
+    seen["policies"] = res.pop("policies")  # not JSON-able, as the CLI pops it
     return res, seen
 
 
 def test_every_policy_has_every_metric_per_window(result):
     res, _ = result
-    names = {*HEUR, "ppo_seed0", "ppo_seed1", P.LEARNED}
+    names = {*ALL_HEUR, "ppo_seed0", "ppo_seed1", P.LEARNED}
     for part, windows in (("eval", 2), ("train", 1)):
         pw = res["per_window"][part]
         assert set(pw) == names
@@ -76,7 +81,7 @@ def test_every_policy_has_every_metric_per_window(result):
 def test_cache_use_per_policy(result):
     res, _ = result
     routing = res["routing"]
-    assert set(routing) == {*HEUR, "ppo_seed0", "ppo_seed1"}
+    assert set(routing) == {*ALL_HEUR, "ppo_seed0", "ppo_seed1"}
     mc = routing["most_cached"]
     assert mc["follows_most_cached"] == 1.0 and mc["load_ratio_left"] is None
     assert mc["decisions"] == 2 * 40  # two evaluation windows of 40 requests
@@ -104,11 +109,12 @@ def test_best_heuristic_is_chosen_on_the_training_window_only(result):
     res, seen = result
     train, ev = res["per_window"]["train"], res["per_window"]["eval"]
     # select_best saw the training windows' values, never the evaluation windows'.
-    for h in HEUR:
+    for h in ALL_HEUR:
         np.testing.assert_array_equal(seen["per_window"][h][P.HEADLINE], train[h][P.HEADLINE])
     sel = res["selection"]
     assert sel["on"] == "training windows" and sel["metric"] == P.HEADLINE
-    assert sel["values"] == {h: pytest.approx(np.mean(train[h][P.HEADLINE])) for h in HEUR}
+    assert sel["values"] == {h: pytest.approx(np.mean(train[h][P.HEADLINE]))
+                             for h in ALL_HEUR}
     assert sel["best"] == min(sel["values"], key=sel["values"].get)
     assert res["headline"]["best_heuristic"] == sel["best"]
     # The training window is not an evaluation window: different requests, different values.
@@ -129,7 +135,7 @@ def test_learned_minus_best_has_finite_intervals(result):
     for r in res["headline"]["per_seed"]:
         assert np.isfinite([r["low"], r["high"]]).all()
     # learned minus every heuristic, every metric, per seed and for the seeds together
-    assert len(res["paired"]) == 3 * len(HEUR) * len(P.METRICS)
+    assert len(res["paired"]) == 3 * len(ALL_HEUR) * len(P.METRICS)
 
 
 def test_format_renders_the_tables(result):
@@ -137,8 +143,9 @@ def test_format_renders_the_tables(result):
     text = P.format_prefix_study(res)
     assert text.startswith("**Learned vs the best heuristic.**")
     assert f"is `{res['headline']['best_heuristic']}`" in text
-    for name in (*HEUR, "ppo_seed0", P.LEARNED):
+    for name in (*ALL_HEUR, "ppo_seed0", P.LEARNED):
         assert f"| `{name}`" in text
+    assert f"`{P.TUNED_LLMD}` is llm-d's weighted scorers" in text
     assert "| heuristic | time in system (s) |" in text
     assert "nan" not in text
     assert "How each policy uses the cache" in text and "| `most_cached` | 1.000 |" in text
@@ -162,6 +169,64 @@ def test_plot_cache_use_and_the_cli_rendering_a_stored_result(result, tmp_path, 
     (tmp_path / "bad.json").write_text("{}")
     assert main(["--from-json", str(tmp_path / "bad.json")]) == 2
     assert "not a prefix study's result" in capsys.readouterr().err
+    assert main(["--policies-from", str(tmp_path / "bad.json")]) == 2  # msgpack: an int
+    assert "--policies-from" in capsys.readouterr().err
+    assert main(["--policies-from", str(tmp_path / "missing.msgpack")]) == 2
+    assert "not a saved policies file" in capsys.readouterr().err
+
+
+def test_tuned_llmd_is_fitted_on_the_training_window(result):
+    res, _ = result
+    fit = res["config"]["tuned"][P.TUNED_LLMD]
+    train, ev = res["per_window"]["train"], res["per_window"]["eval"]
+    assert [tuple(w) for w, _ in fit["grid"]] == list(GRID)
+    values = [v for _, v in fit["grid"]]
+    assert fit["value"] == min(values) and tuple(fit["weights"]) == GRID[int(np.argmin(values))]
+    # The default triple's lane is llm-d at its defaults, replayed with the same keys.
+    assert values[2] == pytest.approx(np.mean(train["llmd_scorers"][P.HEADLINE]), abs=1e-9)
+    # The fitted router, replayed with the study's other routers, scores what the fit saw.
+    assert np.mean(train[P.TUNED_LLMD][P.HEADLINE]) == pytest.approx(fit["value"], abs=1e-9)
+    assert np.mean(train[P.TUNED_LLMD][P.HEADLINE]) <= np.mean(
+        train["llmd_scorers"][P.HEADLINE])
+    assert np.isfinite(ev[P.TUNED_LLMD][P.HEADLINE]).all()
+
+
+def test_llmd_weights_are_checked():
+    from jaxserve.policies import prefix_routing as PR
+
+    for bad in ((1.0, 2.0), (0.0, 0.0, 0.0), (-1.0, 1.0, 1.0), (float("nan"), 1.0, 1.0)):
+        with pytest.raises(ValueError, match="llm-d weights"):
+            PR.llmd_weighted(bad)
+    with pytest.raises(ValueError, match="llm-d weights"):
+        P.fit_llmd(None, None, [], None, grid=[(0.0, 0.0, 0.0)])
+
+
+def test_saved_networks_evaluate_again_as_they_did(result, tmp_path):
+    """`trained=` (`--policies-from`) evaluates saved networks without training: the same
+    decisions and metrics as the run that trained them."""
+    from flax import serialization
+
+    res, seen = result
+    saved = tmp_path / "p.msgpack"
+    saved.write_bytes(serialization.to_bytes(
+        jax.device_get({n: p.params for n, p in seen["policies"].items()})))
+    trained = serialization.msgpack_restore(saved.read_bytes())
+    again = P.run_prefix_study(workload="system_prompts", load=1.0, total_steps=1024,
+                               eval_windows=2, window_requests=40, heuristics=HEUR[:2],
+                               log=lambda msg: None, tune_llmd=False, trained=trained)
+    assert again["config"]["seeds"] == [0, 1] and again["training"]["trained_earlier"]
+    for part in ("eval", "train"):
+        for name in ("ppo_seed0", "ppo_seed1", "llmd_scorers"):
+            for m in P.METRICS:
+                np.testing.assert_array_equal(again["per_window"][part][name][m],
+                                              res["per_window"][part][name][m])
+    with pytest.raises(ValueError, match="ppo_seed<int>"):
+        P.trained_seeds({"seed0": {}})
+    wrong = {"ppo_seed0": jax.tree.map(lambda x: x[..., :1], trained["ppo_seed0"])}
+    with pytest.raises(ValueError, match="does not match"):
+        P.run_prefix_study(workload="system_prompts", total_steps=1024, eval_windows=2,
+                           window_requests=40, heuristics=HEUR[:1], log=lambda msg: None,
+                           trained=wrong)
 
 
 @pytest.mark.parametrize("kw, match", [

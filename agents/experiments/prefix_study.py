@@ -64,17 +64,18 @@ The experiment, per workload and load (`run_prefix_study`):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from agents.defaults import ALGOS, make_config
 from agents.experiments import llm_routing_study as study
-from agents.defaults import make_config
 from agents.experiments.common import stack_params, train_scenarios
 from agents.policy import LearnedPolicy
 from jaxserve.core import continuous as CB
@@ -161,6 +162,50 @@ def train_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
     return pols[0], {"compile_s": float(curves["compile_s"]), "run_s": float(curves["run_s"]),
                      "final_return": [float(r[-1]) for r in ret],
                      "config": config.to_dict()}
+
+
+def trained_seeds(trained: dict) -> list[int]:
+    """The seeds of saved networks named `ppo_seed<s>` (`--save-policies`), in file order."""
+    seeds = []
+    for name in trained:
+        tail = str(name).removeprefix("ppo_seed")
+        if not str(name).startswith("ppo_seed") or not tail.lstrip("-").isdigit():
+            raise ValueError(f"saved networks must be named ppo_seed<int>, got {name!r}")
+        seeds.append(int(tail))
+    if not seeds:
+        raise ValueError("no saved networks")
+    return seeds
+
+
+def load_trained(env, params, trained: dict, total_steps: int,
+                 **overrides) -> tuple[list[LearnedPolicy], dict]:
+    """Greedy `LearnedPolicy`s of networks trained earlier (`{"ppo_seed<s>": params}` as
+    `train_ppo`'s run saved them) for `(env, params)`, and `train_ppo`'s info with no
+    timings. Each network's parameters must have the structure and shapes of the network
+    `make_config("ppo", "LLMPrefixRouting-v0", env, ..., **overrides)` builds."""
+    # No training here: the step budget is only recorded (it would be checked against a
+    # batch that `overrides` may have changed since).
+    config = make_config("ppo", "LLMPrefixRouting-v0", env, None, 0, **overrides)
+    network = ALGOS["ppo"][1](config, env, params).network
+    obs, _ = env.reset(jax.random.PRNGKey(0), params)
+    like = network.init(jax.random.PRNGKey(0), obs)
+    spec = jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype.str), like)
+    pols = []
+    for name, theta in trained.items():
+        got = jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype.str), theta)
+        if got != spec:
+            raise ValueError(f"saved network {name!r} does not match LLMPrefixRouting-v0's "
+                             f"default network here (another network, observation or "
+                             f"ppo_overrides?)")
+        pols.append(LearnedPolicy(network, jax.tree.map(jnp.asarray, theta), True, name))
+    return pols, {"compile_s": None, "run_s": None, "final_return": [None] * len(pols),
+                  "config": {**config.to_dict(), "total_timesteps": int(total_steps)},
+                  "trained_earlier": True}
+
+
+def fmt_weights(w) -> str:
+    """`(a, b, c)` with two decimals."""
+    return "(" + ", ".join(f"{float(x):.2f}" for x in w) + ")"
 
 
 class _LogContext:
@@ -343,12 +388,34 @@ def _never_fit(ptrace, replicas) -> int:
 
 # ----------------------------------------------------------------------------- evaluation
 
-@partial(jax.jit, static_argnames=("env", "heuristics", "network", "ranked"))
-def _replay_lanes(env, heuristics, network, ranked, params, keys, theta):
-    """Every lane (heuristic `h` for lanes `h < H`, then the learned network with
-    `theta[k]` for lane `H + k`, through `ranked_router` when `ranked`) on every window of
-    `params` (leading axis W), one episode each from `env.reset_env(keys[w])` through the
-    trace's end (its last step drains).
+@dataclasses.dataclass(frozen=True)
+class NetworkLane:
+    """A learned network as a parametric lane of `_replay_lanes`: `lane(env, theta, key, obs,
+    state, params) -> replica`, greedy, through `ranked_router` when the network was trained
+    on the ranked environment."""
+
+    network: Any
+    ranked: bool = True
+
+    def __call__(self, env, theta, key, obs, state, params):
+        net = LearnedPolicy(self.network, theta)
+        if self.ranked:
+            return ranked_router(env, net)(key, obs, state, params)
+        return net(key, obs)
+
+
+def llmd_lane(env, theta, key, obs, state, params):
+    """llm-d's weighted scorers with the lane's weights `theta` (`(3,)`: queue, KV cache,
+    prefix), a parametric lane of `_replay_lanes` (`fit_llmd`)."""
+    return PR.llmd_weighted_route(theta, state, params)
+
+
+@partial(jax.jit, static_argnames=("env", "heuristics", "lane_fn"))
+def _replay_lanes(env, heuristics, lane_fn, params, keys, theta):
+    """Every lane (heuristic `h` for lanes `h < H`, then `lane_fn` with `theta[k]` for lane
+    `H + k`: a learned network, `NetworkLane`, or fitted weights, `llmd_lane`) on every
+    window of `params` (leading axis W), one episode each from `env.reset_env(keys[w])`
+    through the trace's end (its last step drains).
 
     The lanes run one after another (`lax.map`: the `switch` on an unbatched lane index
     branches, so a step computes one policy, not all of them); the windows of a lane run in
@@ -375,9 +442,8 @@ def _replay_lanes(env, heuristics, network, ranked, params, keys, theta):
                     for h in heuristics]
         if K:
             th = jax.tree.map(lambda x: x[jnp.clip(lane - H, 0, K - 1)], theta)
-            net = LearnedPolicy(network, th)
-            learned = ranked_router(env, net) if ranked else (lambda k, o, s, pp: net(k, o))
-            branches.append(lambda k, o, s: learned(k, o, s, p))
+            branches.append(lambda k, o, s: jnp.asarray(lane_fn(env, th, k, o, s, p),
+                                                        jnp.int32))
 
         def act(i, k, o, s):
             return jax.lax.switch(jnp.minimum(lane, len(branches) - 1), branches, k, o, s)
@@ -398,32 +464,31 @@ def _replay_lanes(env, heuristics, network, ranked, params, keys, theta):
     return jax.lax.map(lambda lane: jax.vmap(window, (0, 0, None))(params, keys, lane), lanes)
 
 
-def replay_windows(env, params, windows, heuristics: dict, learned: dict | None = None, *,
-                   keys, ranked: bool = True, decisions: dict | None = None) -> dict:
-    """Every policy on every window: `{name: {metric: (W,) array}}` of `METRICS`.
+def replay_lanes(env, params, windows, heuristics: dict, lane_fn=None,
+                 thetas: dict | None = None, *, keys, decisions: dict | None = None) -> dict:
+    """Every heuristic (name -> router) and every parametric lane (name -> `theta` of
+    `lane_fn`, all of one structure) on every window: `{name: {metric: (W,) array}}` of
+    `METRICS`.
 
     `env, params`: one environment and the windows' stacked params (`_build`); `windows`: the
-    `PrefixTrace`s in that order; `heuristics`: name -> router; `learned`: name ->
-    `LearnedPolicy`, all of one network, trained on the ranked environment when `ranked`
-    (else on `env` itself); `keys`: `(W,)` PRNG keys, window `w` replayed with `keys[w]` by
-    every policy (common random numbers). `decisions`: a dict that receives, per policy,
-    `follows` and `load_ratio`, `(W, n)` arrays of `_replay_lanes`' per-decision records.
+    `PrefixTrace`s in that order; `keys`: `(W,)` PRNG keys, window `w` replayed with
+    `keys[w]` by every policy (common random numbers). `decisions`: a dict that receives,
+    per policy, `follows` and `load_ratio`, `(W, n)` arrays of `_replay_lanes`'
+    per-decision records.
     """
-    learned = learned or {}
+    thetas = thetas or {}
+    if thetas and lane_fn is None:
+        raise ValueError("thetas need a lane_fn")
     env_t = trace_env(env, len(windows[0]))
-    nets = {p.network for p in learned.values()}
-    if len(nets) > 1:
-        raise ValueError("learned policies must share one network")
-    theta = (jax.tree.map(lambda *x: jnp.stack(x), *[p.params for p in learned.values()])
-             if learned else None)
+    theta = (jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v) for v in x]), *thetas.values())
+             if thetas else None)
     log, (dropped, replica, hit, look, follows, ratio) = jax.device_get(_replay_lanes(
-        env_t, tuple(heuristics.values()), nets.pop() if nets else None, bool(ranked), params,
-        keys, theta))
+        env_t, tuple(heuristics.values()), lane_fn if thetas else None, params, keys, theta))
     slo_ttft, slo_tpot = (float(np.asarray(params.slo_ttft_s).ravel()[0]),
                           float(np.asarray(params.slo_tpot_s).ravel()[0]))
     drop_s = float(np.asarray(params.drop_penalty_s).ravel()[0])
     out = {}
-    for li, name in enumerate([*heuristics, *learned]):
+    for li, name in enumerate([*heuristics, *thetas]):
         rows = []
         for w, win in enumerate(windows):
             res = token_log(win.trace, replica[li, w],
@@ -436,6 +501,58 @@ def replay_windows(env, params, windows, heuristics: dict, learned: dict | None 
         if decisions is not None:
             decisions[name] = {"follows": follows[li], "load_ratio": ratio[li]}
     return out
+
+
+def replay_windows(env, params, windows, heuristics: dict, learned: dict | None = None, *,
+                   keys, ranked: bool = True, decisions: dict | None = None) -> dict:
+    """Every policy on every window (`replay_lanes`): `heuristics`, name -> router; `learned`,
+    name -> `LearnedPolicy`, all of one network, trained on the ranked environment when
+    `ranked` (else on `env` itself)."""
+    learned = learned or {}
+    nets = {p.network for p in learned.values()}
+    if len(nets) > 1:
+        raise ValueError("learned policies must share one network")
+    lane = NetworkLane(nets.pop(), bool(ranked)) if learned else None
+    return replay_lanes(env, params, windows, heuristics, lane,
+                        {n: p.params for n, p in learned.items()}, keys=keys,
+                        decisions=decisions)
+
+
+def simplex_grid(steps: int) -> list[tuple[float, float, float]]:
+    """The weight triples `(i, j, k) / steps` with `i + j + k = steps` (argmax of a weighted
+    score is unchanged by scaling the weights, so the simplex covers every router of the
+    family)."""
+    return [(i / steps, j / steps, (steps - i - j) / steps)
+            for i in range(steps + 1) for j in range(steps + 1 - i)]
+
+
+# llm-d's weights tried by `fit_llmd`: the simplex in steps of 1/6 (28 triples) and the
+# default profile (2, 2, 3), which lies between its points (unscaled, so that its lane is
+# `llmd_scorers` exactly: the fitted router is never worse than the default on the windows
+# it is fitted on).
+LLMD_GRID = tuple(simplex_grid(6)) + (PR.LLMD_DEFAULT,)
+TUNED_LLMD = "llmd_tuned"
+
+
+def fit_llmd(env, params, windows, keys, grid=LLMD_GRID, metric: str = HEADLINE) -> dict:
+    """llm-d's scorer weights (queue, KV cache, prefix; `PR.llmd_score`) fitted on tuning
+    windows: every triple of `grid` replays every window (`params`, `windows`, `keys` as
+    `replay_lanes`'), and the lowest mean `metric` wins (ties: the first in `grid`).
+
+    Returns `{"weights": best triple, "value": its mean, "grid": [[w, mean], ...]}`."""
+    grid = [tuple(float(x) for x in w) for w in grid]
+    if not grid:
+        raise ValueError("grid must hold at least one weight triple")
+    for w in grid:
+        PR.llmd_weighted(w)  # validates
+    names = [f"w{i}" for i in range(len(grid))]
+    out = replay_lanes(env, params, windows, {}, llmd_lane,
+                       {n: jnp.asarray(w, jnp.float32) for n, w in zip(names, grid)},
+                       keys=keys)
+    values = [float(np.mean(out[n][metric])) for n in names]
+    i = int(np.argmin(values))
+    return {"weights": list(grid[i]), "value": values[i],
+            "grid": [[list(w), v] for w, v in zip(grid, values)]}
 
 
 def select_best(train_per_window: dict, heuristics: Sequence[str],
@@ -454,7 +571,9 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                      window_requests: int = 512, fit_fraction: float = 0.25,
                      heuristics: Sequence[str] | None = None, ppo_overrides: dict | None = None,
                      eval_seed: int = 20261202, traces_dir=None, log=print,
-                     keep_policies: bool = False, progress: bool = False) -> dict:
+                     keep_policies: bool = False, progress: bool = False,
+                     tune_llmd: bool = True, llmd_grid=LLMD_GRID,
+                     trained: dict | None = None) -> dict:
     """Trains PPO (one run per seed) and evaluates it against the heuristics (module
     docstring).
 
@@ -475,6 +594,13 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
       progress: a tqdm bar on stderr while PPO trains.
       keep_policies: also return the learned policies (`policies`: name -> `LearnedPolicy`,
         not JSON-able: pop it before serialising).
+      tune_llmd: also run `TUNED_LLMD`, llm-d's weighted scorers with the weights of
+        `llmd_grid` that do best on the training windows (`fit_llmd`), among the
+        heuristics: the production router fitted on tuning data.
+      trained: networks trained earlier (`{"ppo_seed<s>": params}`, as `--save-policies`
+        writes them, for LLMPrefixRouting-v0's default network with `ppo_overrides`):
+        evaluated instead of training (their seeds replace `seeds`; `total_steps` is only
+        recorded).
 
     Returns:
       JSON-able dict: `config`, `workload` (rate, factor, capacity, basis, calibration,
@@ -488,11 +614,14 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
 
     Raises:
       ValueError: unknown workload or heuristic, empty seeds, a non-positive load or step
-      count, fewer than 2 evaluation windows, windows that do not fit the trace.
+      count, fewer than 2 evaluation windows, windows that do not fit the trace, `trained`
+      networks not named `ppo_seed<int>` or not of the default network's structure.
     """
     t0 = time.perf_counter()
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    if trained is not None:
+        seeds = trained_seeds(trained)
     seeds = [int(s) for s in seeds]
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must name at least one seed, each once, got {seeds}")
@@ -515,11 +644,16 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
 
     # The environment as registered (ranked replicas, no shaping), on the training trace.
     env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps)
-    pols, training = train_ppo(env, params, int(total_steps), seeds, log=log,
-                               progress=progress, **(ppo_overrides or {}))
+    if trained is None:
+        pols, training = train_ppo(env, params, int(total_steps), seeds, log=log,
+                                   progress=progress, **(ppo_overrides or {}))
+        log(f"trained {len(seeds)} seed(s) x {int(total_steps):,} steps: compile "
+            f"{training['compile_s']:.0f} s, run {training['run_s']:.0f} s")
+    else:
+        pols, training = load_trained(env, params, trained, int(total_steps),
+                                      **(ppo_overrides or {}))
+        log(f"evaluating {len(pols)} network(s) trained earlier (seeds {seeds})")
     learned = {f"ppo_seed{s}": p for s, p in zip(seeds, pols)}
-    log(f"trained {len(seeds)} seed(s) x {int(total_steps):,} steps: compile "
-        f"{training['compile_s']:.0f} s, run {training['run_s']:.0f} s")
 
     # One program for the training and evaluation windows (trees padded alike).
     wins = wl["train_windows"] + wl["eval_windows"]
@@ -532,6 +666,16 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
     keys = jnp.concatenate([
         jax.vmap(lambda w: jax.random.fold_in(k_train, w))(jnp.arange(nt)),
         jax.vmap(lambda w: jax.random.fold_in(k_eval, w))(jnp.arange(len(wl["eval_windows"])))])
+    tuned = {}
+    if tune_llmd:
+        fit = fit_llmd(env_w, jax.tree.map(lambda x: x[:nt], params_w), wl["train_windows"],
+                       keys[:nt], grid=llmd_grid)
+        tuned[TUNED_LLMD] = fit
+        heur[TUNED_LLMD] = PR.llmd_weighted(fit["weights"])
+        names.append(TUNED_LLMD)
+        log(f"{TUNED_LLMD}: weights (queue, kv, prefix) {fmt_weights(fit['weights'])}, "
+            f"{fit['value']:.2f} s on the training windows ({len(fit['grid'])} triples, "
+            f"{time.perf_counter() - t1:.0f} s)")
     dec: dict = {}
     both = replay_windows(env_w, params_w, wins, heur, learned, keys=keys, decisions=dec)
     per_train = {p: {m: v[:nt] for m, v in d.items()} for p, d in both.items()}
@@ -555,6 +699,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                        total_steps=int(total_steps), eval_windows=int(eval_windows),
                        train_windows=nt, window_requests=int(window_requests),
                        fit_fraction=float(fit_fraction), heuristics=names,
+                       tuned=tuned,
                        ppo_overrides=dict(ppo_overrides or {}), eval_seed=int(eval_seed),
                        slo_ttft_s=float(params.slo_ttft_s), slo_tpot_s=float(params.slo_tpot_s),
                        drop_penalty_s=float(params.drop_penalty_s)),
@@ -647,6 +792,7 @@ def format_prefix_study(result: dict) -> str:
         f"evaluation windows, mean time in system: **{ci_text(head[LEARNED])} s** (crossed seed "
         f"x window bootstrap, 95%): **{verdict(head[LEARNED])}**. Per seed (paired t over "
         f"windows): {per_seed}.",
+        *tuned_lines(result),
         "",
         "| policy | time in system, training (s) | " + " | ".join(
             label for label, _ in COLUMNS.values()) + " |",
@@ -673,6 +819,21 @@ def format_prefix_study(result: dict) -> str:
     if "routing" in result:  # results written before 2026-12-05 (late) lack it
         lines += ["", *format_cache_use(result["routing"], [*seeds, *heur])]
     return "\n".join(lines)
+
+
+def tuned_lines(result: dict) -> list[str]:
+    """Markdown: the weights `llmd_tuned` was fitted to, if the result has it."""
+    fit = result["config"].get("tuned", {}).get(TUNED_LLMD)
+    if fit is None:
+        return []
+    ranked = sorted(fit["grid"], key=lambda r: r[1])
+    runners = ", ".join(f"{fmt_weights(w)} {v:.2f} s" for w, v in ranked[1:3])
+    default = [v for w, v in fit["grid"] if tuple(w) == PR.LLMD_DEFAULT]
+    tail = f"; the default (2, 2, 3): {default[0]:.2f} s" if default else ""
+    return ["", f"`{TUNED_LLMD}` is llm-d's weighted scorers with the weights (queue, KV "
+            f"cache, prefix) that do best on the training windows among {len(fit['grid'])} "
+            f"triples tried: **{fmt_weights(fit['weights'])}**, {fit['value']:.2f} s there "
+            f"(next: {runners}{tail})."]
 
 
 def plot_cache_use(result: dict, path) -> Path:

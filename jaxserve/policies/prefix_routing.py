@@ -25,8 +25,11 @@ tests/test_prefix_routing.py avoid ties where that matters.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.core import continuous as CB
 from jaxserve.envs.llm_routing import pending_cached_blocks, pending_node
@@ -37,6 +40,8 @@ KIND = "prefix_routing"
 
 # llm-d inference scheduler: scorer weights of its default profile.
 LLMD_WEIGHTS = {"queue": 2.0, "kv_cache_utilization": 2.0, "prefix_cache": 3.0}
+LLMD_DEFAULT = (LLMD_WEIGHTS["queue"], LLMD_WEIGHTS["kv_cache_utilization"],
+                LLMD_WEIGHTS["prefix_cache"])  # `llmd_score`'s order
 # NVIDIA Dynamo KV router: overlap weight 1.0, temperature 0 (argmin).
 DYNAMO_OVERLAP_WEIGHT = 1.0
 # SGLang router cache_aware defaults.
@@ -78,27 +83,55 @@ def cached_fraction(state, params) -> jax.Array:
     return jnp.minimum(hit / jnp.maximum(state.pending.prompt, 1.0), 1.0)
 
 
-def llmd_scorers(key, obs, state, params):
-    """llm-d inference scheduler (EPP), weighted scorers, argmax of
-    `2 * queue + 2 * kv_cache_utilization + 3 * prefix_cache`.
-
-    Source (ROUTERS.md): llm-d/llm-d-inference-scheduler `config/charts/epplib/templates/
-    _config.yaml` (weights queue 2, kv-cache-utilization 2, prefix-cache 3) and
-    `pkg/epp/framework/plugins/scheduling/scorer/*/README.md` (each scorer's formula);
-    version: not recorded in ROUTERS.md. Scorers: queue `(max - q) / (max - min)` with `q`
-    the replica's waiting requests (vLLM's `num_requests_waiting`, preempted ones
-    included; 1 for every replica when all are equal), KV cache `1 - held / kv_blocks`
-    (vLLM's usage counts cached-unreferenced blocks as free), prefix cache `matched /
-    total` blocks of the prompt (the precise scorer's view).
-    """
+def llmd_score(weights, state, params) -> jax.Array:
+    """llm-d's weighted score of every replica, `weights = (queue, kv_cache_utilization,
+    prefix_cache)` (traceable: a `(3,)` array or a tuple). Scorers, each in [0, 1]: queue
+    `(max - q) / (max - min)` with `q` the replica's waiting requests (vLLM's
+    `num_requests_waiting`, preempted ones included; 1 for every replica when all are
+    equal), KV cache `1 - held / kv_blocks` (vLLM's usage counts cached-unreferenced blocks
+    as free), prefix cache `matched / total` blocks of the prompt (the precise scorer's
+    view). `(R,)` float32."""
+    w = jnp.asarray(weights, jnp.float32)
     q = state.cluster.queues.count.astype(jnp.float32)
     lo, hi = q.min(), q.max()
     queue = jnp.where(hi > lo, (hi - q) / jnp.maximum(hi - lo, 1.0), 1.0)
     kv = 1.0 - CB.kv_used(state.cluster, params.gpus) / params.gpus.kv_blocks
     prefix = pending_cached_blocks(state, params) / jnp.maximum(prompt_blocks(state, params), 1.0)
-    w = LLMD_WEIGHTS
-    score = w["queue"] * queue + w["kv_cache_utilization"] * kv + w["prefix_cache"] * prefix
-    return _argmax_open(score, state, params)
+    return w[0] * queue + w[1] * kv + w[2] * prefix
+
+
+def llmd_weighted_route(weights, state, params) -> jax.Array:
+    """The replica llm-d's scheduler picks with scorer `weights` (`llmd_score`): the argmax
+    over the replicas that would accept the request. int32."""
+    return _argmax_open(llmd_score(weights, state, params), state, params)
+
+
+def llmd_weighted(weights) -> Callable:
+    """llm-d's weighted-scorers router with other weights than its defaults (`llmd_score`'s
+    order: queue, kv_cache_utilization, prefix_cache), e.g. weights fitted on tuning data
+    (`agents.experiments.prefix_study.fit_llmd`). A policy `(key, obs, state, params) ->
+    int32 replica`."""
+    w = tuple(float(x) for x in weights)
+    if len(w) != 3 or not all(np.isfinite(w)) or min(w) < 0 or max(w) <= 0:
+        raise ValueError(f"llm-d weights must be 3 finite non-negative numbers, not all 0; "
+                         f"got {weights}")
+
+    def route(key, obs, state, params):
+        return llmd_weighted_route(w, state, params)
+    route.__doc__ = f"llm-d weighted scorers, weights (queue, kv, prefix) = {w}."
+    return route
+
+
+def llmd_scorers(key, obs, state, params):
+    """llm-d inference scheduler (EPP), weighted scorers, argmax of
+    `2 * queue + 2 * kv_cache_utilization + 3 * prefix_cache` (`llmd_score`).
+
+    Source (ROUTERS.md): llm-d/llm-d-inference-scheduler `config/charts/epplib/templates/
+    _config.yaml` (weights queue 2, kv-cache-utilization 2, prefix-cache 3) and
+    `pkg/epp/framework/plugins/scheduling/scorer/*/README.md` (each scorer's formula);
+    version: not recorded in ROUTERS.md.
+    """
+    return llmd_weighted_route(LLMD_DEFAULT, state, params)
 
 
 def dynamo_kv(key, obs, state, params):
