@@ -51,6 +51,11 @@ ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
                     anneal_lr=True, num_minibatches=4, update_epochs=4, gamma=0.99,
                     gae_lambda=0.95, ent_coef=0.01, network="mlp", hidden_sizes=(64, 64),
                     activation="tanh"),
+        # The same MLP with Routing-v0's REINFORCE rollout shape (one gradient step per
+        # 16 x 32 steps): untuned here, the second learner of the prefix study.
+        "reinforce": dict(total_steps=1_048_576, num_envs=16, num_steps=32, lr=1e-3,
+                          gamma=0.99, ent_coef=0.01, network="mlp", hidden_sizes=(64, 64),
+                          activation="tanh"),
     },
     # Batching-v0 is semi-Markov (a wait lasts one arrival gap, a dispatch until the GPU frees):
     # discount by simulated time, not per decision, or "always wait" looks cheap

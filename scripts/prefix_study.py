@@ -1,4 +1,4 @@
-"""jaxserve-prefix-study: PPO against every prefix-cache-aware and load-only router.
+"""jaxserve-prefix-study: PPO or REINFORCE against every prefix-cache-aware and load-only router.
 
 Example (one configuration of experiment (p), at its quick budget)::
 
@@ -40,8 +40,10 @@ def build_parser() -> Parser:
     ap.add_argument("--load", type=float, default=1.0,
                     help="load multiplier: of the scenario's rate (system_prompts) or of the "
                          "capacity measured on the training windows (mooncake)")
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated PPO seeds")
-    ap.add_argument("--steps", type=int, default=32_768, help="PPO env steps per seed")
+    ap.add_argument("--algo", default="ppo", choices=("ppo", "reinforce"),
+                    help="the learning algorithm (LLMPrefixRouting-v0's settings for it)")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--steps", type=int, default=32_768, help="env steps per seed")
     ap.add_argument("--windows", type=int, default=4, help="evaluation windows (>= 2)")
     ap.add_argument("--train-windows", type=int, default=None,
                     help="mooncake: windows of the training part the best heuristic is "
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                                window_requests=args.window_requests, heuristics=heur,
                                eval_seed=args.eval_seed, log=log,
                                keep_policies=saved is not None, progress=True,
-                               tune_llmd=not args.no_tune_llmd, trained=trained)
+                               tune_llmd=not args.no_tune_llmd, trained=trained,
+                               algo=args.algo)
         pols = res.pop("policies", {})
         res["command"] = "python -m scripts.prefix_study " + " ".join(
             sys.argv[1:] if argv is None else argv)

@@ -1,7 +1,7 @@
 """Experiment (p)'s study (`agents.experiments.prefix_study`) end to end on tiny windows.
 
 PPO's training program takes over a minute to compile on the 2-core CPU, so the pipeline test
-replaces `train_ppo` with untrained networks of the registered settings' shape (the learned
+replaces `train_agent` with untrained networks of the registered settings' shape (the learned
 lanes, which act through the ranked view as trained policies do, the comparisons and the
 tables are exercised; what PPO learns is the study's result, not a test's).
 Everything else is the real code: the workload's traces, every router on every window in one
@@ -29,9 +29,9 @@ GRID = ((1.0, 0.0, 0.0), (0.0, 0.0, 1.0), (2.0, 2.0, 3.0))
 ALL_HEUR = (*HEUR, P.TUNED_LLMD)
 
 
-def _untrained(env, params, total_steps, seeds, *, log=None, **overrides):
+def _untrained(algo, env, params, total_steps, seeds, *, log=None, **overrides):
     assert env.ranked  # the study trains on the environment as registered
-    config = make_config("ppo", "LLMPrefixRouting-v0", env, None, 0)
+    config = make_config(algo, "LLMPrefixRouting-v0", env, None, 0)
     net = make_network(config, env.num_actions)
     obs, _ = env.reset(jax.random.PRNGKey(0), params)
     pols = [LearnedPolicy(net, net.init(jax.random.PRNGKey(s), obs)) for s in seeds]
@@ -48,7 +48,7 @@ def result():
         seen["per_window"] = per_window
         return real_select(per_window, heuristics, metric)
 
-    mp.setattr(P, "train_ppo", _untrained)
+    mp.setattr(P, "train_agent", _untrained)
     mp.setattr(P, "select_best", spy)
     try:
         res = P.run_prefix_study(workload="system_prompts", load=1.0, seeds=(0, 1),
@@ -153,7 +153,7 @@ def test_format_renders_the_tables(result):
     body = section_body({"system_prompts@1": json.loads(json.dumps(to_jsonable(res)))},
                         "pytest")
     assert body.startswith("Command: `pytest`.")
-    assert f"| system_prompts | 1 | `{res['headline']['best_heuristic']}` |" in body
+    assert f"| system_prompts | 1 | `{P.LEARNED}` | `{res['headline']['best_heuristic']}` |" in body
     assert "### system_prompts, load 1" in body and text in body
 
 
@@ -236,6 +236,7 @@ def test_saved_networks_evaluate_again_as_they_did(result, tmp_path):
     (dict(total_steps=0), "total_steps"),
     (dict(eval_windows=1), "eval_windows"),
     (dict(heuristics=("llmd_scorers", "oracle")), "heuristic"),
+    (dict(algo="a2c"), "algo"),
     (dict(load=0.0), "load"),
     (dict(load=float("nan")), "load"),
     (dict(window_requests=1), "windows of 1 requests"),

@@ -69,8 +69,9 @@ def section_body(data: dict, command: str) -> str:
     rows, parts = [], []
     for result in data.values():
         c, head = result["config"], result["headline"]
-        diff = head[study.LEARNED]
-        rows.append(f"| {c['workload']} | {c['load']:g} | `{head['best_heuristic']}` | "
+        diff = head[study.result_label(result)]
+        rows.append(f"| {c['workload']} | {c['load']:g} | `{study.result_label(result)}` | "
+                    f"`{head['best_heuristic']}` | "
                     f"{study.ci_text(diff)} | {study.verdict(diff)} |")
         parts.append(f"### {c['workload']}, load {c['load']:g}\n\n{_workload_text(result)}"
                      "\n\n" + study.format_prefix_study(result))
@@ -81,8 +82,10 @@ def section_body(data: dict, command: str) -> str:
         f"Command: `{command}`. PPO (`agents.ppo` with LLMPrefixRouting-v0's settings on the "
         f"environment as registered: ranked replicas, unshaped reward) with seeds "
         f"{first['seeds']}, env steps per seed: {steps}; greedy policies. Every router of "
-        "`policies.prefix_routing.POLICIES`, its `most_cached` baseline and every load-only "
-        "router of `policies.llm_routing.POLICIES` (but `random`, and "
+        "`policies.prefix_routing.POLICIES` at its published defaults, `llmd_tuned` (llm-d's "
+        "scorer weights fitted on the training windows, `prefix_study.fit_llmd`; results "
+        "written before 2026-12-05 (night) lack it), its `most_cached` baseline and every "
+        "load-only router of `policies.llm_routing.POLICIES` (but `random`, and "
         "`sita_prompt`, which is `jsq_requests` on identical replicas). system_prompts: "
         "trained on the generator's seed-0 trace, evaluated on the traces of seeds 100, 101, "
         "...; Mooncake conversation: trained on its first 25% of requests, evaluated on "
@@ -93,8 +96,8 @@ def section_body(data: dict, command: str) -> str:
         "bootstrap is coarse: read near-zero intervals with care). Time in system is per "
         f"request, a drop counted at {first['drop_penalty_s']:g} s; SLO: TTFT <= "
         f"{first['slo_ttft_s']:g} s and TPOT <= {first['slo_tpot_s']:g} s/token.\n\n"
-        "| workload | load | best heuristic (training windows) | ppo_mean - best, time in "
-        "system (s, 95% CI) | verdict |\n| --- | ---: | --- | --- | --- |\n"
+        "| workload | load | learned | best heuristic (training windows) | learned - best, "
+        "time in system (s, 95% CI) | verdict |\n| --- | ---: | --- | --- | --- | --- |\n"
         + "\n".join(rows) + "\n\n" + "\n\n".join(parts))
 
 
@@ -110,12 +113,14 @@ def _workload_text(result: dict) -> str:
              f"sessions/s of one request each; the training trace's rate {w['rate']:.4f} "
              f"req/s)")
     never = sum(w["never_fit"])
+    tr = result["training"]
+    timing = ("networks trained earlier, evaluated again" if tr.get("trained_earlier") else
+              f"compile {tr['compile_s']:.0f} s, run {tr['run_s']:.0f} s")
     return (f"{basis}; time x {w['factor']:.3f}. "
-            f"{w['kv_blocks']} KV blocks of {w['block_size']} tokens per replica. PPO trained "
-            f"on {w['train_requests']} requests (arrivals spanning {w['train_span_s']:.0f} s), "
-            f"compile "
-            f"{result['training']['compile_s']:.0f} s, run {result['training']['run_s']:.0f} "
-            f"s; {c['train_windows']} training and {c['eval_windows']} evaluation windows of "
+            f"{w['kv_blocks']} KV blocks of {w['block_size']} tokens per replica. "
+            f"{c.get('algo', 'ppo').upper()} trained on {w['train_requests']} requests "
+            f"(arrivals spanning {w['train_span_s']:.0f} s), {timing}; "
+            f"{c['train_windows']} training and {c['eval_windows']} evaluation windows of "
             f"{c['window_requests']} requests"
             + (f" ({never} requests of the evaluation windows fit no replica's cache: dropped "
                f"by every router)" if never else "")

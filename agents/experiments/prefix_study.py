@@ -34,7 +34,8 @@ The experiment, per workload and load (`run_prefix_study`):
    keeps 90% of its light-load SLO attainment; training data only). A time stretch also
    stretches the think time between a session's turns.
 
-3. **Training**: `train_ppo`: `agents.ppo` with LLMPrefixRouting-v0's settings
+3. **Training**: `train_agent` (`algo="ppo"` by default, or "reinforce" with the same
+   network): `agents.ppo` with LLMPrefixRouting-v0's settings
    (`agents.defaults.ENV_DEFAULTS`: PureJaxRL's CartPole-v1 PPO, an MLP on the flat
    observation) on the environment as registered (ranked replicas, unshaped reward), one run
    per seed, all seeds in one compiled program (`experiments.common.train_scenarios`).
@@ -107,7 +108,15 @@ HIGHER_BETTER = study.HIGHER_BETTER + ("token_hit_rate",)
 # Mean time in system per request (s), a dropped request counted at `drop_penalty_s`: the
 # reward's quantity (LLMRouting-v0 minimises it) and the selection criterion.
 HEADLINE = "e2e_mean_drop_charged"
-LEARNED = "ppo_mean"
+AGENTS = ("ppo", "reinforce")  # agents.defaults.ALGOS the study trains
+
+
+def learned_label(algo: str) -> str:
+    """The label of an algorithm's seeds together ("ppo_mean")."""
+    return f"{algo}_mean"
+
+
+LEARNED = learned_label("ppo")
 
 SYNTHETIC_EVAL_SEED = 100  # first generator seed of the evaluation windows (training: 0)
 MOONCAKE_FILE = "mooncake_2025/conversation_trace.jsonl.gz"
@@ -134,59 +143,68 @@ SET_PPO = dict(network="set", set_mixer="attention", hidden_sizes=(32, 32), num_
                gamma=0.99, gae_lambda=0.95, ent_coef=0.01)
 
 
-def train_ppo(env, params, total_steps: int, seeds: Sequence[int], *, log=None,
-              progress: bool = False, **overrides) -> tuple[list[LearnedPolicy], dict]:
-    """PPO on `(env, params)` with LLMPrefixRouting-v0's settings (`agents.defaults.
-    ENV_DEFAULTS`: PureJaxRL's CartPole-v1 PPO with its MLP), one run per seed in one compiled
-    program (`experiments.common.train_scenarios`; seed `s` trains from
-    `jax.random.key(s)`). `overrides`: other PPO hyperparameters (`SET_PPO`; `num_envs`,
-    tests). `progress`: a tqdm bar on stderr (`train_scenarios`).
+def train_agent(algo: str, env, params, total_steps: int, seeds: Sequence[int], *, log=None,
+                progress: bool = False, **overrides) -> tuple[list[LearnedPolicy], dict]:
+    """`algo` ("ppo" or "reinforce") on `(env, params)` with LLMPrefixRouting-v0's settings
+    (`agents.defaults.ENV_DEFAULTS`: PureJaxRL's CartPole-v1 PPO with its MLP; REINFORCE with
+    the same network), one run per seed in one compiled program
+    (`experiments.common.train_scenarios`; seed `s` trains from `jax.random.key(s)`).
+    `overrides`: other hyperparameters (`SET_PPO`; `num_envs`, tests). `progress`: a tqdm
+    bar on stderr (`train_scenarios`).
 
     Returns:
       (greedy `LearnedPolicy` per seed, `{"compile_s", "run_s", "final_return": [per seed],
       "config"}`), the final return being the mean episode return of the last update and
-      `config` the effective PPO config (`TrainConfig.to_dict`, seed 0's).
+      `config` the effective config (`TrainConfig.to_dict`, seed 0's).
     """
+    if algo not in AGENTS:
+        raise ValueError(f"algo must be one of {AGENTS}, got {algo!r}")
     seeds = [int(s) for s in seeds]
     if not seeds:
         raise ValueError("seeds must name at least one seed")
     if int(total_steps) < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     ctx = None if log is None else _LogContext(log)
-    pols, curves = train_scenarios("LLMPrefixRouting-v0", env, [params], "ppo", seeds,
+    pols, curves = train_scenarios("LLMPrefixRouting-v0", env, [params], algo, seeds,
                                    int(total_steps), ctx=ctx, progress=progress,
                                    **overrides)
     ret = np.asarray(curves["episode_return"])[0]  # (seeds, updates)
-    config = make_config("ppo", "LLMPrefixRouting-v0", env, int(total_steps), seeds[0],
+    config = make_config(algo, "LLMPrefixRouting-v0", env, int(total_steps), seeds[0],
                          **overrides)
     return pols[0], {"compile_s": float(curves["compile_s"]), "run_s": float(curves["run_s"]),
                      "final_return": [float(r[-1]) for r in ret],
                      "config": config.to_dict()}
 
 
-def trained_seeds(trained: dict) -> list[int]:
-    """The seeds of saved networks named `ppo_seed<s>` (`--save-policies`), in file order."""
-    seeds = []
+def train_ppo(env, params, total_steps: int, seeds: Sequence[int], **kw):
+    """`train_agent("ppo", ...)`."""
+    return train_agent("ppo", env, params, total_steps, seeds, **kw)
+
+
+def trained_seeds(trained: dict, algo: str = "ppo") -> list[int]:
+    """The seeds of saved networks named `<algo>_seed<s>` (`--save-policies`), in file
+    order."""
+    seeds, head = [], f"{algo}_seed"
     for name in trained:
-        tail = str(name).removeprefix("ppo_seed")
-        if not str(name).startswith("ppo_seed") or not tail.lstrip("-").isdigit():
-            raise ValueError(f"saved networks must be named ppo_seed<int>, got {name!r}")
+        tail = str(name).removeprefix(head)
+        if not str(name).startswith(head) or not tail.lstrip("-").isdigit():
+            raise ValueError(f"saved networks must be named {head}<int>, got {name!r}")
         seeds.append(int(tail))
     if not seeds:
         raise ValueError("no saved networks")
     return seeds
 
 
-def load_trained(env, params, trained: dict, total_steps: int,
+def load_trained(env, params, trained: dict, total_steps: int, algo: str = "ppo",
                  **overrides) -> tuple[list[LearnedPolicy], dict]:
-    """Greedy `LearnedPolicy`s of networks trained earlier (`{"ppo_seed<s>": params}` as
-    `train_ppo`'s run saved them) for `(env, params)`, and `train_ppo`'s info with no
+    """Greedy `LearnedPolicy`s of networks trained earlier (`{"<algo>_seed<s>": params}` as
+    `train_agent`'s run saved them) for `(env, params)`, and `train_agent`'s info with no
     timings. Each network's parameters must have the structure and shapes of the network
-    `make_config("ppo", "LLMPrefixRouting-v0", env, ..., **overrides)` builds."""
+    `make_config(algo, "LLMPrefixRouting-v0", env, ..., **overrides)` builds."""
     # No training here: the step budget is only recorded (it would be checked against a
     # batch that `overrides` may have changed since).
-    config = make_config("ppo", "LLMPrefixRouting-v0", env, None, 0, **overrides)
-    network = ALGOS["ppo"][1](config, env, params).network
+    config = make_config(algo, "LLMPrefixRouting-v0", env, None, 0, **overrides)
+    network = ALGOS[algo][1](config, env, params).network
     obs, _ = env.reset(jax.random.PRNGKey(0), params)
     like = network.init(jax.random.PRNGKey(0), obs)
     spec = jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype.str), like)
@@ -573,7 +591,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                      eval_seed: int = 20261202, traces_dir=None, log=print,
                      keep_policies: bool = False, progress: bool = False,
                      tune_llmd: bool = True, llmd_grid=LLMD_GRID,
-                     trained: dict | None = None) -> dict:
+                     trained: dict | None = None, algo: str = "ppo") -> dict:
     """Trains PPO (one run per seed) and evaluates it against the heuristics (module
     docstring).
 
@@ -597,10 +615,13 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
       tune_llmd: also run `TUNED_LLMD`, llm-d's weighted scorers with the weights of
         `llmd_grid` that do best on the training windows (`fit_llmd`), among the
         heuristics: the production router fitted on tuning data.
-      trained: networks trained earlier (`{"ppo_seed<s>": params}`, as `--save-policies`
+      trained: networks trained earlier (`{"<algo>_seed<s>": params}`, as `--save-policies`
         writes them, for LLMPrefixRouting-v0's default network with `ppo_overrides`):
         evaluated instead of training (their seeds replace `seeds`; `total_steps` is only
         recorded).
+      algo: the learning algorithm, "ppo" or "reinforce" (`AGENTS`); its seeds are
+        `<algo>_seed<s>`, together `learned_label(algo)`. `ppo_overrides` are its
+        hyperparameters whichever it is (the name predates REINFORCE here).
 
     Returns:
       JSON-able dict: `config`, `workload` (rate, factor, capacity, basis, calibration,
@@ -615,13 +636,17 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
     Raises:
       ValueError: unknown workload or heuristic, empty seeds, a non-positive load or step
       count, fewer than 2 evaluation windows, windows that do not fit the trace, `trained`
-      networks not named `ppo_seed<int>` or not of the default network's structure.
+      networks not named `<algo>_seed<int>` or not of the default network's structure, an
+      unknown algo.
     """
     t0 = time.perf_counter()
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    if algo not in AGENTS:
+        raise ValueError(f"algo must be one of {AGENTS}, got {algo!r}")
+    label = learned_label(algo)
     if trained is not None:
-        seeds = trained_seeds(trained)
+        seeds = trained_seeds(trained, algo)
     seeds = [int(s) for s in seeds]
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"seeds must name at least one seed, each once, got {seeds}")
@@ -639,21 +664,21 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                         fit_fraction=fit_fraction, traces_dir=traces_dir, log=log)
     reps = wl["replicas"]
     log(f"{workload} @ load {load:g}: rate {wl['rate']:.4f} req/s (time x {wl['factor']:.3f}); "
-        f"PPO trains on {len(wl['train_trace'])} requests; {len(wl['train_windows'])} "
+        f"{algo} trains on {len(wl['train_trace'])} requests; {len(wl['train_windows'])} "
         f"training and {len(wl['eval_windows'])} evaluation windows of {window_requests}")
 
     # The environment as registered (ranked replicas, no shaping), on the training trace.
     env, params = make_llm_prefix_routing(trace=wl["train_trace"], replicas=reps)
     if trained is None:
-        pols, training = train_ppo(env, params, int(total_steps), seeds, log=log,
-                                   progress=progress, **(ppo_overrides or {}))
+        pols, training = train_agent(algo, env, params, int(total_steps), seeds, log=log,
+                                     progress=progress, **(ppo_overrides or {}))
         log(f"trained {len(seeds)} seed(s) x {int(total_steps):,} steps: compile "
             f"{training['compile_s']:.0f} s, run {training['run_s']:.0f} s")
     else:
-        pols, training = load_trained(env, params, trained, int(total_steps),
+        pols, training = load_trained(env, params, trained, int(total_steps), algo,
                                       **(ppo_overrides or {}))
         log(f"evaluating {len(pols)} network(s) trained earlier (seeds {seeds})")
-    learned = {f"ppo_seed{s}": p for s, p in zip(seeds, pols)}
+    learned = {f"{algo}_seed{s}": p for s, p in zip(seeds, pols)}
 
     # One program for the training and evaluation windows (trees padded alike).
     wins = wl["train_windows"] + wl["eval_windows"]
@@ -685,17 +710,17 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
 
     seed_names = list(learned)
     for pw in (per_train, per_eval):
-        pw[LEARNED] = {m: np.mean([pw[s][m] for s in seed_names], axis=0) for m in METRICS}
+        pw[label] = {m: np.mean([pw[s][m] for s in seed_names], axis=0) for m in METRICS}
     best, sel_values = select_best(per_train, names)
     kw = dict(metrics=METRICS, higher_better=HIGHER_BETTER)
     paired = study.compare(per_eval, seed_names, names, **kw)
-    paired += study.compare_seeds(per_eval, seed_names, names, label=LEARNED, **kw)
+    paired += study.compare_seeds(per_eval, seed_names, names, label=label, **kw)
     head = [r for r in paired if r["baseline"] == best and r["metric"] == HEADLINE]
     summary = {k: {p: {m: float(np.nanmean(v)) for m, v in d.items()} for p, d in pw.items()}
                for k, pw in (("eval", per_eval), ("train", per_train))}
     t = wl["train_trace"].trace
     return {
-        "config": dict(workload=workload, load=float(load), seeds=seeds,
+        "config": dict(workload=workload, load=float(load), algo=algo, seeds=seeds,
                        total_steps=int(total_steps), eval_windows=int(eval_windows),
                        train_windows=nt, window_requests=int(window_requests),
                        fit_fraction=float(fit_fraction), heuristics=names,
@@ -716,9 +741,9 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
         "summary": summary,
         "selection": {"on": "training windows", "metric": HEADLINE, "values": sel_values,
                       "best": best},
-        "headline": {"best_heuristic": best,
-                     LEARNED: next(r for r in head if r["learned"] == LEARNED),
-                     "per_seed": [r for r in head if r["learned"] != LEARNED]},
+        "headline": {"best_heuristic": best, "learned": label,
+                     label: next(r for r in head if r["learned"] == label),
+                     "per_seed": [r for r in head if r["learned"] != label]},
         "paired": paired,
         "routing": {name: cache_use(d["follows"][nt:], d["load_ratio"][nt:])
                     for name, d in dec.items()},
@@ -774,12 +799,19 @@ def ci_text(row: dict, fmt: str = "+.3g") -> str:
     return f"{row['mean']:{fmt}} [{row['low']:{fmt}}, {row['high']:{fmt}}]"
 
 
+def result_label(result: dict) -> str:
+    """The learned seeds' joint label of a result ("ppo_mean"; results written before
+    REINFORCE joined the study have no `headline.learned` and are PPO's)."""
+    return result["headline"].get("learned", LEARNED)
+
+
 def format_prefix_study(result: dict) -> str:
     """Markdown: the learned router against the best heuristic (chosen on the training
     windows), every policy's mean metrics over the evaluation windows, and the seeds'
     paired differences against every heuristic."""
     head = result["headline"]
     best = head["best_heuristic"]
+    learned = result_label(result)
     sel = result["selection"]["values"]
     ev, tr = result["summary"]["eval"], result["summary"]["train"]
     seeds = [r["learned"] for r in head["per_seed"]]
@@ -787,10 +819,10 @@ def format_prefix_study(result: dict) -> str:
     lines = [
         f"**Learned vs the best heuristic.** The best heuristic on the training "
         f"window{'s' if result['config']['train_windows'] > 1 else ''} (lowest mean time in "
-        f"system there, {sel[best]:.2f} s) is `{best}`. `{LEARNED}` (the {len(seeds)} seeds' "
+        f"system there, {sel[best]:.2f} s) is `{best}`. `{learned}` (the {len(seeds)} seeds' "
         f"greedy policies) minus `{best}` on the {result['config']['eval_windows']} "
-        f"evaluation windows, mean time in system: **{ci_text(head[LEARNED])} s** (crossed seed "
-        f"x window bootstrap, 95%): **{verdict(head[LEARNED])}**. Per seed (paired t over "
+        f"evaluation windows, mean time in system: **{ci_text(head[learned])} s** (crossed seed "
+        f"x window bootstrap, 95%): **{verdict(head[learned])}**. Per seed (paired t over "
         f"windows): {per_seed}.",
         *tuned_lines(result),
         "",
@@ -798,13 +830,13 @@ def format_prefix_study(result: dict) -> str:
             label for label, _ in COLUMNS.values()) + " |",
         "| --- | ---: | " + " | ".join("---:" for _ in COLUMNS) + " |"]
     heur = sorted((p for p in ev if p in sel), key=lambda p: ev[p][HEADLINE])
-    for p in [LEARNED, *seeds, *heur]:
+    for p in [learned, *seeds, *heur]:
         name = f"`{p}`" + (" (best on training)" if p == best else "")
         lines.append(f"| {name} | {tr[p][HEADLINE]:.2f} | " + " | ".join(
             f"{ev[p][m]:{f}}" for m, (_, f) in COLUMNS.items()) + " |")
     rows = {(r["baseline"], r["metric"]): r for r in result["paired"]
-            if r["learned"] == LEARNED}
-    lines += ["", f"`{LEARNED}` minus each heuristic on the evaluation windows (mean [95% "
+            if r["learned"] == learned}
+    lines += ["", f"`{learned}` minus each heuristic on the evaluation windows (mean [95% "
               "interval], crossed seed x window bootstrap; \\* marks an interval that excludes "
               "0, + better or - worse for the learned router):", "",
               "| heuristic | " + " | ".join(COLUMNS[m][0] for m in DIFF_COLUMNS) + " |",
@@ -849,7 +881,7 @@ def plot_cache_use(result: dict, path) -> Path:
     with axes_row(path, ncols=2 if routing else 1, figsize=(12, 4.6)) as (fig, axes):
         ax = axes[0]
         for name, m in ev.items():
-            if name == LEARNED:
+            if name == result_label(result):
                 continue
             learned = name in seeds
             ax.scatter(m["token_hit_rate"], m[HEADLINE], s=40 if learned else 28,
