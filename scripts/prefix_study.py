@@ -13,8 +13,9 @@ stderr (the study takes minutes); the markdown tables to stdout; the result as J
 `--plot` draws the trade-off and when each router leaves the cache; `--save-policies` keeps the
 learned networks and `--policies-from` evaluates them again without training (e.g. against a
 heuristic added since); `--from-json` renders the tables and plot of an earlier run's result.
-Besides the routers at their published defaults the study runs `llmd_tuned`, llm-d's scorer
-weights fitted on the training windows (`--no-tune-llmd` leaves it out).
+Besides the routers at their published defaults the study runs two heuristics fitted on the
+training windows: `llmd_tuned` (llm-d's scorer weights) and `guarded_tuned` (`most_cached`
+with a load guard); `--no-tuned` leaves them out.
 Errors print one line on stderr and exit with status 2 (output paths are checked first).
 """
 
@@ -60,9 +61,10 @@ def build_parser() -> Parser:
                     help="evaluate the networks a run saved with --save-policies instead of "
                          "training (their seeds replace --seeds; pass the run's --steps to "
                          "record it)")
-    ap.add_argument("--no-tune-llmd", action="store_true",
-                    help="leave out llmd_tuned (llm-d's scorer weights fitted on the "
-                         "training windows)")
+    ap.add_argument("--no-tuned", action="store_true",
+                    help="leave out the heuristics fitted on the training windows "
+                         "(llmd_tuned: llm-d's scorer weights; guarded_tuned: most_cached's "
+                         "load guard)")
     ap.add_argument("--from-json", default=None, metavar="FILE",
                     help="render the tables (and --plot) of a result an earlier run wrote with "
                          "--out, without running the study")
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                                window_requests=args.window_requests, heuristics=heur,
                                eval_seed=args.eval_seed, log=log,
                                keep_policies=saved is not None, progress=True,
-                               tune_llmd=not args.no_tune_llmd, trained=trained,
+                               tune=not args.no_tuned, trained=trained,
                                algo=args.algo)
         pols = res.pop("policies", {})
         res["command"] = "python -m scripts.prefix_study " + " ".join(

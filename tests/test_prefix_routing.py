@@ -21,7 +21,7 @@ from jaxserve.envs.llm_routing import (DEFAULT_SHAPING_GAMMA, PrefixRoutingParam
                                        pending_cached_blocks)
 from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.policies import prefix_routing as PR
-from jaxserve.policies.llm_routing import would_drop
+from jaxserve.policies.llm_routing import jsq_tokens, would_drop
 from jaxserve.traces.prefix import PrefixTrace, PrefixTree
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 from tests.test_env_contract import assert_close_trees
@@ -464,6 +464,27 @@ def test_heuristics_in_env_never_read_output_lengths():
         a, b = np.asarray(f(sts)), np.asarray(f(scr))
         np.testing.assert_array_equal(a, b, err_msg=name)
         assert set(a.tolist()) <= {0, 1}
+    # The fitted families (prefix_study's llmd_tuned, guarded_tuned) read no more; the load
+    # guard is most_cached unless that replica holds > g x the mean tokens in flight, then
+    # jsq_tokens.
+    route = lambda fn, s: fn(jax.random.PRNGKey(0), None, s, params)  # noqa: E731
+    for fn in (PR.llmd_weighted((1.0, 0.0, 2.0)), PR.cache_guarded(0.5),
+               PR.cache_guarded(1.5)):
+        f = jax.jit(jax.vmap(lambda s: route(fn, s)))
+        np.testing.assert_array_equal(np.asarray(f(sts)), np.asarray(f(scr)))
+
+    @jax.jit
+    @jax.vmap
+    def by_definition(s):
+        mc = route(PR.most_cached, s)
+        load = CB.tokens_in_flight(s.cluster)
+        over = load[mc] > 0.5 * jnp.maximum(load.mean(), 1.0)
+        return jnp.where(over, route(jsq_tokens, s), mc), over
+
+    want, over = by_definition(sts)
+    got = jax.jit(jax.vmap(lambda s: route(PR.cache_guarded(0.5), s)))(sts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert 0 < int(np.asarray(over).sum()) < STEPS  # both branches are taken
     # and one of them drives a whole episode
     pol = P.get("dynamo_kv")
 

@@ -26,7 +26,9 @@ from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared
 HEUR = ("llmd_scorers", "most_cached", "jsq_tokens", "round_robin")
 # llm-d weights fitted in the fixture: two off the default and the default itself.
 GRID = ((1.0, 0.0, 0.0), (0.0, 0.0, 1.0), (2.0, 2.0, 3.0))
-ALL_HEUR = (*HEUR, P.TUNED_LLMD)
+# most_cached's load guards: a tight one and one that never fires (most_cached itself).
+GUARDS = (1.0, 1e6)
+ALL_HEUR = (*HEUR, P.TUNED_LLMD, P.TUNED_GUARD)
 
 
 def _untrained(algo, env, params, total_steps, seeds, *, log=None, **overrides):
@@ -54,6 +56,7 @@ def result():
         res = P.run_prefix_study(workload="system_prompts", load=1.0, seeds=(0, 1),
                                  total_steps=1024, eval_windows=2, window_requests=40,
                                  heuristics=HEUR, log=lambda msg: None, llmd_grid=GRID,
+                                 guard_grid=GUARDS,
                                  keep_policies=True)
     finally:
         mp.undo()
@@ -146,6 +149,7 @@ def test_format_renders_the_tables(result):
     for name in (*ALL_HEUR, "ppo_seed0", P.LEARNED):
         assert f"| `{name}`" in text
     assert f"`{P.TUNED_LLMD}` is llm-d's weighted scorers" in text
+    assert f"`{P.TUNED_GUARD}` is `most_cached` with the load guard" in text
     assert "| heuristic | time in system (s) |" in text
     assert "nan" not in text
     assert "How each policy uses the cache" in text and "| `most_cached` | 1.000 |" in text
@@ -189,6 +193,12 @@ def test_tuned_llmd_is_fitted_on_the_training_window(result):
     assert np.mean(train[P.TUNED_LLMD][P.HEADLINE]) <= np.mean(
         train["llmd_scorers"][P.HEADLINE])
     assert np.isfinite(ev[P.TUNED_LLMD][P.HEADLINE]).all()
+    guard = res["config"]["tuned"][P.TUNED_GUARD]
+    assert [w for w, _ in guard["grid"]] == [[g] for g in GUARDS]
+    g_values = [v for _, v in guard["grid"]]
+    # A guard that never fires is most_cached.
+    assert g_values[1] == pytest.approx(np.mean(train["most_cached"][P.HEADLINE]), abs=1e-9)
+    assert np.mean(train[P.TUNED_GUARD][P.HEADLINE]) == pytest.approx(min(g_values), abs=1e-9)
 
 
 def test_llmd_weights_are_checked():
@@ -199,6 +209,9 @@ def test_llmd_weights_are_checked():
             PR.llmd_weighted(bad)
     with pytest.raises(ValueError, match="llm-d weights"):
         P.fit_llmd(None, None, [], None, grid=[(0.0, 0.0, 0.0)])
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="load guard"):
+            PR.cache_guarded(bad)
 
 
 def test_saved_networks_evaluate_again_as_they_did(result, tmp_path):
@@ -213,7 +226,7 @@ def test_saved_networks_evaluate_again_as_they_did(result, tmp_path):
     trained = serialization.msgpack_restore(saved.read_bytes())
     again = P.run_prefix_study(workload="system_prompts", load=1.0, total_steps=1024,
                                eval_windows=2, window_requests=40, heuristics=HEUR[:2],
-                               log=lambda msg: None, tune_llmd=False, trained=trained)
+                               log=lambda msg: None, tune=False, trained=trained)
     assert again["config"]["seeds"] == [0, 1] and again["training"]["trained_earlier"]
     for part in ("eval", "train"):
         for name in ("ppo_seed0", "ppo_seed1", "llmd_scorers"):

@@ -552,6 +552,17 @@ LLMD_GRID = tuple(simplex_grid(6)) + (PR.LLMD_DEFAULT,)
 TUNED_LLMD = "llmd_tuned"
 
 
+def guard_lane(env, theta, key, obs, state, params):
+    """`most_cached` with the lane's load guard `theta` (a scalar; `PR.cache_guarded`), a
+    parametric lane of `_replay_lanes` (`fit_guard`)."""
+    return PR.cache_guarded_route(theta, state, params)
+
+
+# Load guards tried by `fit_guard`: the cached replica's tokens in flight over the mean.
+GUARD_GRID = (0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
+TUNED_GUARD = "guarded_tuned"
+
+
 def fit_llmd(env, params, windows, keys, grid=LLMD_GRID, metric: str = HEADLINE) -> dict:
     """llm-d's scorer weights (queue, KV cache, prefix; `PR.llmd_score`) fitted on tuning
     windows: every triple of `grid` replays every window (`params`, `windows`, `keys` as
@@ -563,10 +574,27 @@ def fit_llmd(env, params, windows, keys, grid=LLMD_GRID, metric: str = HEADLINE)
         raise ValueError("grid must hold at least one weight triple")
     for w in grid:
         PR.llmd_weighted(w)  # validates
+    return _fit(env, params, windows, keys, llmd_lane, grid, metric)
+
+
+def fit_guard(env, params, windows, keys, grid=GUARD_GRID, metric: str = HEADLINE) -> dict:
+    """`cache_guarded`'s load guard fitted on tuning windows, as `fit_llmd` fits llm-d's
+    weights. Returns `{"weights": [best guard], "value", "grid": [[[g], mean], ...]}`."""
+    grid = [(float(g),) for g in grid]
+    if not grid:
+        raise ValueError("grid must hold at least one load guard")
+    for (g,) in grid:
+        PR.cache_guarded(g)  # validates
+    return _fit(env, params, windows, keys, guard_lane, grid, metric, scalar=True)
+
+
+def _fit(env, params, windows, keys, lane_fn, grid, metric, scalar=False) -> dict:
+    """Every parameter tuple of `grid` as a lane of `lane_fn` (its first entry alone when
+    `scalar`) on every window; the lowest mean `metric` wins (ties: the first)."""
     names = [f"w{i}" for i in range(len(grid))]
-    out = replay_lanes(env, params, windows, {}, llmd_lane,
-                       {n: jnp.asarray(w, jnp.float32) for n, w in zip(names, grid)},
-                       keys=keys)
+    out = replay_lanes(env, params, windows, {}, lane_fn,
+                       {n: jnp.asarray(w[0] if scalar else w, jnp.float32)
+                        for n, w in zip(names, grid)}, keys=keys)
     values = [float(np.mean(out[n][metric])) for n in names]
     i = int(np.argmin(values))
     return {"weights": list(grid[i]), "value": values[i],
@@ -590,7 +618,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                      heuristics: Sequence[str] | None = None, ppo_overrides: dict | None = None,
                      eval_seed: int = 20261202, traces_dir=None, log=print,
                      keep_policies: bool = False, progress: bool = False,
-                     tune_llmd: bool = True, llmd_grid=LLMD_GRID,
+                     tune: bool = True, llmd_grid=LLMD_GRID, guard_grid=GUARD_GRID,
                      trained: dict | None = None, algo: str = "ppo") -> dict:
     """Trains PPO (one run per seed) and evaluates it against the heuristics (module
     docstring).
@@ -612,9 +640,11 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
       progress: a tqdm bar on stderr while PPO trains.
       keep_policies: also return the learned policies (`policies`: name -> `LearnedPolicy`,
         not JSON-able: pop it before serialising).
-      tune_llmd: also run `TUNED_LLMD`, llm-d's weighted scorers with the weights of
-        `llmd_grid` that do best on the training windows (`fit_llmd`), among the
-        heuristics: the production router fitted on tuning data.
+      tune: also run the heuristics fitted on the training windows: `TUNED_LLMD`,
+        llm-d's weighted scorers with the weights of `llmd_grid` that do best there
+        (`fit_llmd`: the production router fitted on tuning data), and `TUNED_GUARD`,
+        `most_cached` with the load guard of `guard_grid` that does best there
+        (`fit_guard`).
       trained: networks trained earlier (`{"<algo>_seed<s>": params}`, as `--save-policies`
         writes them, for LLMPrefixRouting-v0's default network with `ppo_overrides`):
         evaluated instead of training (their seeds replace `seeds`; `total_steps` is only
@@ -692,15 +722,18 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
         jax.vmap(lambda w: jax.random.fold_in(k_train, w))(jnp.arange(nt)),
         jax.vmap(lambda w: jax.random.fold_in(k_eval, w))(jnp.arange(len(wl["eval_windows"])))])
     tuned = {}
-    if tune_llmd:
-        fit = fit_llmd(env_w, jax.tree.map(lambda x: x[:nt], params_w), wl["train_windows"],
-                       keys[:nt], grid=llmd_grid)
-        tuned[TUNED_LLMD] = fit
-        heur[TUNED_LLMD] = PR.llmd_weighted(fit["weights"])
-        names.append(TUNED_LLMD)
-        log(f"{TUNED_LLMD}: weights (queue, kv, prefix) {fmt_weights(fit['weights'])}, "
-            f"{fit['value']:.2f} s on the training windows ({len(fit['grid'])} triples, "
-            f"{time.perf_counter() - t1:.0f} s)")
+    fits = ((TUNED_LLMD, fit_llmd, llmd_grid, PR.llmd_weighted, "weights (queue, kv, prefix)"),
+            (TUNED_GUARD, fit_guard, guard_grid, lambda w: PR.cache_guarded(w[0]),
+             "load guard"))
+    for name, fit_fn, grid, make, what in (fits if tune else ()):
+        t2 = time.perf_counter()
+        fit = fit_fn(env_w, jax.tree.map(lambda x: x[:nt], params_w), wl["train_windows"],
+                     keys[:nt], grid=grid)
+        tuned[name] = fit
+        heur[name] = make(fit["weights"])
+        names.append(name)
+        log(f"{name}: {what} {fmt_weights(fit['weights'])}, {fit['value']:.2f} s on the "
+            f"training windows ({len(fit['grid'])} values, {time.perf_counter() - t2:.0f} s)")
     dec: dict = {}
     both = replay_windows(env_w, params_w, wins, heur, learned, keys=keys, decisions=dec)
     per_train = {p: {m: v[:nt] for m, v in d.items()} for p, d in both.items()}
@@ -854,18 +887,25 @@ def format_prefix_study(result: dict) -> str:
 
 
 def tuned_lines(result: dict) -> list[str]:
-    """Markdown: the weights `llmd_tuned` was fitted to, if the result has it."""
-    fit = result["config"].get("tuned", {}).get(TUNED_LLMD)
-    if fit is None:
-        return []
-    ranked = sorted(fit["grid"], key=lambda r: r[1])
-    runners = ", ".join(f"{fmt_weights(w)} {v:.2f} s" for w, v in ranked[1:3])
-    default = [v for w, v in fit["grid"] if tuple(w) == PR.LLMD_DEFAULT]
-    tail = f"; the default (2, 2, 3): {default[0]:.2f} s" if default else ""
-    return ["", f"`{TUNED_LLMD}` is llm-d's weighted scorers with the weights (queue, KV "
-            f"cache, prefix) that do best on the training windows among {len(fit['grid'])} "
-            f"triples tried: **{fmt_weights(fit['weights'])}**, {fit['value']:.2f} s there "
-            f"(next: {runners}{tail})."]
+    """Markdown: what the fitted heuristics (`llmd_tuned`, `guarded_tuned`) were fitted to,
+    for those the result has."""
+    tuned = result["config"].get("tuned", {})
+    lines = []
+    for name, fit in tuned.items():
+        ranked = sorted(fit["grid"], key=lambda r: r[1])
+        runners = ", ".join(f"{fmt_weights(w)} {v:.2f} s" for w, v in ranked[1:3])
+        if name == TUNED_LLMD:
+            default = [v for w, v in fit["grid"] if tuple(w) == PR.LLMD_DEFAULT]
+            tail = f"; the default (2, 2, 3): {default[0]:.2f} s" if default else ""
+            what = ("llm-d's weighted scorers with the weights (queue, KV cache, prefix) that "
+                    "do best")
+        else:
+            tail, what = "", ("`most_cached` with the load guard (the cached replica's "
+                              "tokens in flight over the mean) that does best")
+        lines += ["", f"`{name}` is {what} on the training windows among "
+                  f"{len(fit['grid'])} values tried: **{fmt_weights(fit['weights'])}**, "
+                  f"{fit['value']:.2f} s there (next: {runners}{tail})."]
+    return lines
 
 
 def plot_cache_use(result: dict, path) -> Path:

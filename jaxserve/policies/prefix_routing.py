@@ -258,6 +258,37 @@ def most_cached(key, obs, state, params):
     return _argmin_open(jnp.where(hit == best, load, jnp.inf), state, params)
 
 
+def cache_guarded_route(guard, state, params) -> jax.Array:
+    """`most_cached`'s replica unless its estimated tokens in flight exceed `guard` times the
+    replicas' mean (`continuous.tokens_in_flight`, the mean floored at 1 token), else
+    `jsq_tokens`' replica (fewest tokens in flight over KV capacity). `guard` traceable.
+    int32."""
+    cached = most_cached(None, None, state, params)
+    load = CB.tokens_in_flight(state.cluster)
+    over = load[cached] > jnp.asarray(guard, jnp.float32) * jnp.maximum(load.mean(), 1.0)
+    cap = (params.gpus.kv_blocks * params.gpus.block_size).astype(jnp.float32)
+    least = _argmin_open(load / cap, state, params)
+    return jnp.where(over, least, cached).astype(jnp.int32)
+
+
+def cache_guarded(guard: float) -> Callable:
+    """Not a production router: `most_cached` with a load guard (`cache_guarded_route`):
+    follow the cache unless the cached replica holds more than `guard` x the mean estimated
+    tokens in flight, then the least loaded replica. The rule the learned router of
+    docs/prefix_caching.md's study was seen to follow at system_prompts load 1 (it leaves
+    the cached replica more often the more loaded that replica is), with its one threshold
+    fitted on tuning data (`agents.experiments.prefix_study`, `guarded_tuned`). A policy
+    `(key, obs, state, params) -> int32 replica`."""
+    g = float(guard)
+    if not np.isfinite(g) or g <= 0:
+        raise ValueError(f"the load guard must be a finite number > 0, got {guard}")
+
+    def route(key, obs, state, params):
+        return cache_guarded_route(g, state, params)
+    route.__doc__ = f"most_cached unless its replica holds > {g:g} x the mean tokens in flight."
+    return route
+
+
 POLICIES = {"llmd_scorers": llmd_scorers, "dynamo_kv": dynamo_kv,
             "sglang_cache_aware": sglang_cache_aware,
             "aibrix_prefix_cache": aibrix_prefix_cache, "session_affinity": session_affinity}
