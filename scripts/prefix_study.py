@@ -47,8 +47,10 @@ def build_parser() -> Parser:
     ap.add_argument("--steps", type=int, default=32_768, help="env steps per seed")
     ap.add_argument("--windows", type=int, default=4, help="evaluation windows (>= 2)")
     ap.add_argument("--train-windows", type=int, default=None,
-                    help="mooncake: windows of the training part the best heuristic is "
-                         "chosen on (default: --windows)")
+                    help="windows the best heuristic is chosen and the fitted routers are "
+                         "fitted on: mooncake, in the training part (default: --windows); "
+                         "system_prompts, generator seeds 0..N-1 (default 1: the training "
+                         "trace)")
     ap.add_argument("--window-requests", type=int, default=512, help="requests per window")
     ap.add_argument("--heuristics", default=None,
                     help="comma-separated routers (default: all of prefix_study.HEURISTICS)")

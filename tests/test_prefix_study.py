@@ -250,6 +250,8 @@ def test_saved_networks_evaluate_again_as_they_did(result, tmp_path):
     (dict(eval_windows=1), "eval_windows"),
     (dict(heuristics=("llmd_scorers", "oracle")), "heuristic"),
     (dict(algo="a2c"), "algo"),
+    (dict(train_windows=0), "train_windows"),
+    (dict(train_windows=101), "train_windows"),
     (dict(load=0.0), "load"),
     (dict(load=float("nan")), "load"),
     (dict(window_requests=1), "windows of 1 requests"),
@@ -257,6 +259,20 @@ def test_saved_networks_evaluate_again_as_they_did(result, tmp_path):
 def test_bad_arguments_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         P.run_prefix_study(**{"total_steps": 1024, **kw}, log=lambda msg: None)
+
+
+def test_system_prompts_tuning_traces_are_seeds_from_the_training_trace():
+    wl = P.build_workload("system_prompts", 1.5, window_requests=40, eval_windows=2,
+                          train_windows=3, log=lambda msg: None)
+    assert wl["windows"] == {"train": [0, 1, 2], "eval": [100, 101]}
+    assert wl["train_windows"][0] is wl["train_trace"]  # PPO's trace is the first
+    one = P.build_workload("system_prompts", 1.5, window_requests=40, eval_windows=2,
+                           log=lambda msg: None)
+    np.testing.assert_array_equal(one["train_trace"].trace.arrival_s,
+                                  wl["train_trace"].trace.arrival_s)
+    assert len(one["train_windows"]) == 1
+    a, b = (w.trace.prompt_tokens for w in wl["train_windows"][:2])
+    assert len(a) == len(b) == 40 and not np.array_equal(a, b)
 
 
 def test_spread_windows_are_disjoint_and_inside():

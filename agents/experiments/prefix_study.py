@@ -12,7 +12,10 @@ The experiment, per workload and load (`run_prefix_study`):
      the traces of seeds `SYNTHETIC_EVAL_SEED`, +1, ... (independent draws of the same
      process, the synthetic counterpart of "later disjoint windows"). Every trace has
      `window_requests` requests (512, the environment's episode, in the quick and full
-     budgets). The best heuristic is chosen on the training trace.
+     budgets). The best heuristic is chosen (and the fitted routers fitted) on the training
+     trace, or with `train_windows=N` on the traces of seeds 0 (the training trace) to
+     N - 1: tuning data disjoint from the evaluation seeds (added after the 1M-step runs
+     showed how noisy a choice on one trace is: docs/prefix_caching.md).
    * "mooncake": Mooncake's conversation trace (`MOONCAKE_FILE`, 12,031 requests of an hour
      of Kimi's chat traffic, 512-token hash blocks) on `mooncake_replicas` (4 x OPT-13B on
      A100-80GB with KV counted in 512-token blocks: 105 blocks, 53,760 tokens, so the
@@ -315,14 +318,22 @@ def build_workload(workload: str, load: float, *, window_requests: int, eval_win
     if workload == "system_prompts":
         _check_windows(int(eval_windows), n, n * int(eval_windows), "evaluation")
         scale = 1.0 / load
-        train = prefix_window(prefix_workload(n, PREFIX_SEED, scenario=workload), 0, n, scale)
+        tw = 1 if train_windows is None else int(train_windows)
+        if not 1 <= tw <= SYNTHETIC_EVAL_SEED - PREFIX_SEED:
+            raise ValueError(f"train_windows must be in [1, {SYNTHETIC_EVAL_SEED - PREFIX_SEED}]"
+                             f" for system_prompts (its seeds must not reach the evaluation "
+                             f"seeds), got {train_windows}")
+        tuning = [prefix_window(prefix_workload(n, PREFIX_SEED + w, scenario=workload), 0, n,
+                                scale) for w in range(tw)]
+        train = tuning[0]
         seeds = [SYNTHETIC_EVAL_SEED + w for w in range(int(eval_windows))]
         evals = [prefix_window(prefix_workload(n, s, scenario=workload), 0, n, scale)
                  for s in seeds]
         base = float(PREFIX_SCENARIOS[workload]["config"]["session_rate"])
         reps = None
-        out = {"train_trace": train, "train_windows": [train], "eval_windows": evals,
-               "windows": {"train": [PREFIX_SEED], "eval": seeds}, "factor": scale,
+        out = {"train_trace": train, "train_windows": tuning, "eval_windows": evals,
+               "windows": {"train": [PREFIX_SEED + w for w in range(tw)], "eval": seeds},
+               "factor": scale,
                "capacity": base, "basis": "the scenario's session rate (req/s)",
                "calibration": None}
     elif workload == "mooncake":
@@ -628,8 +639,9 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
       load: the offered load's multiplier (module docstring, step 2: of the scenario's rate,
         or of Mooncake's measured capacity).
       seeds: PPO seeds; total_steps: env steps per seed.
-      eval_windows: evaluation windows (>= 2); train_windows: Mooncake's selection windows
-        (default `eval_windows`; the synthetic workload has its one training trace);
+      eval_windows: evaluation windows (>= 2); train_windows: the selection windows
+        (Mooncake: default `eval_windows`; system_prompts: default 1, the training trace,
+        else generator seeds 0 to N - 1);
         window_requests: requests per window (and per synthetic trace).
       fit_fraction: Mooncake's training part.
       heuristics: names from `HEURISTICS` (default all of them).
