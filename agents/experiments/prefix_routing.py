@@ -28,9 +28,10 @@ from agents.experiments.registry import experiment
 STEPS = {"full": {"system_prompts": 1_048_576, "mooncake": 1_048_576},
          "quick": {"system_prompts": 32_768, "mooncake": 16_384},
          "tiny": {"system_prompts": 2048, "mooncake": 2048}}
-# Evaluation windows, Mooncake's selection windows (cut from its training part of 3,008
-# requests) and requests per window (system_prompts: per generated trace; 512 is the
-# environment's own episode).
+# Evaluation windows, tuning windows (the best heuristic is chosen and the fitted routers
+# fitted on them: Mooncake's cut from its training part of 3,008 requests; system_prompts'
+# the generator's seeds 0 to N - 1, seed 0 PPO's training trace) and requests per window
+# (system_prompts: per generated trace; 512 is the environment's own episode).
 WINDOWS = {"full": 8, "quick": 4, "tiny": 2}
 TRAIN_WINDOWS = {"full": 5, "quick": 4, "tiny": 2}
 WINDOW_REQUESTS = {"full": {"system_prompts": 512, "mooncake": 512},
@@ -82,15 +83,18 @@ def section_body(data: dict, command: str) -> str:
         f"Command: `{command}`. PPO (`agents.ppo` with LLMPrefixRouting-v0's settings on the "
         f"environment as registered: ranked replicas, unshaped reward) with seeds "
         f"{first['seeds']}, env steps per seed: {steps}; greedy policies. Every router of "
-        "`policies.prefix_routing.POLICIES` at its published defaults, `llmd_tuned` (llm-d's "
-        "scorer weights fitted on the training windows, `prefix_study.fit_llmd`; results "
-        "written before 2026-12-05 (night) lack it), its `most_cached` baseline and every "
+        "`policies.prefix_routing.POLICIES` at its published defaults, two routers fitted "
+        "on the tuning windows (`llmd_tuned`: llm-d's scorer weights, `prefix_study."
+        "fit_llmd`; `guarded_tuned`: `most_cached` with a load guard, `fit_guard`; results "
+        "written before 2026-12-05 (night) lack them), the `most_cached` baseline and every "
         "load-only router of `policies.llm_routing.POLICIES` (but `random`, and "
         "`sita_prompt`, which is `jsq_requests` on identical replicas). system_prompts: "
-        "trained on the generator's seed-0 trace, evaluated on the traces of seeds 100, 101, "
-        "...; Mooncake conversation: trained on its first 25% of requests, evaluated on "
-        "disjoint windows spread over the rest. The best heuristic is the one with the lowest "
-        "mean time in system on the training windows; learned minus heuristic on the "
+        "trained on the generator's seed-0 trace, tuned on the traces of seeds 0 to "
+        f"{first['train_windows'] - 1}, evaluated on the traces of seeds 100, 101, "
+        "...; Mooncake conversation: trained on its first 25% of requests, tuned on windows "
+        "of that part, evaluated on disjoint windows spread over the rest. The best heuristic "
+        "is the one with the lowest mean time in system on the tuning windows; learned minus "
+        "heuristic on the "
         "evaluation windows, the seeds together (`ppo_mean`) with the crossed seed x window "
         f"bootstrap's 95% interval (with {first['eval_windows']} windows the percentile "
         "bootstrap is coarse: read near-zero intervals with care). Time in system is per "
