@@ -442,9 +442,9 @@ def llmd_lane(env, theta, key, obs, state, params):
 @partial(jax.jit, static_argnames=("env", "heuristics", "lane_fn"))
 def _replay_lanes(env, heuristics, lane_fn, params, keys, theta):
     """Every lane (heuristic `h` for lanes `h < H`, then `lane_fn` with `theta[k]` for lane
-    `H + k`: a learned network, `NetworkLane`, or fitted weights, `llmd_lane`) on every
-    window of `params` (leading axis W), one episode each from `env.reset_env(keys[w])`
-    through the trace's end (its last step drains).
+    `H + k`: a learned network, `NetworkLane`, or a candidate of a fitted router,
+    `llmd_lane` / `guard_lane`) on every window of `params` (leading axis W), one episode
+    each from `env.reset_env(keys[w])` through the trace's end (its last step drains).
 
     The lanes run one after another (`lax.map`: the `switch` on an unbatched lane index
     branches, so a step computes one policy, not all of them); the windows of a lane run in
