@@ -127,12 +127,12 @@ def main(argv: list[str] | None = None) -> int:
         if out is not None:
             out.write_text(json.dumps(to_jsonable(res), indent=1))
             print(f"wrote {out} ({res['seconds']:.0f} s)")
-        if plot is not None:
-            print(f"wrote {plot_cache_use(res, plot)}")
-        if saved is not None:
+        if saved is not None:  # before the plot: the networks are what an hour bought
             saved.write_bytes(serialization.to_bytes(
                 jax.device_get({name: p.params for name, p in pols.items()})))
             print(f"wrote {saved}")
+        if plot is not None:
+            print(f"wrote {plot_cache_use(res, plot)}")
         return 0
     return run_cli("jaxserve-prefix-study", body)
 

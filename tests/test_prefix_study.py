@@ -170,6 +170,15 @@ def test_plot_cache_use_and_the_cli_rendering_a_stored_result(result, tmp_path, 
     assert main(["--from-json", str(stored), "--plot", str(tmp_path / "p.png")]) == 0
     assert capsys.readouterr().out.startswith(P.format_prefix_study(res))
     assert (tmp_path / "p.png").stat().st_size > 1000
+    # Three seeds with equal leave shares: their mean rounds above their max (0.1 * 3 / 3).
+    same = json.loads(json.dumps(to_jsonable(res)))
+    same["headline"]["per_seed"].append({**same["headline"]["per_seed"][0],
+                                         "learned": "ppo_seed2"})
+    same["routing"]["ppo_seed2"] = same["routing"]["ppo_seed0"]
+    for name in ("ppo_seed0", "ppo_seed1"):
+        for b in same["routing"][name]["by_load"]:
+            b["leave_share"] = 0.1
+    assert P.plot_cache_use(same, tmp_path / "same.png").stat().st_size > 1000
     (tmp_path / "bad.json").write_text("{}")
     assert main(["--from-json", str(tmp_path / "bad.json")]) == 2
     assert "not a prefix study's result" in capsys.readouterr().err

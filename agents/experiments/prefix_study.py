@@ -965,7 +965,9 @@ def plot_cache_use(result: dict, path) -> Path:
             for j, (label, y, spread, color) in enumerate(groups):
                 err = None
                 if spread is not None and len(seeds) > 1:
-                    err = np.vstack([y - np.nanmin(spread, 0), np.nanmax(spread, 0) - y])
+                    # floored at 0: the mean of equal shares can round past their min/max
+                    err = np.maximum(np.vstack([y - np.nanmin(spread, 0),
+                                                np.nanmax(spread, 0) - y]), 0.0)
                 ax.bar(x + (j - (len(groups) - 1) / 2) * width, y, width, yerr=err,
                        label=label, color=color, capsize=2)
             ax.set_xticks(x, labels)
