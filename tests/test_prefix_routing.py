@@ -393,6 +393,25 @@ def test_hand_aibrix(hand):
     assert act("aibrix_prefix_cache", st, params) == 2
 
 
+def test_hand_cache_or_shed(hand):
+    env, params, s0 = hand
+    key = jax.random.PRNGKey(0)
+    # Replica 3 holds the longest match (12 blocks) but its queue is full (128 of 128):
+    # most_cached skips it (replica 0, 8 blocks); cache_or_shed sends the request there.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 128],
+                    running=[1, 1, 1, 1])
+    assert bool(would_drop(st, params)[3])
+    assert act("most_cached", st, params) == 0
+    assert int(PR.cache_or_shed(key, None, st, params)) == 3
+    # With room there both pick it; with nothing cached anywhere cache_or_shed is most_cached.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 3],
+                    running=[1, 1, 1, 1])
+    assert act("most_cached", st, params) == 3 == int(PR.cache_or_shed(key, None, st, params))
+    st = hand_state(s0, cached=[0, 0, 0, 0], held=[8, 2, 0, 24], waiting=[128, 2, 0, 3],
+                    running=[1, 1, 1, 1])
+    assert int(PR.cache_or_shed(key, None, st, params)) == act("most_cached", st, params) != 0
+
+
 def _mix32_np(x):
     x = np.uint64(x) & np.uint64(0xFFFFFFFF)
     m = np.uint64(0xFFFFFFFF)

@@ -326,3 +326,18 @@ def test_cli_refuses_unwritable_outputs_before_any_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("jaxserve-prefix-study: error: --save-policies") and "\n" == err[-1]
     assert err.count("\n") == 1
+
+
+def test_rule_check_cli_errors(tmp_path, capsys):
+    """`scripts/prefix_rule_check.py` refuses a missing file and an unknown network with one
+    line and status 2 (its replay is the study's `replay_windows`, tested above)."""
+    from flax import serialization
+
+    from scripts.prefix_rule_check import main
+
+    assert main(["--policies", str(tmp_path / "none.msgpack")]) == 2
+    assert "not a saved policies file" in capsys.readouterr().err
+    f = tmp_path / "p.msgpack"
+    f.write_bytes(serialization.to_bytes({"ppo_seed0": {"w": np.zeros(2, np.float32)}}))
+    assert main(["--policies", str(f), "--network", "ppo_seed7"]) == 2
+    assert "ppo_seed7" in capsys.readouterr().err

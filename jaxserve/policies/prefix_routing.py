@@ -289,6 +289,20 @@ def cache_guarded(guard: float) -> Callable:
     return route
 
 
+def cache_or_shed(key, obs, state, params):
+    """Not a production router, and not registered: the rule the learned routers of
+    docs/prefix_caching.md's study converged to at system_prompts load 1.5 (found by replaying
+    them beside it: `scripts/prefix_rule_check.py`). The replica holding the most cached
+    blocks of the pending prompt **even when its queue is full** (the request is then
+    dropped: load shedding instead of spilling a cached prompt to a cold replica), ties to
+    the fewest estimated tokens in flight; with no cached block anywhere, `most_cached`.
+    Every other router here skips a full replica (as a gateway does after a 429)."""
+    hit = pending_cached_blocks(state, params)
+    load = CB.tokens_in_flight(state.cluster)
+    pick = jnp.argmin(jnp.where(hit == hit.max(), load, jnp.inf)).astype(jnp.int32)
+    return jnp.where(hit.max() > 0, pick, most_cached(key, obs, state, params)).astype(jnp.int32)
+
+
 POLICIES = {"llmd_scorers": llmd_scorers, "dynamo_kv": dynamo_kv,
             "sglang_cache_aware": sglang_cache_aware,
             "aibrix_prefix_cache": aibrix_prefix_cache, "session_affinity": session_affinity}
