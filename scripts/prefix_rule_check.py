@@ -17,16 +17,13 @@ one line on stderr and exit with status 2.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import serialization
 
 from agents.experiments import prefix_study as P
 from jaxserve.policies import prefix_routing as PR
 from scripts.cli import CLIError, Parser, run_cli
+from scripts.prefix_study import read_saved_networks
 
 
 def build_parser() -> Parser:
@@ -44,12 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     def body():
         args = build_parser().parse_args(argv)
-        try:
-            saved = serialization.msgpack_restore(Path(args.policies).read_bytes())
-        except (OSError, ValueError, TypeError) as e:
-            raise CLIError(f"--policies {args.policies}: not a saved policies file "
-                           f"({type(e).__name__}: {e})") from e
-        if not isinstance(saved, dict) or args.network not in saved:
+        saved = read_saved_networks(args.policies, "--policies")
+        if args.network not in saved:
             raise CLIError(f"--network {args.network!r} is not in {args.policies}")
         algo = args.network.split("_seed")[0]
         wl = P.build_workload("system_prompts", args.load, window_requests=512,
@@ -58,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 replicas=wl["replicas"])
         pols, _ = P.load_trained(env, params, {args.network: saved[args.network]}, 1, algo)
         env_w, params_w = P._build(wl["eval_windows"], wl["replicas"], params.tokens)
-        k_eval = jax.random.fold_in(jax.random.PRNGKey(args.eval_seed), 0)
-        keys = jax.vmap(lambda w: jax.random.fold_in(k_eval, w))(jnp.arange(args.windows))
+        keys = P.window_keys(args.eval_seed, "eval", args.windows)
         out = P.replay_windows(env_w, params_w, wl["eval_windows"],
                                {"most_cached": PR.most_cached,
                                 "cache_or_shed": PR.cache_or_shed},

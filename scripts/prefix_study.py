@@ -35,6 +35,18 @@ from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import CLIError, Parser, output_file, run_cli
 
 
+def read_saved_networks(path: str, flag: str) -> dict:
+    """`{name: params}` of a `--save-policies` file; `CLIError` naming `flag` otherwise."""
+    try:
+        saved = serialization.msgpack_restore(Path(path).read_bytes())
+    except (OSError, ValueError, TypeError) as e:
+        raise CLIError(f"{flag} {path}: not a saved policies file "
+                       f"({type(e).__name__}: {e})") from e
+    if not isinstance(saved, dict) or not saved:
+        raise CLIError(f"{flag} {path}: no networks in it")
+    return saved
+
+
 def build_parser() -> Parser:
     ap = Parser(prog="jaxserve-prefix-study", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="system_prompts", choices=WORKLOADS)
@@ -100,13 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trained = None
         if args.policies_from is not None:
-            try:
-                trained = serialization.msgpack_restore(Path(args.policies_from).read_bytes())
-            except (OSError, ValueError, TypeError) as e:
-                raise CLIError(f"--policies-from {args.policies_from}: not a saved policies "
-                               f"file ({type(e).__name__}: {e})") from e
-            if not isinstance(trained, dict) or not trained:
-                raise CLIError(f"--policies-from {args.policies_from}: no networks in it")
+            trained = read_saved_networks(args.policies_from, "--policies-from")
         t0 = time.perf_counter()
 
         def log(msg: str) -> None:

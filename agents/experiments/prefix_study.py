@@ -612,6 +612,13 @@ def _fit(env, params, windows, keys, lane_fn, grid, metric, scalar=False) -> dic
             "grid": [[list(w), v] for w, v in zip(grid, values)]}
 
 
+def window_keys(eval_seed: int, part: str, count: int) -> jax.Array:
+    """The study's replay keys: window `w` of the evaluation ("eval") or training ("train")
+    windows replays with `fold_in(fold_in(PRNGKey(eval_seed), 0 or 1), w)`. `(count,)`."""
+    k = jax.random.fold_in(jax.random.PRNGKey(int(eval_seed)), {"eval": 0, "train": 1}[part])
+    return jax.vmap(lambda w: jax.random.fold_in(k, w))(jnp.arange(int(count)))
+
+
 def select_best(train_per_window: dict, heuristics: Sequence[str],
                 metric: str = HEADLINE) -> tuple[str, dict]:
     """The heuristic with the lowest mean `metric` over the *training* windows (ties: the
@@ -727,12 +734,9 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
     env_w, params_w = _build(wins, reps, params.tokens)
     heur = {h: HEURISTIC_FNS[h] for h in names}
     t1 = time.perf_counter()
-    base = jax.random.PRNGKey(int(eval_seed))
-    k_eval, k_train = jax.random.fold_in(base, 0), jax.random.fold_in(base, 1)
     nt = len(wl["train_windows"])
-    keys = jnp.concatenate([
-        jax.vmap(lambda w: jax.random.fold_in(k_train, w))(jnp.arange(nt)),
-        jax.vmap(lambda w: jax.random.fold_in(k_eval, w))(jnp.arange(len(wl["eval_windows"])))])
+    keys = jnp.concatenate([window_keys(eval_seed, "train", nt),
+                            window_keys(eval_seed, "eval", len(wl["eval_windows"]))])
     tuned = {}
     fits = ((TUNED_LLMD, fit_llmd, llmd_grid, PR.llmd_weighted, "weights (queue, kv, prefix)"),
             (TUNED_GUARD, fit_guard, guard_grid, lambda w: PR.cache_guarded(w[0]),
