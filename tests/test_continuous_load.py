@@ -42,8 +42,22 @@ def _state(n_requests: int, seed: int, advance_s: float):
 def _full_width(rep, prof, prompt, estimate, slo_ttft, slo_tpot):
     """The estimates over every slot (the pairwise formula of the module docstring, no
     window): (remaining times, backlog, marginal backlog, expected SLO misses)."""
-    valid, age, est, k, pre, c, blocks = CL._present(rep, prof, rep.max_seqs,
-                                                     rep.queues.capacity)
+    run, q = rep.run, rep.queues
+    col = jax.tree.map(lambda x: x[:, None], prof)
+    w_valid, win = Q.front(q, q.capacity)
+    valid = jnp.concatenate([jnp.arange(rep.max_seqs)[None, :] < run.count[:, None], w_valid],
+                            -1)
+    cat = lambda a, b: jnp.concatenate([jnp.asarray(a, jnp.float32),  # noqa: E731
+                                        jnp.asarray(b, jnp.float32)], -1)
+    z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
+    tokens = cat(run.prompt, win.prompt)
+    est = jnp.maximum(cat(run.estimate, win.estimate), 1.0)
+    gen = cat(run.gen, jnp.zeros_like(win.estimate))  # waiting requests start over
+    age = z(-cat(run.arrival, win.arrival))
+    k = z(jnp.maximum(est - gen, 1.0))
+    pre = z(jnp.maximum(tokens - cat(run.comp, jnp.zeros_like(win.estimate)), 0.0))
+    c = z(col.alpha + col.gamma + col.delta * (tokens + gen + k / 2.0))
+    blocks = z(jnp.ceil((tokens + est) / col.block_size.astype(jnp.float32)))
     shared = jnp.minimum(k[..., :, None], k[..., None, :])
     decode = (prof.c0 + prof.beta)[:, None] * k + (shared * c[..., None, :]).sum(-1)
     stall = CL._prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
@@ -71,12 +85,12 @@ def _windowed(rep, prof, prompt, estimate, slo_ttft, slo_tpot):
             CL.expected_slo_misses(rep, prof, slo_ttft, slo_tpot))
 
 
-def _check(got, want, exact=True):
+def _check(got, want):
     finish, backlog, marginal, misses = got
-    if exact:  # same terms in the same order per row, one compiled program
-        np.testing.assert_array_equal(finish, want[0])
-    else:  # a vmapped program vectorises the row sums differently: float32 rounding
-        np.testing.assert_allclose(finish, want[0], rtol=1e-6)
+    # The window packs each replica's requests (running, then waiting) where the formula
+    # reads them in slot layout: each row sums the same nonzero terms in another order, and
+    # a vmapped program vectorises the sums differently again: float32 rounding only.
+    np.testing.assert_allclose(finish, want[0], rtol=1e-6)
     # The backlog sums every slot: a different summation order, float32 rounding only.
     np.testing.assert_allclose(backlog, want[1], rtol=1e-6)
     # The marginal backlog is a difference of two sums of the replica's backlog's size: its
@@ -104,5 +118,28 @@ def test_windows_equal_the_full_width_formula_alone_and_under_vmap():
     got = jax.jit(jax.vmap(_windowed, in_axes=(0, None) + (None,) * 4))(batch, small[1],
                                                                           *args)
     for i, (rep, prof) in enumerate((small, large)):
-        _check(jax.tree.map(lambda x: x[i], got), jax.jit(_full_width)(rep, prof, *args),
-               exact=False)
+        _check(jax.tree.map(lambda x: x[i], got), jax.jit(_full_width)(rep, prof, *args))
+
+
+def test_wide_windows_run_in_row_blocks_under_nested_vmap(monkeypatch):
+    """Past `_BLOCK_WIDTH` the pairwise term runs in blocks of replicas (`lanes.map_rows`)
+    once `vmap`s merge more replicas than a block. Here the threshold is lowered to 64 so
+    that a 2-replica cluster holding ~90 requests each (window 96, blocks of 256 replicas)
+    takes that path: 5 x 32 copies give 320 rows (two blocks, the second padded). Every
+    copy equals the formula."""
+    monkeypatch.setattr(CL, "_BLOCK_WIDTH", 64)
+    args = (300.0, 120.0, 2.0, 0.1)
+    rep, prof = _state(2 * (MAX_SEQS + 70), 1, 2.0)
+    need = int((rep.run.count + rep.queues.count).max())
+    width = min(m for m in CL._widths(MAX_SEQS + rep.queues.capacity) if m >= need)
+    assert width > CL._BLOCK_WIDTH
+    assert CL._block_rows(width) < 5 * 32 * 2 < 2 * CL._block_rows(width)
+    copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (5, 32) + x.shape), rep)
+    inner = jax.vmap(_windowed, in_axes=(0, None) + (None,) * 4)
+    outer = jax.vmap(inner, in_axes=(0, None) + (None,) * 4)
+    assert " scan[" in str(jax.make_jaxpr(outer)(copies, prof, *args))  # the blocked map
+    got = jax.jit(outer)(copies, prof, *args)
+    want = jax.jit(_full_width)(rep, prof, *args)
+    for i in range(5):
+        for j in (0, 31):
+            _check(jax.tree.map(lambda x: x[i, j], got), want)

@@ -355,3 +355,26 @@ def test_batch_max_is_identity_alone_and_the_batch_max_under_vmap():
                   jax.make_jaxpr(jax.vmap(jax.vmap(pick)))(jnp.array([[0, 1], [0, 0]]))):
         assert [e.primitive.name for e in jaxpr.eqns].count("cond") == 1
         assert "select_n" not in str(jaxpr)
+
+
+@pytest.mark.parametrize("path", ["compact", "dense"])
+def test_map_rows_equals_fn_alone_and_under_nested_vmap(path, monkeypatch):
+    """`map_rows(fn, block)` gives `fn`'s values row by row: alone (150 rows, three blocks,
+    the last padded), under `vmap` and under nested `vmap`s (their axes merged into the rows,
+    an unbatched argument broadcast), on the blocked ("compact") and plain ("dense") paths.
+    A row-wise `fn` of integers, so blocking must reproduce it exactly."""
+    monkeypatch.setattr(lanes, "engine_path", path)
+    fn = lambda x, y: (x * y[:, :1], (x[:, :, None] * x[:, None, :]).sum(-1))  # noqa: E731
+    mapped = lanes.map_rows(fn, 64)
+    x = jnp.asarray(np.random.default_rng(0).integers(-9, 9, (150, 5)), jnp.int32)
+    y = jnp.asarray(np.random.default_rng(1).integers(-9, 9, (150, 2)), jnp.int32)
+    want = fn(x, y)
+    chex.assert_trees_all_equal(jax.jit(mapped)(x, y), want)
+    xs, ys = x.reshape(6, 25, 5), y.reshape(6, 25, 2)
+    got = jax.jit(jax.vmap(mapped))(xs, ys)
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a.reshape((150,) + a.shape[2:]), got),
+                                want)
+    got = jax.jit(jax.vmap(jax.vmap(mapped, in_axes=(0, None)), in_axes=(0, None)))(
+        x.reshape(3, 2, 25, 5), y[:25])
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a.reshape((150,) + a.shape[3:]), got),
+                                fn(x, jnp.tile(y[:25], (6, 1))))

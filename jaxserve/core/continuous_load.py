@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxserve.core import continuous as CB
 from jaxserve.core import queues as Q
-from jaxserve.core.lanes import batch_max
+from jaxserve.core.lanes import batch_max, map_rows
 from jaxserve.core.replica import ReplicaProfile
 
 
@@ -87,59 +87,98 @@ def queued_work(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
 
 
 
-# Widths of the request windows the estimates below read: the smallest running-slot and
-# waiting-slot widths holding every request present in the batch (`lanes.batch_max`), so
-# their pairwise decode term costs O(present^2) instead of O((max_seqs + queue slots)^2). At
-# the registered defaults (64 running slots, 128 waiting) a replica holds ~5-30 running and
-# 0-60 waiting requests (more as random routing overloads some), and the full-width term was a
-# third of LLMRouting-v0's step (docs/benchmarks.md). Few widths, because each pair is a
-# branch compiled into the step.
-_RUN_WINDOWS = (16, 32, 64, 128, 256, 512, 1024)
-_WAIT_WINDOWS = (8, 32, 64)
+# Widths of the request window the estimates below read: every replica's requests packed
+# (running ones, then waiting ones), in the smallest width holding the batch's largest replica
+# (`lanes.batch_max`), so their pairwise decode term costs O(width^2) instead of
+# O((max_seqs + queue slots)^2). At the registered defaults (64 running slots, 128 waiting) a
+# replica holds ~5-40 running and 0-70 waiting requests under random routing (more as it
+# overloads some). Packing both into one window sizes it by the largest replica's total, not
+# the sum of the largest running set and the longest queue (often on different replicas):
+# at steady state under random routing separate running/waiting windows were 64 + 128 wide
+# and their pairwise term half of LLMRouting-v0's step (docs/benchmarks.md). Few widths,
+# because each is a branch compiled into the step.
+_WIDTHS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# Above this width the pairwise term runs in blocks of replicas (`lanes.map_rows`, CPU):
+# measured on 1,024 replicas, its `(rows, width, width)` intermediate left the caches from a
+# width of 192 (a full sum ran ~70 ms there against ~2 ms at 128 and ~6 ms in blocks of 64).
+_BLOCK_WIDTH = 128
+_BLOCK_ELEMENTS = 2 ** 22  # a block's `rows x width x width` intermediate, at most (16 MiB)
 
 
-def _widths(candidates, full: int) -> list[int]:
+def _widths(full: int) -> list[int]:
     """The candidate widths below `full`, then `full`."""
-    return [m for m in candidates if m < full] + [full]
+    return [m for m in _WIDTHS if m < full] + [full]
 
 
 def _windowed(rep: CB.Replicas, fn):
-    """`fn(m_r, m_w)` at the smallest windows of running and waiting slots that hold every
-    replica's requests, over the whole batch under `vmap` (one conditional: `lanes.batch_max`).
+    """`fn(m)` at the smallest window of `m` packed requests that holds every replica's
+    requests, over the whole batch under `vmap` (one conditional: `lanes.batch_max`).
     `fn` must compute the same values at every window holding the requests."""
-    run_w = _widths(_RUN_WINDOWS, rep.max_seqs)
-    wait_w = _widths(_WAIT_WINDOWS, rep.queues.capacity)
-    need_r, need_w = rep.run.count.max(), rep.queues.count.max()
-    i_r = batch_max(sum((need_r > m).astype(jnp.int32) for m in run_w[:-1]))
-    i_w = batch_max(sum((need_w > m).astype(jnp.int32) for m in wait_w[:-1]))
-    branches = [lambda m_r=m_r, m_w=m_w: fn(m_r, m_w) for m_r in run_w for m_w in wait_w]
-    return jax.lax.switch(i_r * len(wait_w) + i_w, branches)
+    widths = _widths(rep.max_seqs + rep.queues.capacity)
+    need = (rep.run.count + rep.queues.count).max()
+    i = batch_max(sum((need > m).astype(jnp.int32) for m in widths[:-1]))
+    return jax.lax.switch(i, [lambda m=m: fn(m) for m in widths])
 
 
-def _present(rep: CB.Replicas, prof: ReplicaProfile, m_r: int, m_w: int):
-    """Per-request quantities of every request present, `(R, m_r + m_w)` each: the first `m_r`
-    running slots in admission order, then the first `m_w` waiting slots front to back (the
-    windows must hold every request present). Returns (valid, age (s), output estimate,
-    decodes left `k`, prefill tokens left, per-iteration decode cost `c` (s), KV blocks it
-    needs at its estimated full length); empty slots hold 0."""
+def _packed_slots(rep: CB.Replicas, m: int):
+    """Where each of `m` packed positions reads from, `(R, m)` each: (valid, is running,
+    running slot, waiting slot). Position `j` holds running slot `j` for `j < count`, then the
+    waiting queue front to back; positions past the replica's requests are not valid."""
+    run, q = rep.run, rep.queues
+    pos = jnp.arange(m, dtype=jnp.int32)[None, :]
+    n_run = run.count[:, None]
+    is_run = pos < n_run
+    valid = pos < n_run + q.count[:, None]
+    r_slot = jnp.minimum(pos, rep.max_seqs - 1)
+    w_slot = (q.head[:, None] + jnp.clip(pos - n_run, 0, q.capacity - 1)) % q.capacity
+    return valid, is_run, r_slot, w_slot
+
+
+def _present(rep: CB.Replicas, prof: ReplicaProfile, m: int):
+    """Per-request quantities of every request present, packed into `(R, m)` each: the
+    running requests in admission order, then the waiting ones front to back (`m` must hold
+    every replica's requests). Returns (valid, age (s), output estimate, decodes left `k`,
+    prefill tokens left, per-iteration decode cost `c` (s), KV blocks it needs at its
+    estimated full length); positions past a replica's requests hold 0."""
     run, q = rep.run, rep.queues
     col = jax.tree.map(lambda x: x[:, None], prof)
-    r_valid = jnp.arange(m_r)[None, :] < run.count[:, None]
-    w_valid, win = Q.front(q, m_w)
-    cat = lambda a, b: jnp.concatenate([jnp.asarray(a[:, :m_r], jnp.float32),  # noqa: E731
-                                        jnp.asarray(b, jnp.float32)], -1)
-    valid = jnp.concatenate([r_valid, w_valid], -1)
-    prompt = cat(run.prompt, win.prompt)
-    est = jnp.maximum(cat(run.estimate, win.estimate), 1.0)
-    gen = cat(run.gen, jnp.zeros_like(win.estimate))
-    comp = cat(run.comp, jnp.zeros_like(win.estimate))
-    age = jnp.where(valid, -cat(run.arrival, win.arrival), 0.0)
+    valid, is_run, r_slot, w_slot = _packed_slots(rep, m)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    take = lambda x, slot: jnp.take_along_axis(f32(x), slot, axis=1)  # noqa: E731
+    pick = lambda r, w: jnp.where(is_run, take(r, r_slot), take(w, w_slot))  # noqa: E731
+    z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
+    prompt = z(pick(run.prompt, q.prompt))
+    est = jnp.maximum(pick(run.estimate, q.estimate), 1.0)
+    gen = jnp.where(is_run, take(run.gen, r_slot), 0.0)  # waiting requests start over
+    comp = jnp.where(is_run, take(run.comp, r_slot), 0.0)
+    age = z(-pick(run.arrival, q.arrival + q.offset[:, None]))
     k = jnp.maximum(est - gen, 1.0)
     pre = jnp.maximum(prompt - comp, 0.0)
     c = col.alpha + col.gamma + col.delta * (prompt + gen + k / 2.0)
     blocks = jnp.ceil((prompt + est) / col.block_size.astype(jnp.float32))
-    z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
-    return valid, age, est, z(k), z(pre), z(c), z(blocks)
+    return valid, age, z(est), z(k), z(pre), z(c), z(blocks)
+
+
+def _block_rows(m: int) -> int:
+    """Replicas per block of the pairwise term at width `m` (a power of two, 8-256)."""
+    return max(8, min(256, 1 << (_BLOCK_ELEMENTS // (m * m)).bit_length() - 1))
+
+
+def _pairwise(per_request: bool):
+    """`(k, c) -> sum_l c_l min(k_l, k_j)` for every `j`, `(R, m)` (the decode iterations
+    request `j` shares with each request `l`, times their cost), or its sum over `j`, `(R,)`
+    (`per_request=False`: all a backlog needs; a full reduction vectorises better)."""
+    def fn(k, c):
+        shared = jnp.minimum(k[..., :, None], k[..., None, :]) * c[..., None, :]
+        return shared.sum(-1) if per_request else shared.sum((-1, -2))
+
+    def run(k, c):
+        m = k.shape[-1]
+        if m <= _BLOCK_WIDTH:
+            return fn(k, c)
+        return map_rows(fn, _block_rows(m))(k, c)
+
+    return run
 
 
 def _slowdown(prof: ReplicaProfile, n, blocks) -> jax.Array:
@@ -172,27 +211,46 @@ def remaining_times(rep: CB.Replicas, prof: ReplicaProfile):
       the request finishes, whether the slot holds a request, seconds since its arrival, its
       output estimate (tokens); the waiting slots hold the queue in order.
     """
-    s, w = rep.max_seqs, rep.queues.capacity
+    s = rep.max_seqs
 
-    def at(m_r, m_w):
-        out = _remaining(rep, prof, m_r, m_w)
-        pad = lambda x: jnp.concatenate([  # noqa: E731
-            jnp.pad(x[:, :m_r], ((0, 0), (0, s - m_r))),
-            jnp.pad(x[:, m_r:], ((0, 0), (0, w - m_w)))], -1)
-        return tuple(pad(x) for x in out)
+    def at(m):
+        present, finish = _remaining(rep, prof, m)
+        valid, age, est = present[:3]
+        # Back to the slot layout: running slot j is packed position j, waiting slot j (in
+        # queue order) position count + j.
+        n_run = rep.run.count[:, None]
+        pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(s), n_run.shape[:1] + (s,)),
+                               n_run + jnp.arange(rep.queues.capacity)], -1)
+        here = jnp.concatenate([jnp.arange(s)[None, :] < n_run, jnp.arange(
+            rep.queues.capacity)[None, :] < rep.queues.count[:, None]], -1)
+        unpack = lambda x: jnp.where(  # noqa: E731
+            here, jnp.take_along_axis(x, jnp.minimum(pos, m - 1), axis=1), 0)
+        return unpack(finish), unpack(valid), unpack(age), unpack(est)
 
     return _windowed(rep, at)
 
 
-def _remaining(rep: CB.Replicas, prof: ReplicaProfile, m_r: int, m_w: int):
-    """`remaining_times` over windows of `m_r` running and `m_w` waiting slots."""
-    valid, age, est, k, pre, c, blocks = _present(rep, prof, m_r, m_w)
-    shared = jnp.minimum(k[..., :, None], k[..., None, :])  # (R, N, N): decodes run together
-    decode = (prof.c0 + prof.beta)[:, None] * k + (shared * c[..., None, :]).sum(-1)
+def _remaining(rep: CB.Replicas, prof: ReplicaProfile, m: int):
+    """`_present` over a window of `m` packed requests and their `remaining_times`:
+    `(present, finish)`, `finish` `(R, m)` (s)."""
+    present = _present(rep, prof, m)
+    valid, _, _, k, pre, c, blocks = present
+    decode = (prof.c0 + prof.beta)[:, None] * k + _pairwise(True)(k, c)
     stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
     slow = _slowdown(prof, valid.sum(-1), blocks.sum(-1))
-    finish = jnp.where(valid, (decode + stall[:, None]) * slow[:, None], 0.0)
-    return finish, valid, age, est
+    return present, jnp.where(valid, (decode + stall[:, None]) * slow[:, None], 0.0)
+
+
+def _remaining_sum(rep: CB.Replicas, prof: ReplicaProfile, m: int):
+    """`_present` over a window of `m` packed requests and each replica's summed
+    `remaining_times`, `(present, total)`, `total` `(R,)` (s). (Empty positions have `k = 0`
+    and `c = 0`, so they add nothing to the pairwise sum.)"""
+    present = _present(rep, prof, m)
+    valid, _, _, k, pre, c, blocks = present
+    n = valid.sum(-1)
+    decode = (prof.c0 + prof.beta) * k.sum(-1) + _pairwise(False)(k, c)
+    stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
+    return present, (decode + n * stall) * _slowdown(prof, n, blocks.sum(-1))
 
 
 def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
@@ -201,8 +259,8 @@ def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
     The sum of `remaining_times`: the potential of LLMRouting-v0's reward shaping, the
     continuous-batching counterpart of `envs.routing.expected_backlog`.
     """
-    return _windowed(rep, lambda m_r, m_w: _remaining(rep, prof, m_r, m_w)[0].sum()
-                     ).astype(jnp.float32)
+    return _windowed(rep, lambda m: _remaining_sum(rep, prof, m)[1].sum()).astype(
+        jnp.float32)
 
 
 def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -> jax.Array:
@@ -210,7 +268,8 @@ def marginal_backlog(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate) -
     tokens and output estimate `estimate` joined it, `(R,)` float32 (s): its own estimated
     latency there plus the delay it adds to the requests present (a longer decode iteration
     while they share it, its prefill stall, a larger slowdown)."""
-    return _windowed(rep, lambda m_r, m_w: _marginal(rep, prof, prompt, estimate, m_r, m_w))
+    return _windowed(rep, lambda m: _marginal(prof, *_remaining_sum(rep, prof, m), prompt,
+                                              estimate))
 
 
 def backlog_and_marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt,
@@ -218,19 +277,17 @@ def backlog_and_marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt,
     """`(expected_backlog, marginal_backlog)` of one cluster from one window (their pairwise
     term computed once): what LLMRouting-v0's step needs for its shaping potential and its
     observation of the next request."""
-    def at(m_r, m_w):
-        finish = _remaining(rep, prof, m_r, m_w)[0]
-        return (finish.sum().astype(jnp.float32),
-                _marginal(rep, prof, prompt, estimate, m_r, m_w))
+    def at(m):
+        present, total = _remaining_sum(rep, prof, m)
+        return total.sum().astype(jnp.float32), _marginal(prof, present, total, prompt,
+                                                          estimate)
 
     return _windowed(rep, at)
 
 
-def _marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate, m_r: int,
-              m_w: int) -> jax.Array:
-    """`marginal_backlog` over windows of `m_r` running and `m_w` waiting slots."""
-    valid, _, _, k, pre, c, blocks = _present(rep, prof, m_r, m_w)
-    finish, *_ = _remaining(rep, prof, m_r, m_w)
+def _marginal(prof: ReplicaProfile, present, total, prompt, estimate) -> jax.Array:
+    """`marginal_backlog` from `_remaining_sum`'s `(present, total)` of one window."""
+    valid, _, _, k, pre, c, blocks = present
     p = jnp.asarray(prompt, jnp.float32)
     kx = jnp.maximum(jnp.asarray(estimate, jnp.float32), 1.0)
     cx = prof.alpha + prof.gamma + prof.delta * (p + kx / 2.0)
@@ -240,7 +297,7 @@ def _marginal(rep: CB.Replicas, prof: ReplicaProfile, prompt, estimate, m_r: int
     n = valid.sum(-1)
     slow0 = _slowdown(prof, n, blocks.sum(-1))
     slow1 = _slowdown(prof, n + 1, blocks.sum(-1) + bx)
-    base = finish.sum(-1) / slow0  # the sum before the slowdown
+    base = total / slow0  # the sum before the slowdown
     others = cx * jnp.minimum(k, kx).sum(-1) + n * stall_x
     own = ((prof.c0 + prof.beta) * kx + (c * jnp.minimum(k, kx)).sum(-1) + cx * kx
            + stall + stall_x)
@@ -255,8 +312,8 @@ def expected_slo_misses(rep: CB.Replicas, prof: ReplicaProfile, slo_ttft_s,
     its arrival; one whose age plus `remaining_times` exceeds that deadline (`o` its output
     estimate) is counted. The potential of LLMRouting-v0's shaped SLO reward.
     """
-    def at(m_r, m_w):
-        finish, valid, age, est = _remaining(rep, prof, m_r, m_w)
+    def at(m):
+        (valid, age, est, *_), finish = _remaining(rep, prof, m)
         deadline = slo_ttft_s + slo_tpot_s * jnp.maximum(est - 1.0, 0.0)
         return (valid & (age + finish > deadline)).sum().astype(jnp.float32)
 

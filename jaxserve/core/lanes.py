@@ -110,6 +110,44 @@ def _batch_max_rule(axis_size, in_batched, x):
     return (batch_max(jnp.max(x, axis=0)) if batched else x), False
 
 
+def map_rows(fn: Callable[..., Any], block: int) -> Callable[..., Any]:
+    """`fn` (arrays with a leading axis of independent rows -> a pytree of such arrays), run
+    over blocks of `block` rows at a time (`lax.map`) on the "compact" batched path (CPU).
+
+    Under `vmap` every enclosing axis merges into the rows first (the returned function is a
+    `custom_vmap` that calls itself on the merged arrays, as `batch_max` does), so a
+    per-environment call of a few rows vmapped over thousands of environments runs as one
+    blocked map over all their rows. For row-wise work whose intermediates grow faster than
+    its inputs (a pairwise `(rows, m, m)` term): done for all rows at once those
+    intermediates leave the CPU's caches (measured: a `(1024, 192, 192)` pairwise sum ran
+    ~7-10x slower than the same work in blocks of 64 rows); on GPU/TPU ("dense") and for at
+    most `block` rows, `fn` runs unblocked. Rows are padded with zeros to a multiple of
+    `block`, so `fn` must accept rows of zeros. Each row's values are `fn`'s on that row.
+    """
+    def plain(*xs):
+        rows = xs[0].shape[0]
+        if batched_path() != "compact" or rows <= block:
+            return fn(*xs)
+        pad = -rows % block
+        blocks = tuple(jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(
+            (-1, block) + x.shape[1:]) for x in xs)
+        out = jax.lax.map(lambda b: fn(*b), blocks)
+        return jax.tree.map(lambda o: o.reshape((-1,) + o.shape[2:])[:rows], out)
+
+    mapped = jax.custom_batching.custom_vmap(plain)
+
+    @mapped.def_vmap
+    def _rule(axis_size, in_batched, *xs):
+        xs = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+              for x, b in zip(xs, in_batched)]
+        rows = xs[0].shape[1]
+        out = mapped(*[x.reshape((axis_size * rows,) + x.shape[2:]) for x in xs])
+        out = jax.tree.map(lambda o: o.reshape((axis_size, rows) + o.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return mapped
+
+
 DENSE_FRACTION = 4  # the dense phase runs while more than 1/DENSE_FRACTION of lanes are active
 # Batches of at most this many lanes run the plain masked loop: their one chunk would be the
 # whole batch, so compaction would only add a second compiled loop (evaluation programs of a
