@@ -27,6 +27,8 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --profile --profile-env LLMRouting-v0 --num-envs 256 --num-steps 20 \
       --warmup 40 --repeats 2     # LLMRouting-v0: decode runs on/off, no engine, boundaries
   python -m scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
+  python -m scripts.bench --curve 10 --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
+      # PPO's layout from reset to the steady state, 128-step chunks
   python -m scripts.bench --trace --trace-env LLMPrefixRouting-v0 --num-envs 256 --num-steps 8
   python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
@@ -65,7 +67,7 @@ from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import routing as R
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
-                                           make_runner, state_bytes, time_env)
+                                           make_runner, rollout_curve, state_bytes, time_env)
 from jaxserve.evaluation.replay import replay_prefix_arrays
 from jaxserve.reference import sim as ref
 from jaxserve.traces.prefix import build_prefix_tree
@@ -524,6 +526,10 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, default=1,
                     help="time the environments as S seeds' training programs run them: vmap "
                          "over S of vmap over num-envs / S (num-envs counts all)")
+    ap.add_argument("--curve", type=int, default=0, metavar="CHUNKS",
+                    help="only time CHUNKS consecutive --num-steps-step rollouts from reset "
+                         "in PPO's layout (scan of vmap) for the --only environments (default "
+                         "the LLM ones): the cost as queues fill, up to the steady state")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     counts = ([16, 64] if args.quick else [256, 4096]) if args.num_envs is None \
@@ -549,6 +555,11 @@ def main(argv=None):
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=2))
             return res
+    if args.curve:
+        res["curve"] = curves(counts, steps, args.curve, args.only or "LLM")
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     if args.profile or args.trace:
         if args.profile and args.profile_env == "LLMRouting-v0":
             res["profile"] = profile_llm(counts, steps, repeats, warmup)
@@ -616,6 +627,25 @@ def main(argv=None):
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(f"wrote {args.out}")
     return res
+
+
+def curves(counts, steps, chunks, only):
+    """`rollout_curve` of every `environments()` entry whose name starts with one of `only`'s
+    comma-separated prefixes; prints each chunk and the mean of the second half (the steady
+    state)."""
+    out = {}
+    for name, env, params, *_ in environments():
+        if not any(name.startswith(p) for p in only.split(",")):
+            continue
+        for n in counts:
+            r = rollout_curve(env, params, n, steps, chunks)
+            rates = r["steps_per_s"]
+            r["steady_steps_per_s"] = float(np.mean(rates[len(rates) // 2:]))
+            out[f"{name} @ {n}"] = r
+            print(f"curve {name} envs={n} compile {r['compile_s']:.1f}s, env-steps/s per "
+                  f"{steps}-step chunk: " + " ".join(f"{x:,.0f}" for x in rates)
+                  + f"; steady (second half) {r['steady_steps_per_s']:,.0f}", flush=True)
+    return out
 
 
 def summarize(results):

@@ -77,3 +77,10 @@ def test_seeds_run_the_environments_under_nested_vmaps_with_the_same_results():
     assert r["seeds"] == 3 and r["reset_steps_per_s"] > 0
     with pytest.raises(ValueError, match="divide"):
         bench.time_env(env, params, num_envs=6, num_steps=2, warmup_steps=0, seeds=4)
+
+
+def test_rollout_curve_times_each_chunk_from_reset():
+    env = bench.NoOpEnv()
+    r = bench.rollout_curve(env, env.default_params, num_envs=4, chunk_steps=3, chunks=2)
+    assert r["chunk_steps"] == 3 and len(r["steps_per_s"]) == 2
+    assert all(x > 0 for x in r["steps_per_s"]) and r["compile_s"] >= 0

@@ -111,6 +111,44 @@ def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_res
             "arrivals_per_step": arrived / total}
 
 
+def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> dict:
+    """Env-steps/s of consecutive `chunk_steps`-step rollouts from reset, in PPO's layout.
+
+    A `lax.scan` over steps of `vmap` over environments (as `agents.rollout` runs them),
+    random actions, the observation and reward consumed (so nothing is dead code), each
+    chunk continuing from the last one's states and timed once: how an environment's cost
+    changes as its queues fill, up to its steady state (the bench's "warmed" figure times
+    one short call from one state). Compile is excluded (the program is compiled first).
+    Returns `{"chunk_steps", "compile_s", "steps_per_s": [per chunk]}`.
+    """
+    n_act = env.action_space(params).n
+
+    def chunk(key, state):
+        def body(carry, k):
+            state, acc = carry
+            ka, ks = jax.random.split(k)
+            a = jax.random.randint(ka, (num_envs,), 0, n_act)
+            obs, state, r, *_ = jax.vmap(env.step, (0, 0, 0, None))(
+                jax.random.split(ks, num_envs), state, a, params)
+            return (state, acc + obs.sum() + r.sum()), None
+
+        return jax.lax.scan(body, (state, jnp.float32(0.0)),
+                            jax.random.split(key, chunk_steps))[0]
+
+    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(
+        jax.random.split(jax.random.PRNGKey(0), num_envs))
+    t0 = time.perf_counter()
+    compiled = jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile()
+    compile_s = time.perf_counter() - t0
+    rates = []
+    for i in range(chunks):
+        t = time.perf_counter()
+        states, acc = compiled(jax.random.PRNGKey(2 + i), states)
+        jax.block_until_ready(acc)
+        rates.append(num_envs * chunk_steps / (time.perf_counter() - t))
+    return {"chunk_steps": chunk_steps, "compile_s": compile_s, "steps_per_s": rates}
+
+
 def state_bytes(env, params):
     """Bytes of one environment's state (a fresh reset), summed over its leaves."""
     _, state = env.reset(jax.random.PRNGKey(0), params)
