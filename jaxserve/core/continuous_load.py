@@ -100,7 +100,7 @@ def queued_work(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
 _WIDTHS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 # Above this width the pairwise term runs in blocks of replicas (`lanes.map_rows`, CPU):
 # measured on 1,024 replicas, its `(rows, width, width)` intermediate left the caches from a
-# width of 192 (a full sum ran ~70 ms there against ~2 ms at 128 and ~6 ms in blocks of 64).
+# width of 192 (a full sum ran ~70 ms there against ~1.3-2 ms at 128 and ~5.5 ms in blocks of 64).
 _BLOCK_WIDTH = 128
 _BLOCK_ELEMENTS = 2 ** 22  # a block's `rows x width x width` intermediate, at most (16 MiB)
 
