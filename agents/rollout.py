@@ -3,10 +3,13 @@
 Shared by `agents.ppo` and `agents.reinforce`. Shapes: E = `num_envs`, T = `num_steps`,
 D = observation size, A = number of actions.
 
-Truncation is not termination: each step also evaluates the critic on
-`info["final_observation"]` (the observation before the auto-reset) and stores it as
-`next_value`, so the return of a truncated episode is bootstrapped from the state where the
-time limit cut it, and the return of the last step of a rollout from the state it stopped in.
+Truncation is not termination: `next_value` is the critic on `info["final_observation"]`
+(the observation before the auto-reset), so the return of a truncated episode is bootstrapped
+from the state where the time limit cut it, and the return of the last step of a rollout from
+the state it stopped in. Where no episode ended that observation is the next step's, whose
+value the next step computes anyway: the extra critic pass runs only at steps where some
+environment's episode ended (serving envs truncate all their environments at the same few
+steps, so most rollouts need one pass per step, not two).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax.training.train_state import TrainState
+
+from jaxserve.core.lanes import batch_max
 
 # RunnerState fields whose leading axis is the environment batch (E); the rest is replicated.
 ENV_BATCHED_FIELDS = ("env_state", "obs", "episode_stats")
@@ -158,15 +163,23 @@ def collect_rollout(
         next_obs, env_state, reward, terminated, truncated, info = vmapped_step(
             jax.random.split(k_env, num_envs), env_state, action, env_params
         )
-        _, next_value = apply_fn(params, info["final_observation"])
         done = jnp.logical_or(terminated, truncated)
+        # V(final_observation) where an episode ended; elsewhere it is V(next_obs), which the
+        # next step computes (filled in after the scan). One conditional for the whole batch,
+        # under vmap over seeds too (`batch_max`).
+        end_value = jax.lax.cond(batch_max(done.any()),
+                                 lambda: apply_fn(params, info["final_observation"])[1],
+                                 lambda: jnp.zeros_like(value))
         reward = reward.astype(jnp.float32)
         discount = jnp.broadcast_to(step_discount(gamma, discount_time_s, info), reward.shape)
         stats, ep_return, ep_length = update_episode_stats(stats, reward, done)
-        transition = Transition(obs, action, log_prob, value, next_value, reward, discount,
+        transition = Transition(obs, action, log_prob, value, end_value, reward, discount,
                                 terminated.astype(bool), done, ep_return, ep_length)
         return (env_state, next_obs, stats, key), transition
 
     carry = (runner.env_state, runner.obs, runner.episode_stats, runner.key)
     (env_state, obs, stats, key), traj = jax.lax.scan(step, carry, None, num_steps)
+    _, last_value = apply_fn(params, obs)
+    following = jnp.concatenate([traj.value[1:], last_value[None]], 0)
+    traj = traj._replace(next_value=jnp.where(traj.done, traj.next_value, following))
     return RunnerState(train_state, env_state, obs, stats, key), traj
