@@ -511,6 +511,42 @@ def test_decode_run_stops_where_the_schedule_changes():
     assert _skipped(rep_p, p1) == 0
 
 
+def test_decode_run_kv_bound_equals_brute_force():
+    """The run's KV bound is found in closed form (the (e+1)-th smallest block crossing, by
+    halving over one block): on random decoding sets, block sizes 1-16 and free blocks 0-6,
+    alone and vmapped together (mixed block sizes: the halving's trip count is the batch's),
+    the skipped run is the largest k below the first completion whose extra blocks
+    `sum ceil((C_i + k) / b) - ceil(C_i / b)` fit the free blocks, counted one k at a time."""
+    rng = np.random.default_rng(21)
+    reps, profs, want, kv_bound = [], [], [], 0
+    for _ in range(48):
+        b = int(rng.choice([1, 2, 4, 8, 16]))
+        running = [(int(rng.integers(1, 40)), 0, 0) for _ in range(int(rng.integers(1, 5)))]
+        running = [(p, int(rng.integers(100, 400)), 0) for p, _, _ in running]
+        running = [(p, o, int(rng.integers(1, 40))) for p, o, _ in running]
+        comp = np.asarray([p + g - 1 for p, _, g in running])
+        held = int(np.ceil(comp / b).sum())
+        free = int(rng.integers(0, 7))
+        prof = ReplicaProfile(c0=0.5, alpha=0.0625, kv_blocks=held + free, block_size=b,
+                              max_seqs=4, max_tokens=64, chunked_prefill=True, watermark=0.0,
+                              queue_cap=4)
+        rep, p1 = _one_replica_state(prof, running, [])
+        left = min(o - g for _, o, g in running)
+        k = 0
+        while k + 1 < left and int(np.ceil((comp + k + 1) / b).sum()) - held <= free:
+            k += 1
+        assert _skipped(rep, p1) == k
+        kv_bound += k + 1 < left
+        reps.append(rep), profs.append(p1), want.append(k)
+    stack = lambda xs: jax.tree.map(lambda *x: jnp.stack(x), *xs)  # noqa: E731
+    zero = jnp.zeros((1,), jnp.float32)
+    out = jax.jit(jax.vmap(lambda r, p: CB._decode_run(r, p, jnp.asarray([True]), zero, zero,
+                                                       jnp.float32(np.inf))[0].iterations))(
+        stack(reps), stack(profs))
+    np.testing.assert_array_equal(np.asarray(out)[:, 0], want)
+    assert kv_bound >= 40  # the blocks, not a completion, end nearly every run
+
+
 def test_decode_runs_vmap_equals_loop():
     """vmap over replica sets (different caches, hence different runs) equals each alone."""
     rng = np.random.default_rng(8)

@@ -1270,11 +1270,33 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
         return jax.lax.fori_loop(0, RUN_CAP.bit_length(), halve,
                                  (jnp.zeros_like(k_max), k_max))[0]
 
+    # The KV bound in closed form. Slot i takes its next block at iteration g_i =
+    # ((-C_i) mod b) + 1 (in [1, b]) and every b after, so with k = q b + r (0 <= r < b),
+    # D(k) = n q + #{i : g_i <= r}. The largest k with D(k) <= cap is q b + g_(e+1) - 1 for
+    # q = cap // n, e = cap - n q < n (g_(e+1) the (e+1)-th smallest g): found by halving
+    # r over [0, b) (log2 b trips of a compare-and-count, where a search over k takes 14 of
+    # D(k)).
+    g = jnp.where(valid, (-comp) % b + 1, b + 1)
+    n_pos = jnp.maximum(n, 1)
+    q_kv = jnp.maximum(cap, 0) // n_pos
+    e_kv = jnp.maximum(cap, 0) - n_pos * q_kv
+
+    def halve_r(_, lo_hi):  # the largest r in [lo, hi] with #{g_i <= r} <= e
+        lo, hi = lo_hi
+        mid = (lo + hi + 1) // 2
+        good = (g <= mid[:, None]).sum(-1) <= e_kv
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    b_row = prof.block_size
+    trips = 32 - jax.lax.clz(batch_max(b_row.max()).astype(jnp.int32) - 1)  # log2 b, up
+    r_kv = jax.lax.fori_loop(0, trips, halve_r, (jnp.zeros_like(n), b_row - 1))[0]
+    k_kv = jnp.where(cap >= 0, q_kv * b_row + r_kv, 0)
+
     # Usually the run ends at the horizon: the largest k with dur(k) <= room is the stable
     # root of b k^2 / 2 + (a - b / 2) k = room, checked exactly (time_ok) at its neighbours.
-    # Where the neighbours do not bracket it, or the KV blocks bind first, the binary search
-    # above runs instead (for the whole batch: `lanes.batch_max`); both give the largest k
-    # with ok(k).
+    # Where the neighbours do not bracket it, the binary search above runs instead (for the
+    # whole batch: `lanes.batch_max`); both give the largest k with ok(k) (ok is the
+    # conjunction of two monotone tests: the smaller of their largest k).
     room = horizon - t - t_lo
     lin = a_t - 0.5 * b_t
     root = 2.0 * room / (lin + jnp.sqrt(lin * lin + 2.0 * b_t * jnp.maximum(room, 0.0)))
@@ -1285,9 +1307,9 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     k_time = near[0]
     for c, good in zip(near[1:], near_ok[1:]):
         k_time = jnp.where(good, c, k_time)
-    settled = ((near_ok[0] | (near[0] == 0)) & (~near_ok[-1] | (near[-1] == k_max))
-               & (blocks_after(k_time) <= cap))
-    k = jax.lax.cond(batch_max(~settled.all()), search, lambda: k_time)
+    settled = (near_ok[0] | (near[0] == 0)) & (~near_ok[-1] | (near[-1] == k_max))
+    k = jax.lax.cond(batch_max(~settled.all()), search,
+                     lambda: jnp.minimum(k_time, k_kv))
     skip = k > 0
     total = dur(k)
     # KV block-seconds: sum_j T_j H(j), H(j) = sum_i ceil((C_i + j + 1) / b). Request i's
