@@ -398,7 +398,8 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
           & (free_j - w_blocks >= watermark_blocks(prof)[:, None])
           & ~preempted[:, None] & go[:, None])
     admit = _cumsum((~ok).astype(jnp.int32)) == 0
-    return _apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, w_n)
+    with jax.named_scope("apply"):
+        return _apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, w_n)
 
 
 def _apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
@@ -1504,25 +1505,31 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
         prof, horizon, slo_s, tables = consts
         rp, m, ex, lg, end, _ = carry
         before = carry
-        rp, m, ex, lg = _end_iteration(rp, end, slo_s, m, ex, lg)
+        # The scopes name each phase's ops in profiles (`scripts/bench.py --trace`).
+        with jax.named_scope("end_iteration"):
+            rp, m, ex, lg = _end_iteration(rp, end, slo_s, m, ex, lg)
         has_work = (rp.queues.count + rp.run.count) > 0
         t = jnp.maximum(rp.t_end, 0.0)
         t_lo = jnp.where(rp.t_end > 0.0, rp.t_lo, 0.0)
         go = ~rp.in_iter & ~rp.stalled & has_work & (t < horizon)
         if decode_runs:
-            rp, t, t_lo, skipped, queue = _decode_run(rp, prof, go, t, t_lo, horizon, tables)
+            with jax.named_scope("decode_run"):
+                rp, t, t_lo, skipped, queue = _decode_run(rp, prof, go, t, t_lo, horizon,
+                                                          tables)
             m = m.replace(busy_time=m.busy_time + skipped.sum())
             go = go & (t < horizon)  # a run may end exactly at the horizon
-        if prefix:
-            rp, lg = _schedule_prefix(rp, prof, tables, go, t, t_lo, lg,
-                                      queue if decode_runs else None)
-        else:
-            rp = _schedule(rp, prof, go, t, t_lo)
+        with jax.named_scope("schedule"):
+            if prefix:
+                rp, lg = _schedule_prefix(rp, prof, tables, go, t, t_lo, lg,
+                                          queue if decode_runs else None)
+            else:
+                rp = _schedule(rp, prof, go, t, t_lo)
         ex = {**ex, "boundaries": ex["boundaries"] + 1}
         if audit:
             ex = {**ex, "audit_failures": ex["audit_failures"]
                   + (~prefix_audit(rp, prof).all()).astype(jnp.int32)}
-        return _gate(active, (rp, m, ex, lg, *_due(rp, horizon)), before)
+        with jax.named_scope("due_and_gate"):
+            return _gate(active, (rp, m, ex, lg, *_due(rp, horizon)), before)
 
     ex0 = zero_extras()
     if audit:

@@ -372,8 +372,9 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         elif self.shaping_gamma is not None:
             # The potential and the next observation's marginal-backlog feature read the same
             # cluster: one pass of their shared pairwise term.
-            backlog, added = CL.backlog_and_marginal(cluster, params.gpus, req.prompt,
-                                                     jnp.maximum(req.estimate, 1.0))
+            with jax.named_scope("estimates"):
+                backlog, added = CL.backlog_and_marginal(cluster, params.gpus, req.prompt,
+                                                         jnp.maximum(req.estimate, 1.0))
         reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
         state = LLMRoutingState(cluster=cluster, pending=req, phase=st.phase,
                                 trace_pos=st.trace_pos, time=state.time + 1, log=log,
