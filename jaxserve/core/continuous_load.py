@@ -144,14 +144,21 @@ def _present(rep: CB.Replicas, prof: ReplicaProfile, m: int):
     col = jax.tree.map(lambda x: x[:, None], prof)
     valid, is_run, r_slot, w_slot = _packed_slots(rep, m)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    take = lambda x, slot: jnp.take_along_axis(f32(x), slot, axis=1)  # noqa: E731
-    pick = lambda r, w: jnp.where(is_run, take(r, r_slot), take(w, w_slot))  # noqa: E731
+    # One gather of every field: running slots then waiting slots side by side, each a
+    # vector (prompt, estimate, generated, computed, -arrival); waiting requests start over.
+    zq = jnp.zeros(q.prompt.shape, jnp.float32)
+    fields = jnp.concatenate([
+        jnp.stack([f32(run.prompt), f32(run.estimate), f32(run.gen), f32(run.comp),
+                   -f32(run.arrival)], -1),
+        jnp.stack([f32(q.prompt), f32(q.estimate), zq, zq,
+                   -(f32(q.arrival) + q.offset[:, None])], -1)], 1)
+    slot = jnp.where(is_run, r_slot, rep.max_seqs + w_slot)
+    got = jnp.take_along_axis(fields, slot[..., None], axis=1)
     z = lambda x: jnp.where(valid, x, 0.0)  # noqa: E731
-    prompt = z(pick(run.prompt, q.prompt))
-    est = jnp.maximum(pick(run.estimate, q.estimate), 1.0)
-    gen = jnp.where(is_run, take(run.gen, r_slot), 0.0)  # waiting requests start over
-    comp = jnp.where(is_run, take(run.comp, r_slot), 0.0)
-    age = z(-pick(run.arrival, q.arrival + q.offset[:, None]))
+    prompt = z(got[..., 0])
+    est = jnp.maximum(got[..., 1], 1.0)
+    gen, comp = got[..., 2], got[..., 3]
+    age = z(got[..., 4])
     k = jnp.maximum(est - gen, 1.0)
     pre = jnp.maximum(prompt - comp, 0.0)
     c = col.alpha + col.gamma + col.delta * (prompt + gen + k / 2.0)
