@@ -30,6 +30,8 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --curve 10 --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
       # PPO's layout from reset to the steady state, 128-step chunks
   python -m scripts.bench --trace --trace-env LLMPrefixRouting-v0 --num-envs 256 --num-steps 8
+  python -m scripts.bench --trace --trace-env LLMRouting-v0 --num-envs 256 --num-steps 32 \
+      --warmup 960     # at the steady state, with the engine's phases (named scopes)
   python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
   python -m scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
@@ -67,7 +69,8 @@ from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import routing as R
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
-                                           make_runner, rollout_curve, state_bytes, time_env)
+                                           make_runner, phase_summary, rollout_curve, state_bytes,
+                                           time_env)
 from jaxserve.evaluation.replay import replay_prefix_arrays
 from jaxserve.reference import sim as ref
 from jaxserve.traces.prefix import build_prefix_tree
@@ -349,8 +352,9 @@ def _short(what: str, width: int = 150) -> str:
 TRACE_ENVS = ("Routing-v0", "LLMRouting-v0", "LLMPrefixRouting-v0")
 
 
-def trace_env(counts, steps, top=25, name="Routing-v0"):
-    """Per-XLA-op trace of the bench's compiled scan of `name` (from reset, `steps` steps;
+def trace_env(counts, steps, top=25, name="Routing-v0", warmup=0):
+    """Per-XLA-op trace of the bench's compiled scan of `name` (`steps` steps from reset, or
+    after `warmup` steps run first in calls of `steps`, e.g. at an LLM env's steady state;
     Routing-v0: the issue's workload, `routing_env`; the LLM envs: their registered defaults).
 
     For each env count: op executions per step, traced op time (self time summed over
@@ -367,6 +371,8 @@ def trace_env(counts, steps, top=25, name="Routing-v0"):
         states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(keys)
         compiled = run.lower(keys, states).compile()
         ops = hlo_op_summary(compiled.as_text())
+        for i in range(-(-warmup // steps)):
+            states = compiled(jax.random.split(jax.random.PRNGKey(1 + i), n), states)[0]
         jax.block_until_ready(compiled(keys, states))
         wall = best_seconds(lambda: compiled(keys, states), 3)
         with tempfile.TemporaryDirectory() as d:
@@ -392,6 +398,13 @@ def trace_env(counts, steps, top=25, name="Routing-v0"):
         for r in rows[:top]:
             print(f"  {100 * r['share']:5.1f}%  {r['per_step']:6.1f}/step  {r['op']:28s} "
                   f"{_short(r['what'])}")
+        if name != "Routing-v0":
+            phases = phase_summary(agg, ops, steps)
+            out[n]["phases"] = phases
+            print("  by phase of the continuous engine's boundary pass (named scopes):")
+            for p in phases:
+                print(f"  {100 * p['share']:5.1f}%  {p['per_step']:7.1f} ops/step  "
+                      f"{p['loop']:6s} {p['phase']}")
     return out
 
 
@@ -498,7 +511,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--num-envs", default=None, help="comma-separated env counts")
     ap.add_argument("--num-steps", type=int, default=None, help="scan length per timed call")
-    ap.add_argument("--warmup", type=int, default=None, help="steps before the warmed timing")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps before the warmed timing (--trace: before the traced call; "
+                    "default 0 there, from reset)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls (best is kept)")
     ap.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     ap.add_argument("--ppo", action="store_true", help="also time PPO training")
@@ -566,7 +581,8 @@ def main(argv=None):
         elif args.profile:
             res["profile"] = profile_routing(counts, steps, repeats)
         if args.trace:
-            res["trace"] = trace_env(counts, steps, args.top, args.trace_env)
+            res["trace"] = trace_env(counts, steps, args.top, args.trace_env,
+                                     args.warmup or 0)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res

@@ -96,6 +96,28 @@ def test_rollout_records_value_of_final_observation():
                                np.asarray(last_value)[last_cont], rtol=1e-5, atol=1e-6)
 
 
+def test_rollout_end_values_under_vmap_over_seeds():
+    """V(final_observation) is computed only at steps where some episode ended (one
+    conditional for the batch, `lanes.batch_max` under vmap): vmapped over two seeds whose
+    episodes end at different steps (time limits 5 and 7), each seed's next values equal
+    its own rollout's."""
+    env, params = common.cartpole()
+    trainer = common.ppo_trainer()
+    runners = [trainer.init(jax.random.key(s)) for s in (1, 2)]
+    limits = [params.replace(max_steps_in_episode=m) for m in (5, 7)]
+    rollout = lambda r, p: collect_rollout(r, env, p, 12)  # noqa: E731
+    singles = [jax.jit(rollout)(r, p)[1] for r, p in zip(runners, limits)]
+    stack = lambda xs: jax.tree.map(lambda *x: jnp.stack(x), *xs)  # noqa: E731
+    both = jax.jit(jax.vmap(rollout))(stack(runners), stack(limits))[1]
+    for i, single in enumerate(singles):
+        np.testing.assert_array_equal(np.asarray(both.done[i]), np.asarray(single.done))
+        np.testing.assert_allclose(np.asarray(both.next_value[i]),
+                                   np.asarray(single.next_value), rtol=1e-5, atol=1e-6)
+    # Steps where neither seed's episodes end exist, and steps where only one's do.
+    ends = np.asarray(both.done).any(-1)
+    assert (~ends.any(0)).any() and (ends[0] != ends[1]).any()
+
+
 def _reference_gae_per_step(r, v, nv, term, done, gammas, lam):
     """As `_reference_gae`, with a discount per step (semi-Markov envs)."""
     adv, next_adv = [0.0] * len(r), 0.0

@@ -50,6 +50,31 @@ def test_trace_of_a_compiled_program_names_its_ops():
     assert sum(a["count"] for k, a in agg.items() if not k.startswith("while")) >= 7
 
 
+def test_phase_of_places_ops_in_the_engine_pass():
+    """Ops group by the boundary pass's named scopes and by the lane loop's level (one `while`
+    body below the env's step: the dense phase; two: the compact chunks)."""
+    step = "jit(run)/while/body/closed_call/vmap(jit(step))"
+    assert bench.phase_of(f"s32[1024,1,64] fusion [{step}/while/body/vmap(schedule)/apply/"
+                          "jit(_where)/select_n]") == ("dense", "apply")
+    assert bench.phase_of(f"s32[1024,1,64] fusion [{step}/while/body/vmap(schedule)/"
+                          "jit(_where)/select_n]") == ("dense", "schedule")
+    # A scope name inside another word is not the phase ("apply_fn", "rescheduled").
+    assert bench.phase_of(f"f32[4] add [{step}/apply_fn/rescheduled/add]") == (
+        "", "rest of the step")
+    assert bench.phase_of(f"s32[64,1,64] fusion [{step}/while/body/while/body/vmap(decode_run)"
+                          "/while/body/jit(_where)/select_n]") == ("chunks", "decode_run")
+    assert bench.phase_of(f"f32[256,4] fusion [{step}/estimates/cond/branch_4_fun/"
+                          "reduce_sum]") == ("", "estimates")
+    assert bench.phase_of(f"u32[4] fusion [{step}/jit(_randint)/add]") == ("", "rest of the step")
+    assert bench.phase_of("u32[1024,1,64] copy") == ("", "unnamed copy")
+    agg = {"a": {"count": 2, "ns": 300.0}, "b": {"count": 4, "ns": 100.0}}
+    ops = {"a": f"f32[8] fusion [{step}/while/body/end_iteration/add]", "b": "f32[8] copy"}
+    rows = bench.phase_summary(agg, ops, steps=2)
+    assert [(r["loop"], r["phase"]) for r in rows] == [("dense", "end_iteration"),
+                                                        ("", "unnamed copy")]
+    assert rows[0]["share"] == 0.75 and rows[1]["per_step"] == 2.0
+
+
 def test_noop_env_is_a_harness_floor_that_runs():
     env = bench.NoOpEnv()
     r = bench.time_env(env, env.default_params, num_envs=4, num_steps=3, warmup_steps=0,

@@ -235,3 +235,52 @@ def self_times(lines) -> dict[str, dict[str, float]]:
             agg[name]["ns"] += dur
             stack.append([start + dur, name])
     return dict(agg)
+
+
+# Named scopes of the continuous engine's boundary pass (`core.continuous.advance`) and of the
+# LLM envs' estimates; "apply" (carrying out a decision) is inside "schedule".
+ENGINE_PHASES = ("estimates", "end_iteration", "decode_run", "apply", "schedule",
+                 "due_and_gate")
+_PHASE_RE = {p: re.compile(r"(?:^|[/(])" + p + r"(?:[/)]|$)") for p in ENGINE_PHASES}
+
+
+def phase_of(what: str) -> tuple[str, str]:
+    """`(loop, phase)` of one op from `hlo_op_summary`'s description.
+
+    `phase`: the first of `ENGINE_PHASES` that is a segment of its op_name path ("apply"
+    before the "schedule" enclosing it), "rest of the step" for other named ops, "unnamed
+    <opcode>" for ops XLA added (copies, fusions without a path). `loop`: for a phase of the
+    boundary pass, "dense" when one `while` body encloses it below the env's step (the lane
+    loop's dense phase) and "chunks" when two or more do (`lanes`' compact chunks: the chunk
+    loop inside the loop over chunks); else "".
+    """
+    head, _, path = what.partition(" [")
+    if not path:
+        parts = head.split(" ")
+        return "", "unnamed " + (parts[1] if len(parts) > 1 else "?")
+    path = path.rstrip("]")
+    for phase in ENGINE_PHASES:
+        m = _PHASE_RE[phase].search(path)
+        if m is None:
+            continue
+        if phase == "estimates":
+            return "", phase
+        below = path[:m.start()]
+        step = max(below.rfind("jit(step)"), below.rfind("step_env"))
+        loops = below[max(step, 0):].count("while/body")
+        return ("dense" if loops <= 1 else "chunks"), phase
+    return "", "rest of the step"
+
+
+def phase_summary(agg: dict, ops: dict, steps: int) -> list[dict]:
+    """`aggregate_trace`'s ops grouped by `phase_of`: each group's share of the traced op time,
+    its op time per step (us, CPU) and op executions per step, largest first."""
+    total = sum(a["ns"] for a in agg.values()) or 1.0
+    groups = defaultdict(lambda: [0.0, 0])
+    for k, a in agg.items():
+        g = groups[phase_of(ops.get(k, "? ?"))]
+        g[0] += a["ns"]
+        g[1] += a["count"]
+    return [{"loop": loop, "phase": phase, "share": ns / total, "us_per_step": ns / 1e3 / steps,
+             "per_step": count / steps}
+            for (loop, phase), (ns, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])]
