@@ -287,9 +287,9 @@ def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Arra
 def _front_fill(arr: jax.Array, start: jax.Array, k: jax.Array, vals: jax.Array) -> jax.Array:
     """Ring buffer `arr` `(R, W)` with `vals[:, j]` written at slot `(start + j) mod W` for
     `j < k[r]`: one trip per victim, each a scatter of one value per replica, for as many
-    trips as the batch's largest `k` (`lanes.batch_max`). Victims are few (mostly one), and
-    rewriting every slot of every replica's buffer (by gathers) cost ~10% of LLMRouting-v0's
-    steady-state step (docs/benchmarks.md)."""
+    trips as the batch's largest `k` (`lanes.batch_max`). Victims are few (mostly one); the
+    rewrite of every slot of every replica's buffer (by gathers) this replaces was ~5% of
+    LLMRouting-v0's traced steady-state step (docs/benchmarks.md, run [M])."""
     w = arr.shape[-1]
     rows = jnp.arange(arr.shape[0])
 
