@@ -349,7 +349,7 @@ def _short(what: str, width: int = 150) -> str:
     return head + (f" [{'...' + path[-room:] if len(path) > room else path}]" if path else "")
 
 
-TRACE_ENVS = ("Routing-v0", "LLMRouting-v0", "LLMPrefixRouting-v0")
+TRACE_ENVS = ("Routing-v0", "LLMRouting-v0", "LLMPrefixRouting-v0", "LLMAutoscaling-v0")
 
 
 def trace_env(counts, steps, top=25, name="Routing-v0", warmup=0):
@@ -399,7 +399,7 @@ def trace_env(counts, steps, top=25, name="Routing-v0", warmup=0):
             print(f"  {100 * r['share']:5.1f}%  {r['per_step']:6.1f}/step  {r['op']:28s} "
                   f"{_short(r['what'])}")
         if name != "Routing-v0":
-            phases = phase_summary(agg, ops, steps)
+            phases = phase_summary(agg, ops, steps, loops=name != "LLMAutoscaling-v0")
             out[n]["phases"] = phases
             print("  by phase of the continuous engine's boundary pass (named scopes):")
             for p in phases:

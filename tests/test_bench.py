@@ -73,6 +73,7 @@ def test_phase_of_places_ops_in_the_engine_pass():
     assert [(r["loop"], r["phase"]) for r in rows] == [("dense", "end_iteration"),
                                                         ("", "unnamed copy")]
     assert rows[0]["share"] == 0.75 and rows[1]["per_step"] == 2.0
+    assert bench.phase_summary(agg, ops, steps=2, loops=False)[0]["loop"] == ""
 
 
 def test_noop_env_is_a_harness_floor_that_runs():

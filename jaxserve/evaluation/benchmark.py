@@ -272,13 +272,17 @@ def phase_of(what: str) -> tuple[str, str]:
     return "", "rest of the step"
 
 
-def phase_summary(agg: dict, ops: dict, steps: int) -> list[dict]:
+def phase_summary(agg: dict, ops: dict, steps: int, loops: bool = True) -> list[dict]:
     """`aggregate_trace`'s ops grouped by `phase_of`: each group's share of the traced op time,
-    its op time per step (us, CPU) and op executions per step, largest first."""
+    its op time per step (us, CPU) and op executions per step, largest first. `loops=False`
+    merges the dense phase and the chunks (for a step whose engine runs inside another loop,
+    e.g. LLMAutoscaling-v0's loop over arrivals, where `phase_of`'s count of enclosing loops
+    does not tell them apart)."""
     total = sum(a["ns"] for a in agg.values()) or 1.0
     groups = defaultdict(lambda: [0.0, 0])
     for k, a in agg.items():
-        g = groups[phase_of(ops.get(k, "? ?"))]
+        loop, phase = phase_of(ops.get(k, "? ?"))
+        g = groups[(loop if loops else "", phase)]
         g[0] += a["ns"]
         g[1] += a["count"]
     return [{"loop": loop, "phase": phase, "share": ns / total, "us_per_step": ns / 1e3 / steps,
