@@ -1212,6 +1212,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     decoding = valid & (run.gen >= 1) & (run.comp == length - 1)
     pure = go & (n > 0) & (decoding.sum(-1) == n) & (n <= prof.max_tokens)
     comp = jnp.where(valid, run.comp, 0)
+    slack = (-comp) % b  # free token positions in each slot's last block
     slot_blocks0 = jnp.where(valid, _cdiv(comp, b), 0).sum(-1)
 
     def blocks_after(k):  # extra blocks held after k decode iterations, D(k)
@@ -1247,7 +1248,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     if rep.pc is not None:
         # At most RUN_BLOCKS takes and fills per slot (`_run_blocks`): slot i's next ones
         # come at iterations f_i + RUN_BLOCKS b and g_i + RUN_BLOCKS b (f_i, g_i < b).
-        first_event = jnp.where(valid, jnp.minimum((-comp) % b, (-comp - 1) % b), b).min(-1)
+        first_event = jnp.where(valid, jnp.minimum(slack, (-comp - 1) % b), b).min(-1)
         left = jnp.minimum(left, first_event + RUN_BLOCKS * prof.block_size + 1)
     k_max = jnp.where(pure & ~admit, jnp.clip(left - 1, 0, RUN_CAP), 0)
 
@@ -1285,7 +1286,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     # q = cap // n, e = cap - n q < n (g_(e+1) the (e+1)-th smallest g): found by halving
     # r over [0, b) (log2 b trips of a compare-and-count, where a search over k takes 14 of
     # D(k)).
-    g = jnp.where(valid, (-comp) % b + 1, b + 1)
+    g = jnp.where(valid, slack + 1, b + 1)
     n_pos = jnp.maximum(n, 1)
     q_kv = jnp.maximum(cap, 0) // n_pos
     e_kv = jnp.maximum(cap, 0) - n_pos * q_kv
@@ -1326,8 +1327,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     # (C_i + j) mod b = 0: j = f_i + m b, f_i = (-C_i) mod b or b, m < M_i.
     kf = k.astype(jnp.float32)[:, None]
     bf = b.astype(jnp.float32)
-    f = (-comp) % b
-    f = jnp.where(f == 0, b, f)
+    f = jnp.where(slack == 0, b, slack)
     m_i = jnp.where(valid & (k[:, None] - 1 >= f), (k[:, None] - 1 - f) // b + 1, 0)
     mf, ff = m_i.astype(jnp.float32), f.astype(jnp.float32)
     s1 = mf * ff + bf * mf * (mf - 1.0) * 0.5  # sum of the crossings j
