@@ -13,9 +13,10 @@ stderr (the study takes minutes); the markdown tables to stdout; the result as J
 `--plot` draws the trade-off and when each router leaves the cache; `--save-policies` keeps the
 learned networks and `--policies-from` evaluates them again without training (e.g. against a
 heuristic added since); `--from-json` renders the tables and plot of an earlier run's result.
-Besides the routers at their published defaults the study runs two heuristics fitted on the
-training windows: `llmd_tuned` (llm-d's scorer weights) and `guarded_tuned` (`most_cached`
-with a load guard); `--no-tuned` leaves them out.
+Besides the routers at their published defaults the study runs four heuristics fitted on the
+training windows: `llmd_tuned` (llm-d's scorer weights), `guarded_tuned` (`most_cached` with a
+load guard), `sglang_tuned` and `aibrix_tuned` (SGLang's and AIBrix's thresholds);
+`--no-tuned` leaves them out.
 Errors print one line on stderr and exit with status 2 (output paths are checked first).
 """
 
@@ -78,7 +79,7 @@ def build_parser() -> Parser:
     ap.add_argument("--no-tuned", action="store_true",
                     help="leave out the heuristics fitted on the training windows "
                          "(llmd_tuned: llm-d's scorer weights; guarded_tuned: most_cached's "
-                         "load guard)")
+                         "load guard; sglang_tuned, aibrix_tuned: their routers' thresholds)")
     ap.add_argument("--from-json", default=None, metavar="FILE",
                     help="render the tables (and --plot) of a result an earlier run wrote with "
                          "--out, without running the study")

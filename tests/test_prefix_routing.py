@@ -366,6 +366,16 @@ def test_hand_sglang(hand):
     st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[60, 3, 5, 7],
                     running=[1, 1, 1, 1])
     assert act("sglang_cache_aware", st, params) == 3
+    # Other thresholds (cache, balance abs, balance rel), each in sglang_route's order:
+    # abs 56 < 57 makes the same loads imbalanced (least loaded); rel 20 (61 <= 20 * 4) keeps
+    # them balanced; cache 0.8 > .75 falls through to the most free blocks ([24, 30, 32, 8]).
+    key = jax.random.PRNGKey(0)
+    for th, want in ((PR.SGLANG_DEFAULT, 3), ((0.3, 56, 1.5), 1), ((0.3, 56, 20), 3),
+                     ((0.8, 64, 1.5), 2), ((0.7, 64, 1.5), 3)):
+        assert int(PR.sglang_thresholds(th)(key, None, st, params)) == want, th
+    for bad in ((0.3, 64), (0.3, -1.0, 1.5), (float("nan"), 64, 1.5)):
+        with pytest.raises(ValueError, match="SGLang thresholds"):
+            PR.sglang_thresholds(bad)
 
 
 def test_hand_aibrix(hand):
@@ -391,6 +401,17 @@ def test_hand_aibrix(hand):
     st = hand_state(s0, cached=[0, 0, 0, 0], held=[8, 2, 0, 24], waiting=[1, 2, 0, 2],
                     running=[1, 1, 1, 1])
     assert act("aibrix_prefix_cache", st, params) == 2
+    # Other thresholds (imbalance abs, std factor), in aibrix_route's order, on the loads
+    # [2, 3, 1, 9] of the first case: abs 7 < 8 makes them imbalanced (least request: 2); a
+    # factor of 2 (thr 10.0) keeps replica 3 and its longest match; 0.5 (thr 5.31) skips it.
+    st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 8],
+                    running=[1, 1, 1, 1])
+    key = jax.random.PRNGKey(0)
+    for th, want in ((PR.AIBRIX_DEFAULT, 0), ((7, 1), 2), ((8, 2), 3), ((8, 0.5), 0)):
+        assert int(PR.aibrix_thresholds(th)(key, None, st, params)) == want, th
+    for bad in ((8,), (8, 1, 1), (-1, 1), (8, float("inf"))):
+        with pytest.raises(ValueError, match="AIBrix thresholds"):
+            PR.aibrix_thresholds(bad)
 
 
 def test_hand_cache_or_shed(hand):

@@ -23,12 +23,17 @@ from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces.prefix import path_nodes, prefix_window
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
-HEUR = ("llmd_scorers", "most_cached", "jsq_tokens", "round_robin")
+HEUR = ("llmd_scorers", "most_cached", "jsq_tokens", "round_robin", "sglang_cache_aware",
+        "aibrix_prefix_cache")
 # llm-d weights fitted in the fixture: two off the default and the default itself.
 GRID = ((1.0, 0.0, 0.0), (0.0, 0.0, 1.0), (2.0, 2.0, 3.0))
 # most_cached's load guards: a tight one and one that never fires (most_cached itself).
 GUARDS = (1.0, 1e6)
-ALL_HEUR = (*HEUR, P.TUNED_LLMD, P.TUNED_GUARD)
+# SGLang's (cache, balance abs, balance rel) and AIBrix's (imbalance abs, std factor): a
+# tight setting and each default.
+SGLANG = ((0.8, 1.0, 1.0001), (0.3, 64.0, 1.5))
+AIBRIX = ((1.0, 0.5), (8.0, 1.0))
+ALL_HEUR = (*HEUR, P.TUNED_LLMD, P.TUNED_GUARD, P.TUNED_SGLANG, P.TUNED_AIBRIX)
 
 
 def _untrained(algo, env, params, total_steps, seeds, *, log=None, **overrides):
@@ -56,8 +61,8 @@ def result():
         res = P.run_prefix_study(workload="system_prompts", load=1.0, seeds=(0, 1),
                                  total_steps=1024, eval_windows=2, window_requests=40,
                                  heuristics=HEUR, log=lambda msg: None, llmd_grid=GRID,
-                                 guard_grid=GUARDS,
-                                 keep_policies=True)
+                                 guard_grid=GUARDS, sglang_grid=SGLANG,
+                                 aibrix_grid=AIBRIX, keep_policies=True)
     finally:
         mp.undo()
     seen["policies"] = res.pop("policies")  # not JSON-able, as the CLI pops it
@@ -150,6 +155,9 @@ def test_format_renders_the_tables(result):
         assert f"| `{name}`" in text
     assert f"`{P.TUNED_LLMD}` is llm-d's weighted scorers" in text
     assert f"`{P.TUNED_GUARD}` is `most_cached` with the load guard" in text
+    assert f"`{P.TUNED_SGLANG}` is SGLang's `cache_aware` with the thresholds" in text
+    assert "the default (0.3, 64, 1.5): " in text and "the default (8, 1): " in text
+    assert "(0.80, 1.00, 1.0001)" in text  # fmt_weights keeps the digits SGLang's 1.0001 needs
     assert "| heuristic | time in system (s) |" in text
     assert "nan" not in text
     assert "How each policy uses the cache" in text and "| `most_cached` | 1.000 |" in text
@@ -208,6 +216,15 @@ def test_tuned_llmd_is_fitted_on_the_training_window(result):
     # A guard that never fires is most_cached.
     assert g_values[1] == pytest.approx(np.mean(train["most_cached"][P.HEADLINE]), abs=1e-9)
     assert np.mean(train[P.TUNED_GUARD][P.HEADLINE]) == pytest.approx(min(g_values), abs=1e-9)
+    # SGLang's and AIBrix's candidates: the default's lane is the router at its defaults (the
+    # thresholds reach the rule in its order), and the fitted router scores the grid's best.
+    for name, grid, default in ((P.TUNED_SGLANG, SGLANG, "sglang_cache_aware"),
+                                (P.TUNED_AIBRIX, AIBRIX, "aibrix_prefix_cache")):
+        fit = res["config"]["tuned"][name]
+        assert [tuple(w) for w, _ in fit["grid"]] == list(grid)
+        values = [v for _, v in fit["grid"]]
+        assert values[1] == pytest.approx(np.mean(train[default][P.HEADLINE]), abs=1e-9)
+        assert np.mean(train[name][P.HEADLINE]) == pytest.approx(min(values), abs=1e-9)
 
 
 def test_llmd_weights_are_checked():
@@ -218,6 +235,11 @@ def test_llmd_weights_are_checked():
             PR.llmd_weighted(bad)
     with pytest.raises(ValueError, match="llm-d weights"):
         P.fit_llmd(None, None, [], None, grid=[(0.0, 0.0, 0.0)])
+    with pytest.raises(ValueError, match="SGLang thresholds"):
+        P.fit_tuned(None, None, [], None, {P.TUNED_SGLANG: [(0.3, 64.0)]})
+    with pytest.raises(ValueError, match="unknown fitted families"):
+        P.fit_tuned(None, None, [], None, {"sita": [(1.0,)]})
+    assert P.fit_tuned(None, None, [], None, {P.TUNED_AIBRIX: ()}) == {}
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="load guard"):
             PR.cache_guarded(bad)

@@ -225,8 +225,12 @@ def load_trained(env, params, trained: dict, total_steps: int, algo: str = "ppo"
 
 
 def fmt_weights(w) -> str:
-    """`(a, b, c)` with two decimals."""
-    return "(" + ", ".join(f"{float(x):.2f}" for x in w) + ")"
+    """`(a, b, c)` with two decimals, or as many significant digits as a value needs where
+    two decimals would change it by more than rounding noise (SGLang's 1.0001)."""
+    def one(x):
+        x = float(x)
+        return f"{x:.2f}" if abs(round(x, 2) - x) < 1e-9 else f"{x:.6g}"
+    return "(" + ", ".join(one(x) for x in w) + ")"
 
 
 class _LogContext:
@@ -433,17 +437,11 @@ class NetworkLane:
         return net(key, obs)
 
 
-def llmd_lane(env, theta, key, obs, state, params):
-    """llm-d's weighted scorers with the lane's weights `theta` (`(3,)`: queue, KV cache,
-    prefix), a parametric lane of `_replay_lanes` (`fit_llmd`)."""
-    return PR.llmd_weighted_route(theta, state, params)
-
-
 @partial(jax.jit, static_argnames=("env", "heuristics", "lane_fn"))
 def _replay_lanes(env, heuristics, lane_fn, params, keys, theta):
     """Every lane (heuristic `h` for lanes `h < H`, then `lane_fn` with `theta[k]` for lane
     `H + k`: a learned network, `NetworkLane`, or a candidate of a fitted router,
-    `llmd_lane` / `guard_lane`) on every window of `params` (leading axis W), one episode
+    `fitted_lane`) on every window of `params` (leading axis W), one episode
     each from `env.reset_env(keys[w])` through the trace's end (its last step drains).
 
     The lanes run one after another (`lax.map`: the `switch` on an unbatched lane index
@@ -563,53 +561,104 @@ LLMD_GRID = tuple(simplex_grid(6)) + (PR.LLMD_DEFAULT,)
 TUNED_LLMD = "llmd_tuned"
 
 
-def guard_lane(env, theta, key, obs, state, params):
-    """`most_cached` with the lane's load guard `theta` (a scalar; `PR.cache_guarded`), a
-    parametric lane of `_replay_lanes` (`fit_guard`)."""
-    return PR.cache_guarded_route(theta, state, params)
-
-
-# Load guards tried by `fit_guard`: the cached replica's tokens in flight over the mean.
+# Load guards tried for `guarded_tuned`: the cached replica's tokens in flight over the mean.
 GUARD_GRID = (0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
 TUNED_GUARD = "guarded_tuned"
+# SGLang's thresholds tried for `sglang_tuned`: (cache_threshold, balance_abs, balance_rel).
+# LLMPrefixRouting-v0's replicas hold at most 32 requests (16 running, 16 waiting), so the
+# default balance_abs of 64 never fires there: smaller ones are tried, and 64 (the default's
+# "never") once per cache threshold, since balance_rel is then moot. The default triple is
+# on the grid, so the fitted router is never worse than the default on the tuning windows.
+SGLANG_GRID = tuple((c, a, r) for c in (0.1, 0.3, 0.5, 0.8) for a in (2.0, 4.0, 8.0, 16.0)
+                    for r in (1.0001, 1.5)) + tuple(
+                        (c, float(PR.SGLANG_BALANCE_ABS), PR.SGLANG_BALANCE_REL)
+                        for c in (0.1, 0.3, 0.5, 0.8))
+TUNED_SGLANG = "sglang_tuned"
+# AIBrix's thresholds tried for `aibrix_tuned`: (imbalance_abs, std_factor). An imbalance of
+# 32 cannot be exceeded here (at most 32 requests per replica) and a factor of 100 never
+# skips a replica, so the grid holds both guards off. The default (8, 1) is on it.
+AIBRIX_GRID = tuple((a, f) for a in (2.0, 4.0, 8.0, 16.0, 32.0)
+                    for f in (0.5, 1.0, 2.0, 100.0))
+TUNED_AIBRIX = "aibrix_tuned"
+
+# The fitted families, in `fitted_lane`'s branch order: name -> (the router of a traceable
+# parameter vector `(theta, state, params) -> int32 replica`, the number of parameters, the
+# policy of a fitted vector (which validates it), the default grid).
+FAMILIES = {
+    TUNED_LLMD: (PR.llmd_weighted_route, 3, PR.llmd_weighted, LLMD_GRID),
+    TUNED_GUARD: (lambda th, s, p: PR.cache_guarded_route(th[0], s, p), 1,
+                  lambda w: PR.cache_guarded(w[0]), GUARD_GRID),
+    TUNED_SGLANG: (PR.sglang_route, 3, PR.sglang_thresholds, SGLANG_GRID),
+    TUNED_AIBRIX: (PR.aibrix_route, 2, PR.aibrix_thresholds, AIBRIX_GRID),
+}
+_THETA = 1 + max(n for _, n, _, _ in FAMILIES.values())  # family index, then parameters
+
+
+def fitted_lane(env, theta, key, obs, state, params):
+    """A candidate of a fitted family as a parametric lane of `_replay_lanes`: `theta[0]`
+    is the family's index in `FAMILIES`, `theta[1:]` its parameters (zero-padded). The
+    family is a `lax.switch` on a lane constant, so a lane computes its own router only, and
+    every family's candidates share one compiled replay (`fit_tuned`)."""
+    branches = [partial(lambda f, n, th: jnp.asarray(f(th[:n], state, params), jnp.int32), f, n)
+                for f, n, _, _ in FAMILIES.values()]
+    return jax.lax.switch(theta[0].astype(jnp.int32), branches, theta[1:])
+
+
+def fit_tuned(env, params, windows, keys, grids: dict, metric: str = HEADLINE) -> dict:
+    """Fitted families on tuning windows: every parameter tuple of `grids[name]` (names of
+    `FAMILIES`) replays every window (`params`, `windows`, `keys` as `replay_lanes'`), all
+    of them in one program, and per family the lowest mean `metric` wins (ties: the first
+    in its grid). An empty grid leaves its family out.
+
+    Returns `{name: {"weights": best tuple, "value": its mean, "grid": [[w, mean], ...]}}`.
+
+    Raises:
+      ValueError: an unknown family, or a tuple its policy factory rejects (wrong length,
+      negative or non-finite values; the message names the family)."""
+    unknown = sorted(set(grids) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown fitted families {unknown}; known: {list(FAMILIES)}")
+    order = list(FAMILIES)
+    lanes, thetas = [], {}
+    for name, grid in grids.items():
+        _, size, make, _ = FAMILIES[name]
+        for i, w in enumerate(grid):
+            w = tuple(float(x) for x in np.atleast_1d(np.asarray(w, np.float64)))
+            make(w)  # validates
+            if len(w) != size:
+                raise ValueError(f"{name}: each candidate needs {size} values, got {w}")
+            lane = f"{name}/{i}"
+            lanes.append((name, w, lane))
+            thetas[lane] = jnp.asarray((order.index(name), *w, *[0.0] * (_THETA - 1 - size)),
+                                       jnp.float32)
+    if not lanes:
+        return {}
+    out = replay_lanes(env, params, windows, {}, fitted_lane, thetas, keys=keys)
+    fits = {}
+    for name in grids:
+        rows = [(w, float(np.mean(out[lane][metric]))) for n, w, lane in lanes if n == name]
+        if rows:
+            i = int(np.argmin([v for _, v in rows]))
+            fits[name] = {"weights": list(rows[i][0]), "value": rows[i][1],
+                          "grid": [[list(w), v] for w, v in rows]}
+    return fits
 
 
 def fit_llmd(env, params, windows, keys, grid=LLMD_GRID, metric: str = HEADLINE) -> dict:
     """llm-d's scorer weights (queue, KV cache, prefix; `PR.llmd_score`) fitted on tuning
-    windows: every triple of `grid` replays every window (`params`, `windows`, `keys` as
-    `replay_lanes`'), and the lowest mean `metric` wins (ties: the first in `grid`).
-
-    Returns `{"weights": best triple, "value": its mean, "grid": [[w, mean], ...]}`."""
-    grid = [tuple(float(x) for x in w) for w in grid]
-    if not grid:
+    windows (`fit_tuned` for this family alone). Returns `{"weights": best triple,
+    "value": its mean, "grid": [[w, mean], ...]}`."""
+    if len(grid) == 0:
         raise ValueError("grid must hold at least one weight triple")
-    for w in grid:
-        PR.llmd_weighted(w)  # validates
-    return _fit(env, params, windows, keys, llmd_lane, grid, metric)
+    return fit_tuned(env, params, windows, keys, {TUNED_LLMD: grid}, metric)[TUNED_LLMD]
 
 
 def fit_guard(env, params, windows, keys, grid=GUARD_GRID, metric: str = HEADLINE) -> dict:
     """`cache_guarded`'s load guard fitted on tuning windows, as `fit_llmd` fits llm-d's
     weights. Returns `{"weights": [best guard], "value", "grid": [[[g], mean], ...]}`."""
-    grid = [(float(g),) for g in grid]
-    if not grid:
+    if len(grid) == 0:
         raise ValueError("grid must hold at least one load guard")
-    for (g,) in grid:
-        PR.cache_guarded(g)  # validates
-    return _fit(env, params, windows, keys, guard_lane, grid, metric, scalar=True)
-
-
-def _fit(env, params, windows, keys, lane_fn, grid, metric, scalar=False) -> dict:
-    """Every parameter tuple of `grid` as a lane of `lane_fn` (its first entry alone when
-    `scalar`) on every window; the lowest mean `metric` wins (ties: the first)."""
-    names = [f"w{i}" for i in range(len(grid))]
-    out = replay_lanes(env, params, windows, {}, lane_fn,
-                       {n: jnp.asarray(w[0] if scalar else w, jnp.float32)
-                        for n, w in zip(names, grid)}, keys=keys)
-    values = [float(np.mean(out[n][metric])) for n in names]
-    i = int(np.argmin(values))
-    return {"weights": list(grid[i]), "value": values[i],
-            "grid": [[list(w), v] for w, v in zip(grid, values)]}
+    return fit_tuned(env, params, windows, keys, {TUNED_GUARD: grid}, metric)[TUNED_GUARD]
 
 
 def window_keys(eval_seed: int, part: str, count: int) -> jax.Array:
@@ -637,6 +686,7 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
                      eval_seed: int = 20261202, traces_dir=None, log=print,
                      keep_policies: bool = False, progress: bool = False,
                      tune: bool = True, llmd_grid=LLMD_GRID, guard_grid=GUARD_GRID,
+                     sglang_grid=SGLANG_GRID, aibrix_grid=AIBRIX_GRID,
                      trained: dict | None = None, algo: str = "ppo") -> dict:
     """Trains PPO (one run per seed) and evaluates it against the heuristics (module
     docstring).
@@ -659,11 +709,13 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
       progress: a tqdm bar on stderr while PPO trains.
       keep_policies: also return the learned policies (`policies`: name -> `LearnedPolicy`,
         not JSON-able: pop it before serialising).
-      tune: also run the heuristics fitted on the training windows: `TUNED_LLMD`,
-        llm-d's weighted scorers with the weights of `llmd_grid` that do best there
-        (`fit_llmd`: the production router fitted on tuning data), and `TUNED_GUARD`,
-        `most_cached` with the load guard of `guard_grid` that does best there
-        (`fit_guard`).
+      tune: also run the heuristics fitted on the training windows (`fit_tuned`, one
+        program for all): `TUNED_LLMD`, llm-d's weighted scorers with the weights of
+        `llmd_grid` that do best there; `TUNED_GUARD`, `most_cached` with the load guard of
+        `guard_grid` that does best there; `TUNED_SGLANG` and `TUNED_AIBRIX`, SGLang's and
+        AIBrix's routers with the thresholds of `sglang_grid` / `aibrix_grid` that do best
+        there (the production routers fitted on tuning data). An empty grid leaves its
+        router out.
       trained: networks trained earlier (`{"<algo>_seed<s>": params}`, as `--save-policies`
         writes them, for LLMPrefixRouting-v0's default network with `ppo_overrides`):
         evaluated instead of training (their seeds replace `seeds`; `total_steps` is only
@@ -738,18 +790,19 @@ def run_prefix_study(*, workload: str = "system_prompts", load: float = 1.0,
     keys = jnp.concatenate([window_keys(eval_seed, "train", nt),
                             window_keys(eval_seed, "eval", len(wl["eval_windows"]))])
     tuned = {}
-    fits = ((TUNED_LLMD, fit_llmd, llmd_grid, PR.llmd_weighted, "weights (queue, kv, prefix)"),
-            (TUNED_GUARD, fit_guard, guard_grid, lambda w: PR.cache_guarded(w[0]),
-             "load guard"))
-    for name, fit_fn, grid, make, what in (fits if tune else ()):
+    grids = {TUNED_LLMD: llmd_grid, TUNED_GUARD: guard_grid, TUNED_SGLANG: sglang_grid,
+             TUNED_AIBRIX: aibrix_grid}
+    if tune:
         t2 = time.perf_counter()
-        fit = fit_fn(env_w, jax.tree.map(lambda x: x[:nt], params_w), wl["train_windows"],
-                     keys[:nt], grid=grid)
-        tuned[name] = fit
-        heur[name] = make(fit["weights"])
-        names.append(name)
-        log(f"{name}: {what} {fmt_weights(fit['weights'])}, {fit['value']:.2f} s on the "
-            f"training windows ({len(fit['grid'])} values, {time.perf_counter() - t2:.0f} s)")
+        tuned = fit_tuned(env_w, jax.tree.map(lambda x: x[:nt], params_w),
+                          wl["train_windows"], keys[:nt], grids)
+        for name, fit in tuned.items():
+            heur[name] = FAMILIES[name][2](fit["weights"])
+            names.append(name)
+            log(f"{name}: {fmt_weights(fit['weights'])}, {fit['value']:.2f} s on the "
+                f"training windows ({len(fit['grid'])} values)")
+        log(f"fitted {len(tuned)} families ({sum(len(f['grid']) for f in tuned.values())} "
+            f"candidates) in {time.perf_counter() - t2:.0f} s")
     dec: dict = {}
     both = replay_windows(env_w, params_w, wins, heur, learned, keys=keys, decisions=dec)
     per_train = {p: {m: v[:nt] for m, v in d.items()} for p, d in both.items()}
@@ -902,22 +955,31 @@ def format_prefix_study(result: dict) -> str:
     return "\n".join(lines)
 
 
+# What each fitted router is (markdown), and its published default on the grid, if any.
+_TUNED_TEXT = {
+    TUNED_LLMD: ("llm-d's weighted scorers with the weights (queue, KV cache, prefix) that do "
+                 "best", PR.LLMD_DEFAULT, "(2, 2, 3)"),
+    TUNED_GUARD: ("`most_cached` with the load guard (the cached replica's tokens in flight "
+                  "over the mean) that does best", None, ""),
+    TUNED_SGLANG: ("SGLang's `cache_aware` with the thresholds (cache, balance absolute, "
+                   "balance relative) that do best", PR.SGLANG_DEFAULT, "(0.3, 64, 1.5)"),
+    TUNED_AIBRIX: ("AIBrix's `prefix-cache` with the thresholds (imbalance absolute, "
+                   "standard-deviation factor) that do best", PR.AIBRIX_DEFAULT, "(8, 1)"),
+}
+
+
 def tuned_lines(result: dict) -> list[str]:
-    """Markdown: what the fitted heuristics (`llmd_tuned`, `guarded_tuned`) were fitted to,
-    for those the result has."""
+    """Markdown: what the fitted heuristics (`llmd_tuned`, `guarded_tuned`, `sglang_tuned`,
+    `aibrix_tuned`) were fitted to, for those the result has."""
     tuned = result["config"].get("tuned", {})
     lines = []
     for name, fit in tuned.items():
         ranked = sorted(fit["grid"], key=lambda r: r[1])
         runners = ", ".join(f"{fmt_weights(w)} {v:.2f} s" for w, v in ranked[1:3])
-        if name == TUNED_LLMD:
-            default = [v for w, v in fit["grid"] if tuple(w) == PR.LLMD_DEFAULT]
-            tail = f"; the default (2, 2, 3): {default[0]:.2f} s" if default else ""
-            what = ("llm-d's weighted scorers with the weights (queue, KV cache, prefix) that "
-                    "do best")
-        else:
-            tail, what = "", ("`most_cached` with the load guard (the cached replica's "
-                              "tokens in flight over the mean) that does best")
+        what, default_w, default_txt = _TUNED_TEXT[name]
+        default = [v for w, v in fit["grid"]
+                   if default_w is not None and tuple(w) == tuple(map(float, default_w))]
+        tail = f"; the default {default_txt}: {default[0]:.2f} s" if default else ""
         lines += ["", f"`{name}` is {what} on the training windows among "
                   f"{len(fit['grid'])} values tried: **{fmt_weights(fit['weights'])}**, "
                   f"{fit['value']:.2f} s there (next: {runners}{tail})."]

@@ -48,9 +48,11 @@ DYNAMO_OVERLAP_WEIGHT = 1.0
 SGLANG_CACHE_THRESHOLD = 0.3
 SGLANG_BALANCE_ABS = 64
 SGLANG_BALANCE_REL = 1.5
+SGLANG_DEFAULT = (SGLANG_CACHE_THRESHOLD, SGLANG_BALANCE_ABS, SGLANG_BALANCE_REL)  # `sglang_route`'s order
 # AIBrix prefix-cache: imbalance guard (absolute) and standard-deviation factor.
 AIBRIX_IMBALANCE_ABS = 8
 AIBRIX_STD_FACTOR = 1.0
+AIBRIX_DEFAULT = (AIBRIX_IMBALANCE_ABS, AIBRIX_STD_FACTOR)  # `aibrix_route`'s order
 # Consistent hashing: virtual points per replica on the ring.
 RING_POINTS = 40
 
@@ -147,12 +149,33 @@ def dynamo_kv(key, obs, state, params):
     return _argmin_open(DYNAMO_OVERLAP_WEIGHT * prefill + active, state, params)
 
 
+def sglang_route(thresholds, state, params) -> jax.Array:
+    """The replica SGLang's `cache_aware` router picks with `thresholds = (cache_threshold,
+    balance_abs_threshold, balance_rel_threshold)` (traceable: a `(3,)` array or a tuple):
+    if the load is imbalanced (`max - min > abs` and `max > rel * min` over the replicas
+    that would accept the request, load = in-flight requests, waiting plus running), the
+    least loaded replica; else, if the best cached fraction of the prompt exceeds
+    `cache_threshold`, the replica with the longest match; else the one with the "smallest
+    tree", read here as the most free KV blocks (`kv_blocks - held`). int32."""
+    th = jnp.asarray(thresholds, jnp.float32)
+    ok = _open(state, params)
+    load = in_system(state).astype(jnp.float32)
+    lo = jnp.where(ok, load, jnp.inf).min()
+    hi = jnp.where(ok, load, -jnp.inf).max()
+    imbalanced = (hi - lo > th[1]) & (hi > th[2] * lo)
+    frac = cached_fraction(state, params)
+    best = jnp.where(ok, frac, -1.0).max()
+    free = (params.gpus.kv_blocks - CB.kv_used(state.cluster, params.gpus)).astype(jnp.float32)
+    least = _argmin_open(load, state, params)
+    longest = _argmax_open(frac, state, params)
+    roomiest = _argmax_open(free, state, params)
+    cached = jnp.where(best > th[0], longest, roomiest)
+    return jnp.where(imbalanced, least, cached).astype(jnp.int32)
+
+
 def sglang_cache_aware(key, obs, state, params):
-    """SGLang router `cache_aware`: if the load is imbalanced (`max - min > 64` and `max >
-    1.5 * min`, load = in-flight requests, waiting plus running), the least loaded replica;
-    else, if the best cached fraction of the prompt exceeds 0.3, the replica with the
-    longest match; else the one with the "smallest tree", read here as the most free KV
-    blocks (`kv_blocks - held`).
+    """SGLang router `cache_aware` at its defaults (`sglang_route` with cache_threshold 0.3,
+    balance_abs_threshold 64, balance_rel_threshold 1.5).
 
     Source (ROUTERS.md): sgl-project/sglang `sgl-router/py_src/sglang_router/router_args.py`
     (cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5) and the Rust
@@ -160,27 +183,56 @@ def sglang_cache_aware(key, obs, state, params):
     ROUTERS.md (older releases: 0.5 / 32 / 1.0001). The router's approximate radix tree and
     its LRU eviction are replaced by the replicas' actual caches.
     """
+    return sglang_route(SGLANG_DEFAULT, state, params)
+
+
+def _thresholds(name: str, values, size: int) -> tuple[float, ...]:
+    """`values` as `size` finite non-negative floats, else a ValueError naming `name`."""
+    v = tuple(float(x) for x in values)
+    if len(v) != size or not all(np.isfinite(v)) or min(v) < 0:
+        raise ValueError(f"{name} thresholds must be {size} finite non-negative numbers, "
+                         f"got {values}")
+    return v
+
+
+def sglang_thresholds(thresholds) -> Callable:
+    """SGLang's `cache_aware` router with other thresholds than its defaults (`sglang_route`'s
+    order: cache_threshold, balance_abs_threshold, balance_rel_threshold), e.g. fitted on
+    tuning data (`agents.experiments.prefix_study.fit_sglang`). A policy `(key, obs, state,
+    params) -> int32 replica`."""
+    th = _thresholds("SGLang", thresholds, 3)
+
+    def route(key, obs, state, params):
+        return sglang_route(th, state, params)
+    route.__doc__ = (f"SGLang cache_aware, thresholds (cache, balance_abs, balance_rel) = "
+                     f"{th}.")
+    return route
+
+
+def aibrix_route(thresholds, state, params) -> jax.Array:
+    """The replica AIBrix's `prefix-cache` router picks with `thresholds = (imbalance_abs,
+    std_factor)` (traceable): if the request counts are imbalanced (`max - min >
+    imbalance_abs`), the least-request replica; else, among replicas holding a prefix of the
+    prompt, the longest match, ties to fewer requests, skipping replicas with more than
+    `mean + std_factor * std` requests (population std over replicas); with no such replica,
+    the least-request one. Requests = in flight at the replica (waiting plus running).
+    int32."""
+    th = jnp.asarray(thresholds, jnp.float32)
     ok = _open(state, params)
     load = in_system(state).astype(jnp.float32)
-    lo = jnp.where(ok, load, jnp.inf).min()
-    hi = jnp.where(ok, load, -jnp.inf).max()
-    imbalanced = (hi - lo > SGLANG_BALANCE_ABS) & (hi > SGLANG_BALANCE_REL * lo)
+    imbalanced = load.max() - load.min() > th[0]
     frac = cached_fraction(state, params)
-    best = jnp.where(ok, frac, -1.0).max()
-    free = (params.gpus.kv_blocks - CB.kv_used(state.cluster, params.gpus)).astype(jnp.float32)
+    within = load <= load.mean() + th[1] * load.std()
+    eligible = ok & (frac > 0) & within
+    top = jnp.where(eligible, frac, -1.0).max()
+    pick = jnp.argmin(jnp.where(eligible & (frac == top), load, jnp.inf)).astype(jnp.int32)
     least = _argmin_open(load, state, params)
-    longest = _argmax_open(frac, state, params)
-    roomiest = _argmax_open(free, state, params)
-    cached = jnp.where(best > SGLANG_CACHE_THRESHOLD, longest, roomiest)
-    return jnp.where(imbalanced, least, cached).astype(jnp.int32)
+    return jnp.where(imbalanced | ~eligible.any(), least, pick).astype(jnp.int32)
 
 
 def aibrix_prefix_cache(key, obs, state, params):
-    """AIBrix gateway `prefix-cache`: if the request counts are imbalanced (`max - min >
-    8`), the least-request replica; else, among replicas holding a prefix of the prompt,
-    the longest match, ties to fewer requests, skipping replicas with more than `mean + 1 *
-    std` requests (population std over replicas); with no such replica, the least-request
-    one. Requests = in flight at the replica (waiting plus running).
+    """AIBrix gateway `prefix-cache` at its defaults (`aibrix_route` with imbalance_abs 8,
+    std_factor 1).
 
     Source (ROUTERS.md): vllm-project/aibrix `pkg/plugins/gateway/algorithms/
     prefix_cache.go` (imbalance abs 8, standard-deviation factor 1), strategies list in
@@ -188,16 +240,20 @@ def aibrix_prefix_cache(key, obs, state, params):
     file at commit 01de8a5 gates on `max > 2.0 * (mean + 1)` and `max - min >= 8` instead;
     this implements ROUTERS.md's published rule.)
     """
-    ok = _open(state, params)
-    load = in_system(state).astype(jnp.float32)
-    imbalanced = load.max() - load.min() > AIBRIX_IMBALANCE_ABS
-    frac = cached_fraction(state, params)
-    within = load <= load.mean() + AIBRIX_STD_FACTOR * load.std()
-    eligible = ok & (frac > 0) & within
-    top = jnp.where(eligible, frac, -1.0).max()
-    pick = jnp.argmin(jnp.where(eligible & (frac == top), load, jnp.inf)).astype(jnp.int32)
-    least = _argmin_open(load, state, params)
-    return jnp.where(imbalanced | ~eligible.any(), least, pick).astype(jnp.int32)
+    return aibrix_route(AIBRIX_DEFAULT, state, params)
+
+
+def aibrix_thresholds(thresholds) -> Callable:
+    """AIBrix's `prefix-cache` router with other thresholds than its defaults
+    (`aibrix_route`'s order: imbalance_abs, std_factor), e.g. fitted on tuning data
+    (`agents.experiments.prefix_study.fit_aibrix`). A policy `(key, obs, state, params) ->
+    int32 replica`."""
+    th = _thresholds("AIBrix", thresholds, 2)
+
+    def route(key, obs, state, params):
+        return aibrix_route(th, state, params)
+    route.__doc__ = f"AIBrix prefix-cache, thresholds (imbalance_abs, std_factor) = {th}."
+    return route
 
 
 def _mix32(x: jax.Array) -> jax.Array:
