@@ -225,11 +225,12 @@ def load_trained(env, params, trained: dict, total_steps: int, algo: str = "ppo"
 
 
 def fmt_weights(w) -> str:
-    """`(a, b, c)` with two decimals, or as many significant digits as a value needs where
-    two decimals would change it by more than rounding noise (SGLang's 1.0001)."""
+    """`(a, b, c)` with two decimals, or the three or four a short decimal needs (SGLang's
+    1.0001; a third stays 0.33)."""
     def one(x):
         x = float(x)
-        return f"{x:.2f}" if abs(round(x, 2) - x) < 1e-9 else f"{x:.6g}"
+        places = next((d for d in (2, 3, 4) if abs(round(x, d) - x) < 1e-12), 2)
+        return f"{x:.{places}f}"
     return "(" + ", ".join(one(x) for x in w) + ")"
 
 
