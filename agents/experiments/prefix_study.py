@@ -584,15 +584,15 @@ TUNED_AIBRIX = "aibrix_tuned"
 
 # The fitted families, in `fitted_lane`'s branch order: name -> (the router of a traceable
 # parameter vector `(theta, state, params) -> int32 replica`, the number of parameters, the
-# policy of a fitted vector (which validates it), the default grid).
+# policy of a fitted vector, which validates it).
 FAMILIES = {
-    TUNED_LLMD: (PR.llmd_weighted_route, 3, PR.llmd_weighted, LLMD_GRID),
+    TUNED_LLMD: (PR.llmd_weighted_route, 3, PR.llmd_weighted),
     TUNED_GUARD: (lambda th, s, p: PR.cache_guarded_route(th[0], s, p), 1,
-                  lambda w: PR.cache_guarded(w[0]), GUARD_GRID),
-    TUNED_SGLANG: (PR.sglang_route, 3, PR.sglang_thresholds, SGLANG_GRID),
-    TUNED_AIBRIX: (PR.aibrix_route, 2, PR.aibrix_thresholds, AIBRIX_GRID),
+                  lambda w: PR.cache_guarded(w[0])),
+    TUNED_SGLANG: (PR.sglang_route, 3, PR.sglang_thresholds),
+    TUNED_AIBRIX: (PR.aibrix_route, 2, PR.aibrix_thresholds),
 }
-_THETA = 1 + max(n for _, n, _, _ in FAMILIES.values())  # family index, then parameters
+_THETA = 1 + max(n for _, n, _ in FAMILIES.values())  # family index, then parameters
 
 
 def fitted_lane(env, theta, key, obs, state, params):
@@ -601,7 +601,7 @@ def fitted_lane(env, theta, key, obs, state, params):
     family is a `lax.switch` on a lane constant, so a lane computes its own router only, and
     every family's candidates share one compiled replay (`fit_tuned`)."""
     branches = [partial(lambda f, n, th: jnp.asarray(f(th[:n], state, params), jnp.int32), f, n)
-                for f, n, _, _ in FAMILIES.values()]
+                for f, n, _ in FAMILIES.values()]
     return jax.lax.switch(theta[0].astype(jnp.int32), branches, theta[1:])
 
 
@@ -622,7 +622,7 @@ def fit_tuned(env, params, windows, keys, grids: dict, metric: str = HEADLINE) -
     order = list(FAMILIES)
     lanes, thetas = [], {}
     for name, grid in grids.items():
-        _, size, make, _ = FAMILIES[name]
+        _, size, make = FAMILIES[name]
         for i, w in enumerate(grid):
             w = tuple(float(x) for x in np.atleast_1d(np.asarray(w, np.float64)))
             make(w)  # validates
