@@ -21,6 +21,11 @@ skipped unless every replica would drop it, as in `policies.llm_routing`: a gate
 a full queue from the 429/503 it returns. Ties go to the lowest index (the real routers
 break them at random or by map order); the hand-worked cases in
 tests/test_prefix_routing.py avoid ties where that matters.
+
+llm-d's, SGLang's and AIBrix's rules also take their weights or thresholds as traceable
+parameters (`llmd_weighted_route`, `sglang_route`, `aibrix_route`; policies of other settings
+from `llmd_weighted`, `sglang_thresholds`, `aibrix_thresholds`), which
+`agents.experiments.prefix_study` fits on tuning data.
 """
 
 from __future__ import annotations
@@ -48,11 +53,12 @@ DYNAMO_OVERLAP_WEIGHT = 1.0
 SGLANG_CACHE_THRESHOLD = 0.3
 SGLANG_BALANCE_ABS = 64
 SGLANG_BALANCE_REL = 1.5
-SGLANG_DEFAULT = (SGLANG_CACHE_THRESHOLD, SGLANG_BALANCE_ABS, SGLANG_BALANCE_REL)  # `sglang_route`'s order
+# The same, in `sglang_route`'s order.
+SGLANG_DEFAULT = (SGLANG_CACHE_THRESHOLD, SGLANG_BALANCE_ABS, SGLANG_BALANCE_REL)
 # AIBrix prefix-cache: imbalance guard (absolute) and standard-deviation factor.
 AIBRIX_IMBALANCE_ABS = 8
 AIBRIX_STD_FACTOR = 1.0
-AIBRIX_DEFAULT = (AIBRIX_IMBALANCE_ABS, AIBRIX_STD_FACTOR)  # `aibrix_route`'s order
+AIBRIX_DEFAULT = (AIBRIX_IMBALANCE_ABS, AIBRIX_STD_FACTOR)  # in `aibrix_route`'s order
 # Consistent hashing: virtual points per replica on the ring.
 RING_POINTS = 40
 
