@@ -403,7 +403,7 @@ def test_hand_aibrix(hand):
     assert act("aibrix_prefix_cache", st, params) == 2
     # Other thresholds (imbalance abs, std factor), in aibrix_route's order, on the loads
     # [2, 3, 1, 9] of the first case: abs 7 < 8 makes them imbalanced (least request: 2); a
-    # factor of 2 (thr 10.0) keeps replica 3 and its longest match; 0.5 (thr 5.31) skips it.
+    # factor of 2 (thr 9.98) keeps replica 3 and its longest match; 0.5 (thr 5.31) skips it.
     st = hand_state(s0, cached=[8, 4, 0, 12], held=[8, 2, 0, 24], waiting=[1, 2, 0, 8],
                     running=[1, 1, 1, 1])
     key = jax.random.PRNGKey(0)
