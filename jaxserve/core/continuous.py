@@ -204,8 +204,43 @@ def _add_time(hi: jax.Array, lo: jax.Array, dt: jax.Array) -> tuple[jax.Array, j
     return _two_sum(s, e + lo)
 
 
+def _div(a, b):
+    """`floor(a / b)` for int32 `0 <= a <= 2^25` and `b >= 1` (token counts, at most
+    `types.MAX_TOKENS` = 2^24 per request, over block sizes), exactly.
+
+    By float32 division and one integer correction: below 2^25 the float quotient is within
+    1 of the true one, and the remainder's sign fixes it. XLA:CPU divides int32 arrays one
+    element at a time (LLVM has no vector integer division; `//` also takes a remainder for
+    its sign fix), which cost ~3.5x a float division over `(1,024, 64)` slots
+    (docs/benchmarks.md, run [O]); the engine divides by the block size ~10 times a pass.
+    """
+    a = jnp.asarray(a, jnp.int32)
+    b = jnp.asarray(b, jnp.int32)
+    q = jnp.floor(a.astype(jnp.float32) / b.astype(jnp.float32)).astype(jnp.int32)
+    r = a - q * b
+    return q + (r >= b).astype(jnp.int32) - (r < 0).astype(jnp.int32)
+
+
+def _mod(a, b):
+    """`a mod b` for `_div`'s `a` and `b` (in `[0, b)`)."""
+    return a - _div(a, b) * b
+
+
 def _cdiv(a, b):
-    return (a + b - 1) // b
+    """`ceil(a / b)` for int32 `0 <= a <= 2^24` and `b >= 1` (`_div`)."""
+    return _div(a + b - 1, b)
+
+
+def rowsum(x: jax.Array) -> jax.Array:
+    """`x.sum(-1)` for a float array, as a matrix-vector product with ones.
+
+    XLA:CPU hands a float `reduce` fed by elementwise work to a YNNPACK fusion, whose fixed
+    cost per call dominates at the engine's sizes (a few to a few thousand rows of 16-128
+    slots): in a loop over `(1,024, 64)` rows the product measured ~20 us a trip against
+    ~40-70 us for the reduce (docs/benchmarks.md, run [O]). Same value up to float rounding
+    (another summation order).
+    """
+    return x @ jnp.ones((x.shape[-1],), x.dtype)
 
 
 def _cumsum(x: jax.Array) -> jax.Array:
@@ -229,7 +264,7 @@ def never_fits(prof: ReplicaProfile, prompt, output) -> jax.Array:
     `ceil((p + o) / b) > M - floor(w M)`, or without chunked prefill `p + o > K`.
     """
     total = (jnp.asarray(prompt) + jnp.asarray(output)).astype(jnp.int32)
-    blocks = _cdiv(total, prof.block_size)
+    blocks = (total + prof.block_size - 1) // prof.block_size  # any int32 total
     return ((blocks > prof.kv_blocks - watermark_blocks(prof))
             | (~prof.chunked_prefill & (total > prof.max_tokens)))
 
@@ -318,7 +353,7 @@ def _push_front(q: Q.Queues, k: jax.Array, reqs: Q.Request) -> Q.Queues:
         output=put(q.output, reqs.output), estimate=put(q.estimate, reqs.estimate),
         req_id=None if q.req_id is None else put(q.req_id, reqs.req_id),
         head=head, count=q.count + k,
-        estimate_sum=q.estimate_sum + jnp.where(mask, reqs.estimate, 0.0).sum(-1))
+        estimate_sum=q.estimate_sum + rowsum(jnp.where(mask, reqs.estimate, 0.0)))
 
 
 def _shift_queues(q: Q.Queues, dt: jax.Array) -> Q.Queues:
@@ -359,21 +394,21 @@ def _schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
     def search():
         suffix = jnp.concatenate([_cumsum(held[:, ::-1])[:, ::-1],
                                   jnp.zeros((r_n, 1), jnp.int32)], -1)  # (R, S+1): H(e)
-        # H is non-increasing in e; e > count is excluded with a huge negative H.
+        # H is non-increasing in e, so {e <= count : H(e) >= x} is a prefix [0, E] of the
+        # slots: E_i > i iff i + 1 <= count and H(i + 1) >= D_i - F, one compare per slot
+        # (a binary search per slot gathered ~7 times per pass).
         e_ok = jnp.arange(s_n + 1)[None, :] <= run.count[:, None]
-        h_neg = jnp.where(e_ok, -suffix, jnp.int32(2 ** 30))  # non-decreasing
-        x_neg = free0[:, None] - demand
-        big_e = jax.vmap(lambda h, x: jnp.searchsorted(h, x, side="right", method="scan"))(
-            h_neg, x_neg).astype(jnp.int32) - 1  # (R, S): #{e <= count: H(e) >= D_i - F} - 1
-        sched = (n > 0) & (big_e > idx)
+        sched = ((n > 0) & (idx < run.count[:, None])
+                 & (suffix[:, 1:] >= demand - free0[:, None]))
         s = sched.sum(-1)
         n_at_s = jnp.take_along_axis(n, jnp.minimum(s, s_n - 1)[:, None], -1)[:, 0]
         stop_self = (s < run.count) & (n_at_s > 0)
-        e_prev = jnp.where(s > 0, jnp.take_along_axis(big_e, jnp.maximum(s - 1, 0)[:, None],
-                                                      -1)[:, 0], run.count)
-        keep = jnp.where(stop_self, s, jnp.minimum(e_prev, run.count))
         used = jnp.where(s > 0, jnp.take_along_axis(demand, jnp.maximum(s - 1, 0)[:, None],
                                                     -1)[:, 0], 0)
+        # E_{s-1}: #{e <= count : H(e) >= D_{s-1} - F} - 1.
+        e_last = (e_ok & (suffix >= (used - free0)[:, None])).sum(-1).astype(jnp.int32) - 1
+        e_prev = jnp.where(s > 0, e_last, run.count)
+        keep = jnp.where(stop_self, s, jnp.minimum(e_prev, run.count))
         return keep, jnp.where(sched, n, 0), used
 
     def fits():
@@ -455,7 +490,7 @@ def _apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
     # replica of the batch preempted (one conditional under vmap, `lanes.batch_max`).
     q_gen, q_pre, queues = jax.lax.cond(batch_max((npre > 0).any()), push_victims,
                                         lambda: (rep.q_gen, rep.q_pre, q))
-    adm_est = jnp.where(admit, win.estimate, 0.0).sum(-1)
+    adm_est = rowsum(jnp.where(admit, win.estimate, 0.0))
     queues = Q.pop_front(queues, a, jnp.zeros((r_n,), jnp.float32), adm_est)
 
     # Admitted requests join the running slots after the survivors.
@@ -486,8 +521,8 @@ def _apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
     comp_f = r2.comp.astype(jnp.float32)
     num_dec = decoding.sum(-1).astype(jnp.float32)
     iter_time = iteration_time(
-        prof, n_f.sum(-1), jnp.where(prefill, n_f * (comp_f + n_f), 0.0).sum(-1), num_dec,
-        jnp.where(decoding, len2.astype(jnp.float32), 0.0).sum(-1))
+        prof, rowsum(n_f), rowsum(jnp.where(prefill, n_f * (comp_f + n_f), 0.0)), num_dec,
+        rowsum(jnp.where(decoding, len2.astype(jnp.float32), 0.0)))
     if blocks is None:
         valid2 = idx < r2.count[:, None]
         blocks = jnp.where(valid2, _cdiv(r2.comp + r2.sched, b), 0).sum(-1)
@@ -1212,8 +1247,9 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     decoding = valid & (run.gen >= 1) & (run.comp == length - 1)
     pure = go & (n > 0) & (decoding.sum(-1) == n) & (n <= prof.max_tokens)
     comp = jnp.where(valid, run.comp, 0)
-    slack = (-comp) % b  # free token positions in each slot's last block
-    slot_blocks0 = jnp.where(valid, _cdiv(comp, b), 0).sum(-1)
+    comp_blocks = _cdiv(comp, b)
+    slack = comp_blocks * b - comp  # free token positions in each slot's last block
+    slot_blocks0 = jnp.where(valid, comp_blocks, 0).sum(-1)
 
     def blocks_after(k):  # extra blocks held after k decode iterations, D(k)
         return jnp.where(valid, _cdiv(comp + k[:, None], b), 0).sum(-1) - slot_blocks0
@@ -1248,7 +1284,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     if rep.pc is not None:
         # At most RUN_BLOCKS takes and fills per slot (`_run_blocks`): slot i's next ones
         # come at iterations f_i + RUN_BLOCKS b and g_i + RUN_BLOCKS b (f_i, g_i < b).
-        first_event = jnp.where(valid, jnp.minimum(slack, (-comp - 1) % b), b).min(-1)
+        first_event = jnp.where(valid, jnp.minimum(slack, b - 1 - _mod(comp, b)), b).min(-1)
         left = jnp.minimum(left, first_event + RUN_BLOCKS * prof.block_size + 1)
     k_max = jnp.where(pure & ~admit, jnp.clip(left - 1, 0, RUN_CAP), 0)
 
@@ -1328,7 +1364,8 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     kf = k.astype(jnp.float32)[:, None]
     bf = b.astype(jnp.float32)
     f = jnp.where(slack == 0, b, slack)
-    m_i = jnp.where(valid & (k[:, None] - 1 >= f), (k[:, None] - 1 - f) // b + 1, 0)
+    m_i = jnp.where(valid & (k[:, None] - 1 >= f),
+                    _div(jnp.maximum(k[:, None] - 1 - f, 0), b) + 1, 0)
     mf, ff = m_i.astype(jnp.float32), f.astype(jnp.float32)
     s1 = mf * ff + bf * mf * (mf - 1.0) * 0.5  # sum of the crossings j
     s2 = (mf * ff * ff + ff * bf * mf * (mf - 1.0)
@@ -1336,7 +1373,7 @@ def _decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array
     tail = (a_t[:, None] * (mf * kf - s1)
             + b_t[:, None] * (mf * kf * (kf - 1.0) * 0.5 - (s2 - s1) * 0.5))
     h1 = (held0 + d1).astype(jnp.float32)
-    kv_s = h1 * total + tail.sum(-1)
+    kv_s = h1 * total + rowsum(tail)
     end_hi, end_lo = _add_time(t, t_lo, total)
     adv = jnp.where(valid & skip[:, None], k[:, None], 0)
     if rep.pc is not None:
@@ -1380,12 +1417,12 @@ def _end_iteration(rep: Replicas, end: jax.Array, slo_s, m: StepMetrics, ex: dic
     since = jnp.where(end, rep.t_end - jnp.maximum(rep.t_start, 0.0), 0.0)
     m = m.replace(
         completed=m.completed + k.sum(),
-        latency_sum=m.latency_sum + jnp.where(done, span, 0.0).sum(),
+        latency_sum=m.latency_sum + rowsum(jnp.where(done, span, 0.0)).sum(),
         slo_met=m.slo_met + (done & (span <= slo_s)).sum().astype(jnp.int32),
         busy_time=m.busy_time + since.sum(),
         in_system_time=m.in_system_time + (k * jnp.maximum(rep.t_end, 0.0)).sum())
     ex = {**ex, "first_tokens": ex["first_tokens"] + first.sum().astype(jnp.int32),
-          "ttft_sum": ex["ttft_sum"] + jnp.where(first, span, 0.0).sum()}
+          "ttft_sum": ex["ttft_sum"] + rowsum(jnp.where(first, span, 0.0)).sum()}
     if log is not None and log.ttft.shape[0] > 0:
         size = log.ttft.shape[0]
         i_first = jnp.where(first, run.req_id, size).ravel()

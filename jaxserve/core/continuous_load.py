@@ -243,8 +243,8 @@ def _remaining(rep: CB.Replicas, prof: ReplicaProfile, m: int):
     present = _present(rep, prof, m)
     valid, _, _, k, pre, c, blocks = present
     decode = (prof.c0 + prof.beta)[:, None] * k + _pairwise(True)(k, c)
-    stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
-    slow = _slowdown(prof, valid.sum(-1), blocks.sum(-1))
+    stall = CB.rowsum(_prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre))
+    slow = _slowdown(prof, valid.sum(-1), CB.rowsum(blocks))
     return present, jnp.where(valid, (decode + stall[:, None]) * slow[:, None], 0.0)
 
 
@@ -255,9 +255,9 @@ def _remaining_sum(rep: CB.Replicas, prof: ReplicaProfile, m: int):
     present = _present(rep, prof, m)
     valid, _, _, k, pre, c, blocks = present
     n = valid.sum(-1)
-    decode = (prof.c0 + prof.beta) * k.sum(-1) + _pairwise(False)(k, c)
-    stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
-    return present, (decode + n * stall) * _slowdown(prof, n, blocks.sum(-1))
+    decode = (prof.c0 + prof.beta) * CB.rowsum(k) + _pairwise(False)(k, c)
+    stall = CB.rowsum(_prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre))
+    return present, (decode + n * stall) * _slowdown(prof, n, CB.rowsum(blocks))
 
 
 def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
@@ -299,14 +299,15 @@ def _marginal(prof: ReplicaProfile, present, total, prompt, estimate) -> jax.Arr
     kx = jnp.maximum(jnp.asarray(estimate, jnp.float32), 1.0)
     cx = prof.alpha + prof.gamma + prof.delta * (p + kx / 2.0)
     bx = jnp.ceil((p + kx) / prof.block_size.astype(jnp.float32))
-    stall = _prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre).sum(-1)
+    stall = CB.rowsum(_prefill_time(jax.tree.map(lambda x: x[:, None], prof), pre))
     stall_x = _prefill_time(prof, p)
     n = valid.sum(-1)
-    slow0 = _slowdown(prof, n, blocks.sum(-1))
-    slow1 = _slowdown(prof, n + 1, blocks.sum(-1) + bx)
+    blocks_sum = CB.rowsum(blocks)
+    slow0 = _slowdown(prof, n, blocks_sum)
+    slow1 = _slowdown(prof, n + 1, blocks_sum + bx)
     base = total / slow0  # the sum before the slowdown
-    others = cx * jnp.minimum(k, kx).sum(-1) + n * stall_x
-    own = ((prof.c0 + prof.beta) * kx + (c * jnp.minimum(k, kx)).sum(-1) + cx * kx
+    others = cx * CB.rowsum(jnp.minimum(k, kx)) + n * stall_x
+    own = ((prof.c0 + prof.beta) * kx + CB.rowsum(c * jnp.minimum(k, kx)) + cx * kx
            + stall + stall_x)
     return ((base + others + own) * slow1 - base * slow0).astype(jnp.float32)
 
