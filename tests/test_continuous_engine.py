@@ -547,6 +547,48 @@ def test_decode_run_kv_bound_equals_brute_force():
     assert kv_bound >= 40  # the blocks, not a completion, end nearly every run
 
 
+def test_block_arithmetic_is_exact_integer_division():
+    """`_div`, `_mod`, `_cdiv` (float32 division plus one integer correction) equal integer
+    floor division for every dividend the engine can form (token counts up to 2^24 per
+    request, plus a block less one) over every divisor used as a block size, at the edges where
+    a float32 quotient rounds: exact multiples, one below and above them, and the top of the
+    range where float32 no longer holds every integer (2^24 + 1 rounds to 2^24), up to 2^25."""
+    rng = np.random.default_rng(5)
+    bs = np.asarray([1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 64, 100, 255, 256, 4096])
+    top = 2 ** 25  # `_div`'s stated range
+    a = np.concatenate([rng.integers(0, top, 20000), np.arange(0, 300),
+                        np.arange(2 ** 24 - 300, 2 ** 24 + 4096, 7),
+                        np.arange(top - 300, top)]).astype(np.int64)
+    for b in bs:
+        mult = (a // b) * b
+        edge = np.clip(np.concatenate([a, mult - 1, mult + 1, mult]), 0, top).astype(np.int32)
+        want_div, want_mod = edge // b, edge % b
+        got_div = np.asarray(jax.jit(CB._div)(jnp.asarray(edge), jnp.int32(b)))
+        got_mod = np.asarray(jax.jit(CB._mod)(jnp.asarray(edge), jnp.int32(b)))
+        np.testing.assert_array_equal(got_div, want_div, err_msg=f"b={b}")
+        np.testing.assert_array_equal(got_mod, want_mod, err_msg=f"b={b}")
+        small = edge[edge <= 2 ** 24]
+        np.testing.assert_array_equal(np.asarray(jax.jit(CB._cdiv)(small, jnp.int32(b))),
+                                      -(-small // b), err_msg=f"b={b}")
+    # Per-row divisors, as the engine passes them (one block size per replica).
+    rows = jnp.asarray(rng.integers(0, 2 ** 24, (16, 64)), jnp.int32)
+    b_row = jnp.asarray(rng.choice(bs, (16, 1)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(CB._div(rows, b_row)),
+                                  np.asarray(rows) // np.asarray(b_row))
+
+
+def test_cumsum_and_rowsum():
+    """`_cumsum` (shifted adds) is the inclusive prefix sum at every width, powers of two or
+    not; `rowsum` (a product with ones) is the row sum up to float32 rounding."""
+    rng = np.random.default_rng(6)
+    for n in (1, 2, 3, 5, 16, 63, 64, 65, 192):
+        x = rng.integers(-1000, 1000, (3, 4, n)).astype(np.int32)
+        np.testing.assert_array_equal(np.asarray(CB._cumsum(jnp.asarray(x))), np.cumsum(x, -1))
+        f = rng.standard_normal((3, n)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(CB.rowsum(jnp.asarray(f))), f.sum(-1),
+                                   rtol=1e-5, atol=1e-5 * n)
+
+
 def test_decode_runs_vmap_equals_loop():
     """vmap over replica sets (different caches, hence different runs) equals each alone."""
     rng = np.random.default_rng(8)

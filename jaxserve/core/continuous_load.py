@@ -79,10 +79,10 @@ def queued_work(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
     total = run.prompt + est
     done = jnp.minimum(run.comp.astype(jnp.float32), run.prompt) + run.gen
     left = jnp.clip(1.0 - done / total, 0.0, 1.0)
-    running = jnp.where(valid, left * request_work(col, run.prompt, est), 0.0).sum(-1)
+    running = CB.rowsum(jnp.where(valid, left * request_work(col, run.prompt, est), 0.0))
     q = rep.queues
-    wait = jnp.where(Q.waiting_mask(q),
-                     request_work(col, q.prompt, jnp.maximum(q.estimate, 1.0)), 0.0).sum(-1)
+    wait = CB.rowsum(jnp.where(Q.waiting_mask(q),
+                               request_work(col, q.prompt, jnp.maximum(q.estimate, 1.0)), 0.0))
     return (running + wait).astype(jnp.float32)
 
 
