@@ -211,8 +211,9 @@ def _div(a, b):
     By float32 division and one integer correction: below 2^25 the float quotient is within
     1 of the true one, and the remainder's sign fixes it. XLA:CPU divides int32 arrays one
     element at a time (LLVM has no vector integer division; `//` also takes a remainder for
-    its sign fix), which cost ~3.5x a float division over `(1,024, 64)` slots
-    (docs/benchmarks.md, run [O]); the engine divides by the block size ~10 times a pass.
+    its sign fix): a ceiling division over `(1,024, 64)` slots measured 243 us against 67 us
+    in float32 (docs/benchmarks.md, run [O]); the engine divides by the block size ~10 times
+    a pass.
     """
     a = jnp.asarray(a, jnp.int32)
     b = jnp.asarray(b, jnp.int32)
@@ -236,9 +237,9 @@ def rowsum(x: jax.Array) -> jax.Array:
 
     XLA:CPU hands a float `reduce` fed by elementwise work to a YNNPACK fusion, whose fixed
     cost per call dominates at the engine's sizes (a few to a few thousand rows of 16-128
-    slots): in a loop over `(1,024, 64)` rows the product measured ~20 us a trip against
-    ~40-70 us for the reduce (docs/benchmarks.md, run [O]). Same value up to float rounding
-    (another summation order).
+    slots): in a loop over `(1,024, 64)` / `(1,024, 96)` rows the product measured 21.5 /
+    27.7 us a trip against 38.9 / 70.5 us for the reduce (docs/benchmarks.md, run [O]). Same
+    value up to float rounding (another summation order).
     """
     return x @ jnp.ones((x.shape[-1],), x.dtype)
 
