@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from jaxserve.compile_cache import enable_compilation_cache
+
 
 class CLIError(Exception):
     """A user error: printed as one line on stderr, exit status 2."""
@@ -62,8 +64,12 @@ def output_file(path: str | None, flag: str) -> Path | None:
 
 
 def run_cli(prog: str, body: Callable[[], int]) -> int:
-    """Runs `body()` and turns user errors (`CLIError`, ValueError, TypeError, OSError) into
-    `prog: error: <one line>` on stderr and exit status 2."""
+    """Runs `body()` with the persistent XLA compilation cache on
+    (`jaxserve.compile_cache.enable_compilation_cache`: a second run of the same programs
+    loads them instead of compiling them; `JAXSERVE_XLA_CACHE=off` turns it off) and turns
+    user errors (`CLIError`, ValueError, TypeError, OSError) into `prog: error: <one line>`
+    on stderr and exit status 2."""
+    enable_compilation_cache()
     try:
         return body()
     except (CLIError, ValueError, TypeError, OSError) as e:

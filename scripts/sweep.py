@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agents.sweep import DEFAULT_GRID, SWEPT, SweepResult, plot_sweep, run_sweep  # noqa: F401
+from jaxserve.compile_cache import enable_compilation_cache
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
 from scripts.cli import parse_pairs
@@ -76,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 with one line on stderr for bad input)."""
+    """Entry point; returns the exit status (2 with one line on stderr for bad input). Runs
+    with the persistent XLA compilation cache on (`jaxserve.compile_cache`), as the other
+    CLIs do (`scripts.cli.run_cli`)."""
+    enable_compilation_cache()
     try:
         args = build_parser().parse_args(argv)
         if args.seeds < 1:

@@ -15,7 +15,9 @@ Without `filelock` JAX does not lock the cache: a worker reading an entry anothe
 gets a decompression error, which JAX reports as a warning before compiling the program
 itself, so a race costs time, never a result.
 
-`JAXSERVE_TEST_XLA_CACHE=0` turns it off.
+`JAXSERVE_TEST_XLA_CACHE=0` turns it off, and with it the CLIs' own cache
+(`JAXSERVE_XLA_CACHE=off`), so that no test writes to the user's home. With it on, the CLIs
+that tests run use this run's folder (`jaxserve.compile_cache` keeps a folder JAX already has).
 
 After each test module every compiled program is released (`jax.clear_caches()` and a garbage
 collection). XLA:CPU keeps each executable's JIT code in its own memory maps, and JAX keeps
@@ -42,6 +44,8 @@ _created: list[str] = []
 
 def pytest_configure(config):
     if os.environ.get("JAXSERVE_TEST_XLA_CACHE", "1") == "0":
+        # nor the CLIs' own cache in the user's home (`jaxserve.compile_cache`)
+        os.environ.setdefault("JAXSERVE_XLA_CACHE", "off")
         return
     cache_dir = os.environ.get(_MARK)
     if cache_dir is None:  # the controller (or a run without xdist): a fresh directory
