@@ -36,12 +36,17 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
   python -m scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
       # LLMPrefixRouting-v0's default scenario, caching on and off (same process)
+  python -m scripts.bench --ab jaxserve.core.lanes.DENSE_FRACTION=4,2 --curve 12 \
+      --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
+      # a paired A/B of a module constant: both programs in one process, chunks alternated
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import importlib
 import json
 import os
 import platform
@@ -49,6 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import gymnax
 import jax
@@ -69,8 +75,8 @@ from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import routing as R
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
-                                           make_runner, phase_summary, rollout_curve, state_bytes,
-                                           time_env)
+                                           make_runner, paired_curve, phase_summary,
+                                           rollout_curve, state_bytes, time_env)
 from jaxserve.evaluation.replay import replay_prefix_arrays
 from jaxserve.reference import sim as ref
 from jaxserve.traces.prefix import build_prefix_tree
@@ -556,6 +562,13 @@ def _main(argv=None):
                     help="only time CHUNKS consecutive --num-steps-step rollouts from reset "
                          "in PPO's layout (scan of vmap) for the --only environments (default "
                          "the LLM ones): the cost as queues fill, up to the steady state")
+    ap.add_argument("--ab", default=None, metavar="MODULE.NAME=A,B",
+                    help="only a paired A/B of a module constant read when programs are "
+                         "traced (e.g. jaxserve.core.lanes.DENSE_FRACTION=4,2; values are "
+                         "Python literals): --curve chunks (default 12) of the first --only "
+                         "environment (default LLMRouting-v0's registered load) at the first "
+                         "--num-envs count, A and B compiled in one process and run in "
+                         "alternating chunks")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     counts = ([16, 64] if args.quick else [256, 4096]) if args.num_envs is None \
@@ -581,6 +594,15 @@ def _main(argv=None):
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=2))
             return res
+    if args.ab:
+        try:
+            res["ab"] = ab_curve(args.ab, counts[0], steps, args.curve or 12,
+                                 args.only or "LLMRouting-v0 (4")
+        except ValueError as e:
+            ap.error(str(e))
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
     if args.curve:
         res["curve"] = curves(counts, steps, args.curve, args.only or "LLM")
         if args.out:
@@ -673,6 +695,56 @@ def curves(counts, steps, chunks, only):
                   f"{steps}-step chunk: " + " ".join(f"{x:,.0f}" for x in rates)
                   + f"; steady (second half) {r['steady_steps_per_s']:,.0f}", flush=True)
     return out
+
+
+def parse_ab(spec: str) -> tuple[Any, str, tuple[Any, Any]]:
+    """`"package.module.NAME=A,B"` -> (the module, NAME, (A, B)); ValueError naming what is
+    wrong (the form, the module, the constant, a value that is not a Python literal)."""
+    target, sep, vals = spec.partition("=")
+    mod_name, dot, attr = target.strip().rpartition(".")
+    parts = vals.split(",")
+    if not sep or not dot or not mod_name or not attr or len(parts) != 2:
+        raise ValueError(f"--ab expects MODULE.NAME=A,B, got {spec!r}")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"--ab: cannot import {mod_name!r} ({e})") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"--ab: module {mod_name!r} has no {attr!r}")
+    try:
+        values = tuple(ast.literal_eval(p.strip()) for p in parts)
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"--ab: values must be Python literals, got {vals!r}") from e
+    return module, attr, values
+
+
+def ab_curve(spec: str, num_envs: int, steps: int, chunks: int, only: str) -> dict:
+    """`benchmark.paired_curve` of the first `environments()` entry whose name starts with one
+    of `only`'s prefixes, with the module constant `spec` names set to each value in turn
+    (`parse_ab`); the constant's own value is restored afterwards."""
+    module, attr, values = parse_ab(spec)
+    entry = next((e for e in environments()
+                  if any(e[0].startswith(p) for p in only.split(","))), None)
+    if entry is None:
+        raise ValueError(f"--ab: no environment of this benchmark matches --only {only!r}")
+    if chunks < 2:
+        raise ValueError("--ab needs --curve >= 2 (pairs are taken over the second half)")
+    name, env, params = entry[:3]
+    before = getattr(module, attr)
+    try:
+        r = paired_curve(env, params, num_envs, steps, chunks,
+                         lambda v: setattr(module, attr, v), values)
+    finally:
+        setattr(module, attr, before)
+        jax.clear_caches()
+    med = [float(np.median(u[chunks // 2:])) for u in r["us_per_env_step"]]
+    print(f"ab {name} envs={num_envs}: {spec.partition('=')[0]} A={values[0]!r} "
+          f"B={values[1]!r}; compile {r['compile_s'][0]:.1f} / {r['compile_s'][1]:.1f} s; "
+          f"us/env-step (median of chunks {chunks // 2 + 1}-{chunks}) A {med[0]:.1f} B "
+          f"{med[1]:.1f}; paired A/B median {r['median_ratio']:.3f} (min {r['min_ratio']:.3f}, "
+          f"max {r['max_ratio']:.3f}; > 1: B faster); sums "
+          f"{'equal' if r['sums'][0] == r['sums'][1] else 'DIFFER'}", flush=True)
+    return {"env": name, "num_envs": num_envs, "spec": spec, **r}
 
 
 def summarize(results):

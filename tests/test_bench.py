@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxserve.evaluation import benchmark as bench
 
@@ -110,3 +111,51 @@ def test_rollout_curve_times_each_chunk_from_reset():
     r = bench.rollout_curve(env, env.default_params, num_envs=4, chunk_steps=3, chunks=2)
     assert r["chunk_steps"] == 3 and len(r["steps_per_s"]) == 2
     assert all(x > 0 for x in r["steps_per_s"]) and r["compile_s"] >= 0
+
+
+class _ScaledNoOp(bench.NoOpEnv):
+    """NoOpEnv whose observation is scaled by a class constant read when the step is traced:
+    a stand-in for a module constant such as `lanes.DENSE_FRACTION`."""
+
+    SCALE = 1.0
+
+    def step_env(self, key, state, action, params):
+        obs, state, reward, done, info = super().step_env(key, state, action, params)
+        return obs * type(self).SCALE, state, reward, done, info
+
+
+def test_paired_curve_compiles_each_variant_and_alternates_chunks():
+    env = _ScaledNoOp()
+    seen = []
+
+    def set_scale(v):
+        seen.append(v)
+        _ScaledNoOp.SCALE = v
+
+    try:
+        same = bench.paired_curve(env, env.default_params, 4, 3, 4, set_scale, (1.0, 1.0))
+        diff = bench.paired_curve(env, env.default_params, 4, 3, 4, set_scale, (1.0, 2.0))
+    finally:
+        _ScaledNoOp.SCALE = 1.0
+    assert seen == [1.0, 1.0, 1.0, 2.0]  # set before each variant's trace
+    assert len(same["us_per_env_step"][0]) == len(same["us_per_env_step"][1]) == 4
+    assert len(same["ratios"]) == 2 and same["min_ratio"] <= same["median_ratio"] \
+        <= same["max_ratio"]
+    assert same["sums"][0] == same["sums"][1] != 0.0
+    # Each variant was traced with its own value (the caches were cleared in between).
+    assert diff["sums"][1] == 2.0 * diff["sums"][0]
+
+
+def test_bench_ab_parses_and_rejects_bad_specs():
+    import scripts.bench as sb
+    from jaxserve.core import lanes
+
+    module, attr, values = sb.parse_ab("jaxserve.core.lanes.DENSE_FRACTION=4, 2")
+    assert module is lanes and attr == "DENSE_FRACTION" and values == (4, 2)
+    for spec, match in (("DENSE_FRACTION=4,2", "MODULE.NAME=A,B"),
+                        ("jaxserve.core.lanes.DENSE_FRACTION=4", "MODULE.NAME=A,B"),
+                        ("jaxserve.nope.X=1,2", "cannot import"),
+                        ("jaxserve.core.lanes.NOPE=1,2", "has no 'NOPE'"),
+                        ("jaxserve.core.lanes.DENSE_FRACTION=four,2", "Python literals")):
+        with pytest.raises(ValueError, match=match):
+            sb.parse_ab(spec)

@@ -12,6 +12,7 @@ import re
 import resource
 import time
 from collections import defaultdict
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -111,16 +112,10 @@ def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_res
             "arrivals_per_step": arrived / total}
 
 
-def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> dict:
-    """Env-steps/s of consecutive `chunk_steps`-step rollouts from reset, in PPO's layout.
-
-    A `lax.scan` over steps of `vmap` over environments (as `agents.rollout` runs them),
-    random actions, the observation and reward consumed (so nothing is dead code), each
-    chunk continuing from the last one's states and timed once: how an environment's cost
-    changes as its queues fill, up to its steady state (the bench's "warmed" figure times
-    one short call from one state). Compile is excluded (the program is compiled first).
-    Returns `{"chunk_steps", "compile_s", "steps_per_s": [per chunk]}`.
-    """
+def _rollout_chunk(env, params, num_envs: int, chunk_steps: int):
+    """`(chunk(key, states) -> (states, acc), states0)`: a `lax.scan` of `chunk_steps` steps of
+    `vmap` over `num_envs` environments with random actions, summing every observation and
+    reward into `acc` (so nothing is dead code), and the environments' reset states."""
     n_act = env.action_space(params).n
 
     def chunk(key, state):
@@ -137,6 +132,20 @@ def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> 
 
     states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(
         jax.random.split(jax.random.PRNGKey(0), num_envs))
+    return chunk, states
+
+
+def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> dict:
+    """Env-steps/s of consecutive `chunk_steps`-step rollouts from reset, in PPO's layout.
+
+    A `lax.scan` over steps of `vmap` over environments (as `agents.rollout` runs them),
+    random actions, the observation and reward consumed (so nothing is dead code), each
+    chunk continuing from the last one's states and timed once: how an environment's cost
+    changes as its queues fill, up to its steady state (the bench's "warmed" figure times
+    one short call from one state). Compile is excluded (the program is compiled first).
+    Returns `{"chunk_steps", "compile_s", "steps_per_s": [per chunk]}`.
+    """
+    chunk, states = _rollout_chunk(env, params, num_envs, chunk_steps)
     t0 = time.perf_counter()
     compiled = jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile()
     compile_s = time.perf_counter() - t0
@@ -147,6 +156,49 @@ def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> 
         jax.block_until_ready(acc)
         rates.append(num_envs * chunk_steps / (time.perf_counter() - t))
     return {"chunk_steps": chunk_steps, "compile_s": compile_s, "steps_per_s": rates}
+
+
+def paired_curve(env, params, num_envs: int, chunk_steps: int, chunks: int,
+                 set_variant: Callable[[Any], None], values: tuple[Any, Any]) -> dict:
+    """`rollout_curve` of two variants of one program, timed in alternating chunks.
+
+    `set_variant(v)` configures the code for variant `v` (e.g. sets a module constant read
+    when a program is traced); each variant's program is traced and compiled after it, with
+    JAX's caches cleared in between, and both start from the same reset states. Chunk `i` of
+    both then runs back to back, A first on even `i` and B first on odd `i`, so the machine's
+    drift between minutes (which on a shared 2-core VM exceeds many differences worth
+    measuring) falls on both alike. Each chunk's `us/env-step(A) / us/env-step(B)` over the
+    second half of the chunks (the steady state) is a paired ratio: > 1 where B is faster.
+    The caller restores its own configuration afterwards.
+
+    Returns `{"values", "compile_s": [A, B], "us_per_env_step": [[A's chunks], [B's]],
+    "ratios", "median_ratio", "min_ratio", "max_ratio", "sums": [A, B]}`; `sums` are the
+    last chunk's summed observations and rewards, equal where the variants compute the same
+    environment (every chunk starts from its own states and keys: 2 + chunk index).
+    """
+    programs, compile_s, states = [], [], None
+    for v in values:
+        set_variant(v)
+        jax.clear_caches()
+        chunk, states = _rollout_chunk(env, params, num_envs, chunk_steps)
+        t0 = time.perf_counter()
+        programs.append(jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile())
+        compile_s.append(time.perf_counter() - t0)
+    state = [states, states]
+    us = [[], []]
+    sums = [0.0, 0.0]
+    for i in range(chunks):
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t = time.perf_counter()
+            state[j], acc = programs[j](jax.random.PRNGKey(2 + i), state[j])
+            jax.block_until_ready(acc)
+            us[j].append((time.perf_counter() - t) * 1e6 / (num_envs * chunk_steps))
+            sums[j] = float(acc)
+    ratios = [a / b for a, b in zip(us[0][chunks // 2:], us[1][chunks // 2:])]
+    return {"values": list(values), "chunk_steps": chunk_steps, "compile_s": compile_s,
+            "us_per_env_step": us, "ratios": ratios,
+            "median_ratio": float(np.median(ratios)), "min_ratio": min(ratios),
+            "max_ratio": max(ratios), "sums": sums}
 
 
 def state_bytes(env, params):
