@@ -1,10 +1,9 @@
 """A persistent XLA compilation cache for jaxserve's command-line tools (and anyone's code).
 
 JAX compiles every program anew in each process unless its persistent compilation cache is
-on (`jax_compilation_cache_dir`). jaxserve's programs are large: a 256-environment chunk of
-LLMRouting-v0 took 11.7-12.2 s of XLA compilation on a 2-core CPU, and 0.8 s to load from
-the cache in the next process; the main job (`jaxserve-train`) ran in 45.6 s, then 33.6 s.
-Entries are keyed by the program, the jax/jaxlib versions, the backend and the compile
+on (`jax_compilation_cache_dir`). jaxserve's programs are large, and their compile time is a
+good part of a short run: the main job (`jaxserve-train`) ran in 45.6 s cold and 33.6 s with
+the cache warm (README). Entries are keyed by the program, the jax/jaxlib versions, the backend and the compile
 options, so a changed program or a new jax compiles afresh; nothing but compile time depends
 on the cache.
 

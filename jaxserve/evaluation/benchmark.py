@@ -113,9 +113,9 @@ def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_res
 
 
 def _rollout_chunk(env, params, num_envs: int, chunk_steps: int):
-    """`(chunk(key, states) -> (states, acc), states0)`: a `lax.scan` of `chunk_steps` steps of
-    `vmap` over `num_envs` environments with random actions, summing every observation and
-    reward into `acc` (so nothing is dead code), and the environments' reset states."""
+    """`chunk(key, states) -> (states, acc)`: a `lax.scan` of `chunk_steps` steps of `vmap`
+    over `num_envs` environments with random actions, summing every observation and reward
+    into `acc` (so nothing is dead code)."""
     n_act = env.action_space(params).n
 
     def chunk(key, state):
@@ -130,9 +130,13 @@ def _rollout_chunk(env, params, num_envs: int, chunk_steps: int):
         return jax.lax.scan(body, (state, jnp.float32(0.0)),
                             jax.random.split(key, chunk_steps))[0]
 
-    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(
+    return chunk
+
+
+def _reset_states(env, params, num_envs: int):
+    """The `num_envs` environments' reset states (keys split from `PRNGKey(0)`)."""
+    return jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(
         jax.random.split(jax.random.PRNGKey(0), num_envs))
-    return chunk, states
 
 
 def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> dict:
@@ -145,7 +149,8 @@ def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> 
     one short call from one state). Compile is excluded (the program is compiled first).
     Returns `{"chunk_steps", "compile_s", "steps_per_s": [per chunk]}`.
     """
-    chunk, states = _rollout_chunk(env, params, num_envs, chunk_steps)
+    chunk = _rollout_chunk(env, params, num_envs, chunk_steps)
+    states = _reset_states(env, params, num_envs)
     t0 = time.perf_counter()
     compiled = jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile()
     compile_s = time.perf_counter() - t0
@@ -176,11 +181,12 @@ def paired_curve(env, params, num_envs: int, chunk_steps: int, chunks: int,
     last chunk's summed observations and rewards, equal where the variants compute the same
     environment (every chunk starts from its own states and keys: 2 + chunk index).
     """
-    programs, compile_s, states = [], [], None
+    states = _reset_states(env, params, num_envs)
+    programs, compile_s = [], []
     for v in values:
         set_variant(v)
         jax.clear_caches()
-        chunk, states = _rollout_chunk(env, params, num_envs, chunk_steps)
+        chunk = _rollout_chunk(env, params, num_envs, chunk_steps)
         t0 = time.perf_counter()
         programs.append(jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile())
         compile_s.append(time.perf_counter() - t0)
