@@ -39,6 +39,8 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m scripts.bench --ab jaxserve.core.lanes.DENSE_FRACTION=4,2 --curve 12 \
       --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
       # a paired A/B of a module constant: both programs in one process, chunks alternated
+  python -m scripts.bench --ceiling --curve 12 --num-envs 256 --num-steps 128
+      # LLMRouting-v0's engine against one boundary pass per step and against no engine
 """
 
 from __future__ import annotations
@@ -299,6 +301,56 @@ def llm_step_counts(env, params, num_envs, num_steps, warmup_steps):
             "preemptions_per_step": float(pre.mean())}
 
 
+def _no_engine(rep, prof, horizon, slo_s, log=None, decode_runs=True, tables=None,
+               audit=False):
+    """`continuous.advance` replaced by nothing: the replicas as they were, zero metrics (the
+    cost of everything in a step but the engine)."""
+    return rep, StepMetrics.zeros(), CB.zero_extras(), log
+
+
+def _one_pass(cond_fn, body_fn, carry, consts, shared=None):
+    """`lanes.lane_while`'s signature and gating, but one trip: every lane's body once,
+    active where `cond_fn` holds (under `vmap`, one dense pass over every lane)."""
+    def lane(c, k):
+        return body_fn(c, (k, shared), cond_fn(c, (k, shared)))
+    return jax.vmap(lane)(carry, consts)
+
+
+def engine_ceiling(num_envs: int, steps: int, chunks: int) -> dict:
+    """What bounds LLMRouting-v0's speed in this engine design (docs/benchmarks.md, run [Q]):
+    its registered load with random actions in PPO's layout (`paired_curve`: `chunks` chunks
+    of `steps` steps), the engine as shipped paired with (1) the boundary loop cut to one
+    pass over every replica lane per step (`_one_pass` for `continuous.lane_while`: the least
+    that any engine doing a masked pass per step pays; not exact, replicas fall behind) and
+    (2) no engine at all (`_no_engine`: the step's other work). Microseconds per env-step
+    at the steady state (median of the second half) and the paired ratios, shipped / variant.
+    """
+    env, params = jaxserve.make("LLMRouting-v0")
+    real = CB.advance, CB.lane_while
+    variants = {"engine": real, "one pass per step": (CB.advance, _one_pass),
+                "no engine": (_no_engine, CB.lane_while)}
+
+    def set_variant(name):
+        CB.advance, CB.lane_while = variants[name]
+
+    out = {}
+    try:
+        for other in ("one pass per step", "no engine"):
+            r = paired_curve(env, params, num_envs, steps, chunks, set_variant,
+                             ("engine", other))
+            med = [float(np.median(u[chunks // 2:])) for u in r["us_per_env_step"]]
+            out[other] = {**r, "median_us_per_env_step": med}
+            print(f"ceiling LLMRouting-v0 envs={num_envs}: engine {med[0]:.1f} us/env-step, "
+                  f"{other} {med[1]:.1f} (compile {r['compile_s'][0]:.1f} / "
+                  f"{r['compile_s'][1]:.1f} s); engine / {other} paired median "
+                  f"{r['median_ratio']:.2f} (min {r['min_ratio']:.2f}, max "
+                  f"{r['max_ratio']:.2f})", flush=True)
+    finally:
+        CB.advance, CB.lane_while = real
+        jax.clear_caches()
+    return out
+
+
 def profile_llm(counts, steps, repeats, warmup):
     """Where a vmapped LLMRouting-v0 step spends its time, at the registered load and KV-bound
     (`llm_kv_bound_env`): the step as shipped (closed-form decode runs), the same running
@@ -312,9 +364,7 @@ def profile_llm(counts, steps, repeats, warmup):
     def every_boundary(*a, **kw):
         return real_advance(*a, **{**kw, "decode_runs": False})
 
-    def no_engine(rep, prof, horizon, slo_s, log=None, decode_runs=True, tables=None):
-        return rep, StepMetrics.zeros(), CB.zero_extras(), log
-
+    no_engine = _no_engine
     loads = {"registered load": jaxserve.make("LLMRouting-v0"), "KV-bound": llm_kv_bound_env()}
     variants = {"decode runs (default)": real_advance, "every boundary": every_boundary,
                 "no engine": no_engine}
@@ -569,6 +619,10 @@ def _main(argv=None):
                          "environment (default LLMRouting-v0's registered load) at the first "
                          "--num-envs count, A and B compiled in one process and run in "
                          "alternating chunks")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="only LLMRouting-v0's engine paired with one boundary pass per step "
+                         "and with no engine (what bounds this design's speed): --curve "
+                         "chunks (default 12) at the first --num-envs count")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     counts = ([16, 64] if args.quick else [256, 4096]) if args.num_envs is None \
@@ -600,6 +654,13 @@ def _main(argv=None):
                                  args.only or "LLMRouting-v0 (4")
         except ValueError as e:
             ap.error(str(e))
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
+    if args.ceiling:
+        if (args.curve or 12) < 2:
+            ap.error("--ceiling needs --curve >= 2 (pairs are taken over the second half)")
+        res["ceiling"] = engine_ceiling(counts[0], steps, args.curve or 12)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res

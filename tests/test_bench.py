@@ -159,3 +159,30 @@ def test_bench_ab_parses_and_rejects_bad_specs():
                         ("jaxserve.core.lanes.DENSE_FRACTION=four,2", "Python literals")):
         with pytest.raises(ValueError, match=match):
             sb.parse_ab(spec)
+
+
+def test_ceiling_one_pass_runs_each_lane_body_once_where_due():
+    import scripts.bench as sb
+    from jaxserve.core import lanes
+
+    def cond(c, consts):  # consts: (this lane's (limit,), the shared step)
+        return c[0] < consts[0][0]
+
+    def body(c, consts, active):  # gated: unchanged where inactive
+        return (c[0] + active.astype(jnp.int32) * consts[1],)
+
+    start, limit, shared = jnp.array([0, 3, 5, 9]), jnp.array([4, 4, 5, 20]), jnp.int32(2)
+    full = lanes.lane_while(cond, body, (start,), (limit,), shared)[0]
+    once = sb._one_pass(cond, body, (start,), (limit,), shared)[0]
+    assert full.tolist() == [4, 5, 5, 21]  # the loop runs each lane until its test fails
+    assert once.tolist() == [2, 5, 5, 11]  # one gated trip: lane 2 (not due) unchanged
+    batched = jax.vmap(lambda s: sb._one_pass(cond, body, (s,), (limit,), shared)[0])(
+        jnp.stack([start, start + 1]))
+    assert batched.tolist() == [[2, 5, 5, 11], [3, 4, 6, 12]]
+
+
+def test_bench_ceiling_rejects_a_single_chunk():
+    import scripts.bench as sb
+
+    with pytest.raises(SystemExit):
+        sb.main(["--ceiling", "--curve", "1", "--num-envs", "4"])
