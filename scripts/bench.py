@@ -364,10 +364,9 @@ def profile_llm(counts, steps, repeats, warmup):
     def every_boundary(*a, **kw):
         return real_advance(*a, **{**kw, "decode_runs": False})
 
-    no_engine = _no_engine
     loads = {"registered load": jaxserve.make("LLMRouting-v0"), "KV-bound": llm_kv_bound_env()}
     variants = {"decode runs (default)": real_advance, "every boundary": every_boundary,
-                "no engine": no_engine}
+                "no engine": _no_engine}
     out = {}
     try:
         for n in counts:
@@ -376,7 +375,7 @@ def profile_llm(counts, steps, repeats, warmup):
                     CB.advance = advance
                     jax.clear_caches()
                     r = time_env(env, params, n, steps, warmup, repeats)
-                    if advance is not no_engine:
+                    if advance is not _no_engine:
                         r.update(llm_step_counts(env, params, n, steps, warmup))
                     key = f"LLMRouting-v0 {load}, {name} @ {n}"
                     out[key] = {**r, "us_per_env_step_reset": 1e6 / r["reset_steps_per_s"],
