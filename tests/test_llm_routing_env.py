@@ -172,6 +172,9 @@ def test_params_are_checked_as_the_profile_type_they_hold():
     big = params.gpus.replace(max_seqs=params.gpus.max_seqs * 0 + env.max_seqs + 1)
     with pytest.raises(ValueError, match=r"params\.gpus\.max_seqs .* static running slots"):
         env.check_params(params.replace(gpus=big))
+    # Fewer static slots than the profiles' max_seqs: the message names both ways out.
+    with pytest.raises(ValueError, match=r"larger max_seqs, or give the replicas max_seqs <= 8"):
+        jaxserve.make("LLMRouting-v0", max_seqs=8)
     env, params = jaxserve.make("LLMAutoscaling-v0")
     serving = params.serving
     big = serving.gpus.replace(max_seqs=serving.gpus.max_seqs * 0 + env.max_batch + 1)

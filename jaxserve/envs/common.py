@@ -215,7 +215,9 @@ def validate_serving_profiles(prof, queue_buffer: int, max_batch: int | None = N
         ms = np.asarray(prof.max_seqs)
         if max_batch is not None and np.any(ms > max_batch):
             raise ValueError(f"{where}.max_seqs {ms} exceeds the static running slots "
-                             f"({max_batch}); rebuild the environment with a larger max_seqs")
+                             f"({max_batch}); rebuild the environment with a larger max_seqs, "
+                             f"or give the replicas max_seqs <= {max_batch} (e.g. "
+                             f"replicas=[r.replace(max_seqs={max_batch}) for r in replicas])")
     else:
         mb = np.asarray(prof.max_batch)
         if max_batch is not None and max_batch < queue_buffer and np.any(mb > max_batch):
