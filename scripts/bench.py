@@ -41,6 +41,8 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
       # a paired A/B of a module constant: both programs in one process, chunks alternated
   python -m scripts.bench --ceiling --curve 12 --num-envs 256 --num-steps 128
       # LLMRouting-v0's engine against one boundary pass per step and against no engine
+  python -m scripts.bench --slots 32,16 --curve 12 --num-envs 256 --num-steps 128
+      # LLMRouting-v0 with fewer running slots (replicas' max_seqs): speed, and what it changes
 """
 
 from __future__ import annotations
@@ -351,6 +353,70 @@ def engine_ceiling(num_envs: int, steps: int, chunks: int) -> dict:
     return out
 
 
+def cap_effects(env, params, num_envs: int, num_steps: int) -> dict:
+    """Untimed: `num_steps` steps of `num_envs` continuous-batching environments from reset
+    (keys from `PRNGKey(0)`, random actions): what the replicas' `max_seqs` changes. Returns
+    the share of env-steps at which some replica runs `max_seqs` requests with requests
+    waiting (the cap binds), the mean latency of the completed requests (s), completions
+    and drops."""
+    n_act = env.action_space(params).n
+    cap = params.gpus.max_seqs
+
+    def run(key, state):
+        def body(c, k):
+            state, bind, lat, done, drop = c
+            ka, ks = jax.random.split(k)
+            a = jax.random.randint(ka, (num_envs,), 0, n_act)
+            _, state, _, _, _, info = jax.vmap(env.step, (0, 0, 0, None))(
+                jax.random.split(ks, num_envs), state, a, params)
+            cl = state.cluster
+            b = ((cl.run.count >= cap) & (cl.queues.count > 0)).any(-1).mean()
+            return (state, bind + b, lat + info["latency_sum"].sum(),
+                    done + info["completed"].sum(), drop + info["dropped"].sum()), None
+
+        zero = (jnp.float32(0.0), jnp.float32(0.0), jnp.int32(0), jnp.int32(0))
+        return jax.lax.scan(body, (state,) + zero, jax.random.split(key, num_steps))[0][1:]
+
+    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(
+        jax.random.split(jax.random.PRNGKey(0), num_envs))
+    bind, lat, done, drop = jax.jit(run)(jax.random.PRNGKey(1), states)
+    return {"cap_binds_share": float(bind) / num_steps,
+            "mean_latency_s": float(lat) / max(int(done), 1), "completed": int(done),
+            "dropped": int(drop)}
+
+
+def slot_widths(num_envs: int, steps: int, chunks: int, widths) -> dict:
+    """LLMRouting-v0 built with its replicas' `max_seqs` lowered to each of `widths` (fewer
+    static running slots: every boundary pass works on that many), paired in alternating
+    chunks with the registered one (64; `paired_curve`, random actions, PPO's layout), and
+    what the lower cap changes at the registered load (`cap_effects` over the same number
+    of steps, the registered environment included)."""
+    from jaxserve.envs.llm_routing import llm_routing_replicas
+    base = jaxserve.make("LLMRouting-v0")
+    registered = int(base[1].gpus.max_seqs.max())
+    if not all(1 <= w < registered for w in widths):
+        raise ValueError(f"--slots widths must be in [1, {registered}), got {list(widths)}")
+    out = {"effects": {registered: cap_effects(*base, num_envs, steps * chunks)}}
+    for w in widths:
+        env_w = jaxserve.make("LLMRouting-v0", replicas=[r.replace(max_seqs=w)
+                                                         for r in llm_routing_replicas()])
+        r = paired_curve(*base, num_envs, steps, chunks,
+                         lambda v, e=env_w: e if v == w else None, (registered, w))
+        med = [float(np.median(u[chunks // 2:])) for u in r["us_per_env_step"]]
+        out[w] = {**r, "median_us_per_env_step": med}
+        out["effects"][w] = cap_effects(*env_w, num_envs, steps * chunks)
+        print(f"slots LLMRouting-v0 envs={num_envs}: max_seqs {registered} {med[0]:.1f} "
+              f"us/env-step, {w} {med[1]:.1f} (compile {r['compile_s'][0]:.1f} / "
+              f"{r['compile_s'][1]:.1f} s); paired median {r['median_ratio']:.2f} (min "
+              f"{r['min_ratio']:.2f}, max {r['max_ratio']:.2f}; > 1: {w} faster)", flush=True)
+    for w, e in out["effects"].items():
+        print(f"slots LLMRouting-v0 max_seqs {w}: the cap binds at {e['cap_binds_share']:.2%} "
+              f"of env-steps; mean latency {e['mean_latency_s']:.3f} s over "
+              f"{e['completed']:,} completions, {e['dropped']:,} drops "
+              f"({num_envs} envs x {steps * chunks} steps, random actions)", flush=True)
+    return out
+
+
 def profile_llm(counts, steps, repeats, warmup):
     """Where a vmapped LLMRouting-v0 step spends its time, at the registered load and KV-bound
     (`llm_kv_bound_env`): the step as shipped (closed-form decode runs), the same running
@@ -622,6 +688,10 @@ def _main(argv=None):
                     help="only LLMRouting-v0's engine paired with one boundary pass per step "
                          "and with no engine (what bounds this design's speed): --curve "
                          "chunks (default 12) at the first --num-envs count")
+    ap.add_argument("--slots", default=None, metavar="W1,W2",
+                    help="only LLMRouting-v0 with its replicas' max_seqs lowered to each W "
+                         "(fewer running slots per pass), paired with the registered 64 over "
+                         "--curve chunks (default 12), and what the lower cap changes")
     ap.add_argument("--out", default=None, help="write results as JSON here")
     args = ap.parse_args(argv)
     counts = ([16, 64] if args.quick else [256, 4096]) if args.num_envs is None \
@@ -651,6 +721,18 @@ def _main(argv=None):
         try:
             res["ab"] = ab_curve(args.ab, counts[0], steps, args.curve or 12,
                                  args.only or "LLMRouting-v0 (4")
+        except ValueError as e:
+            ap.error(str(e))
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return res
+    if args.slots:
+        try:
+            widths = [int(w) for w in args.slots.split(",")]
+            if (args.curve or 12) < 2:
+                raise ValueError("--slots needs --curve >= 2 (pairs are taken over the "
+                                 "second half)")
+            res["slots"] = slot_widths(counts[0], steps, args.curve or 12, widths)
         except ValueError as e:
             ap.error(str(e))
         if args.out:

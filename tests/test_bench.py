@@ -186,3 +186,26 @@ def test_bench_ceiling_rejects_a_single_chunk():
 
     with pytest.raises(SystemExit):
         sb.main(["--ceiling", "--curve", "1", "--num-envs", "4"])
+
+
+def test_paired_curve_variant_may_time_its_own_environment():
+    env = _ScaledNoOp()
+
+    def set_variant(v):  # A: the scaled env (class constant 2); B: a plain NoOpEnv
+        _ScaledNoOp.SCALE = 2.0
+        return None if v == "scaled" else (bench.NoOpEnv(), env.default_params)
+
+    try:
+        r = bench.paired_curve(env, env.default_params, 4, 3, 2, set_variant,
+                               ("scaled", "plain"))
+    finally:
+        _ScaledNoOp.SCALE = 1.0
+    assert r["sums"][0] == 2.0 * r["sums"][1] != 0.0
+
+
+def test_bench_slots_rejects_bad_widths():
+    import scripts.bench as sb
+
+    for spec in ("64", "0", "32,x"):
+        with pytest.raises(SystemExit):
+            sb.main(["--slots", spec, "--num-envs", "4"])

@@ -164,12 +164,14 @@ def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> 
 
 
 def paired_curve(env, params, num_envs: int, chunk_steps: int, chunks: int,
-                 set_variant: Callable[[Any], None], values: tuple[Any, Any]) -> dict:
+                 set_variant: Callable[[Any], Any], values: tuple[Any, Any]) -> dict:
     """`rollout_curve` of two variants of one program, timed in alternating chunks.
 
     `set_variant(v)` configures the code for variant `v` (e.g. sets a module constant read
     when a program is traced); each variant's program is traced and compiled after it, with
-    JAX's caches cleared in between, and both start from the same reset states. Chunk `i` of
+    JAX's caches cleared in between, and both start from the same reset states. Where
+    `set_variant(v)` returns an `(env, params)` pair, variant `v` times that environment
+    instead (e.g. one built with other static sizes), from its own reset states. Chunk `i` of
     both then runs back to back, A first on even `i` and B first on odd `i`, so the machine's
     drift between minutes (which on a shared 2-core VM exceeds many differences worth
     measuring) falls on both alike. Each chunk's `us/env-step(A) / us/env-step(B)` over the
@@ -181,16 +183,18 @@ def paired_curve(env, params, num_envs: int, chunk_steps: int, chunks: int,
     last chunk's summed observations and rewards, equal where the variants compute the same
     environment (every chunk starts from its own states and keys: 2 + chunk index).
     """
-    states = _reset_states(env, params, num_envs)
-    programs, compile_s = [], []
+    shared = _reset_states(env, params, num_envs)
+    programs, compile_s, state = [], [], []
     for v in values:
-        set_variant(v)
+        own = set_variant(v)
         jax.clear_caches()
-        chunk = _rollout_chunk(env, params, num_envs, chunk_steps)
+        e, p = own if own is not None else (env, params)
+        states = shared if own is None else _reset_states(e, p, num_envs)
+        chunk = _rollout_chunk(e, p, num_envs, chunk_steps)
         t0 = time.perf_counter()
         programs.append(jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile())
         compile_s.append(time.perf_counter() - t0)
-    state = [states, states]
+        state.append(states)
     us = [[], []]
     sums = [0.0, 0.0]
     for i in range(chunks):
