@@ -78,6 +78,7 @@ from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replica
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
 from jaxserve.envs import routing as R
+from jaxserve.envs.llm_routing import llm_routing_replicas
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
                                            make_runner, paired_curve, phase_summary,
                                            rollout_curve, state_bytes, time_env)
@@ -391,7 +392,6 @@ def slot_widths(num_envs: int, steps: int, chunks: int, widths) -> dict:
     chunks with the registered one (64; `paired_curve`, random actions, PPO's layout), and
     what the lower cap changes at the registered load (`cap_effects` over the same number
     of steps, the registered environment included)."""
-    from jaxserve.envs.llm_routing import llm_routing_replicas
     base = jaxserve.make("LLMRouting-v0")
     registered = int(base[1].gpus.max_seqs.max())
     if not all(1 <= w < registered for w in widths):
