@@ -355,7 +355,8 @@ def engine_ceiling(num_envs: int, steps: int, chunks: int) -> dict:
 
 
 def cap_effects(env, params, num_envs: int, num_steps: int) -> dict:
-    """Untimed: `num_steps` steps of `num_envs` continuous-batching environments from reset
+    """Untimed: `num_steps` steps of `num_envs` LLM routing environments (LLMRouting-v0 or
+    LLMPrefixRouting-v0: `params.gpus` and `state.cluster` are their replicas) from reset
     (keys from `PRNGKey(0)`, random actions): what the replicas' `max_seqs` changes. Returns
     the share of env-steps at which some replica runs `max_seqs` requests with requests
     waiting (the cap binds), the mean latency of the completed requests (s), completions
