@@ -81,7 +81,8 @@ from jaxserve.envs import routing as R
 from jaxserve.envs.llm_routing import llm_routing_replicas
 from jaxserve.evaluation.benchmark import (NoOpEnv, aggregate_trace, best_seconds, hlo_op_summary,
                                            make_runner, paired_curve, phase_summary,
-                                           rollout_curve, state_bytes, time_env)
+                                           rollout_curve, rollout_tally, state_bytes,
+                                           time_env)
 from jaxserve.evaluation.replay import replay_prefix_arrays
 from jaxserve.reference import sim as ref
 from jaxserve.traces.prefix import build_prefix_tree
@@ -357,34 +358,30 @@ def engine_ceiling(num_envs: int, steps: int, chunks: int) -> dict:
 def cap_effects(env, params, num_envs: int, num_steps: int) -> dict:
     """Untimed: `num_steps` steps of `num_envs` LLM routing environments (LLMRouting-v0 or
     LLMPrefixRouting-v0: `params.gpus` and `state.cluster` are their replicas) from reset
-    (keys from `PRNGKey(0)`, random actions): what the replicas' `max_seqs` changes. Returns
+    (`benchmark.rollout_tally`: random actions): what the replicas' `max_seqs` changes. Returns
     the share of env-steps at which some replica runs `max_seqs` requests with requests
     waiting (the cap binds), the mean latency of the completed requests (s), completions
     and drops."""
-    n_act = env.action_space(params).n
     cap = params.gpus.max_seqs
 
-    def run(key, state):
-        def body(c, k):
-            state, bind, lat, done, drop = c
-            ka, ks = jax.random.split(k)
-            a = jax.random.randint(ka, (num_envs,), 0, n_act)
-            _, state, _, _, _, info = jax.vmap(env.step, (0, 0, 0, None))(
-                jax.random.split(ks, num_envs), state, a, params)
-            cl = state.cluster
-            b = ((cl.run.count >= cap) & (cl.queues.count > 0)).any(-1).mean()
-            return (state, bind + b, lat + info["latency_sum"].sum(),
-                    done + info["completed"].sum(), drop + info["dropped"].sum()), None
+    def tally(state, info):
+        cl = state.cluster
+        binds = ((cl.run.count >= cap) & (cl.queues.count > 0)).any(-1).mean()
+        return binds, info["latency_sum"].sum(), info["completed"].sum(), info["dropped"].sum()
 
-        zero = (jnp.float32(0.0), jnp.float32(0.0), jnp.int32(0), jnp.int32(0))
-        return jax.lax.scan(body, (state,) + zero, jax.random.split(key, num_steps))[0][1:]
+    bind, lat, done, drop = rollout_tally(env, params, num_envs, num_steps, tally)
+    done = int(done.sum())
+    return {"cap_binds_share": float(bind.mean()),
+            "mean_latency_s": float(lat.sum(dtype=np.float64)) / max(done, 1),
+            "completed": done, "dropped": int(drop.sum())}
 
-    states = jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(
-        jax.random.split(jax.random.PRNGKey(0), num_envs))
-    bind, lat, done, drop = jax.jit(run)(jax.random.PRNGKey(1), states)
-    return {"cap_binds_share": float(bind) / num_steps,
-            "mean_latency_s": float(lat) / max(int(done), 1), "completed": int(done),
-            "dropped": int(drop)}
+
+def parse_widths(spec: str) -> list[int]:
+    """`"32,16"` -> [32, 16]; ValueError for anything but comma-separated integers."""
+    try:
+        return [int(w) for w in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--slots expects comma-separated integers, got {spec!r}") from None
 
 
 def slot_widths(num_envs: int, steps: int, chunks: int, widths) -> dict:
@@ -718,31 +715,21 @@ def _main(argv=None):
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=2))
             return res
-    if args.ab:
+    if args.ab or args.slots or args.ceiling:  # the paired modes, each a mode of its own
+        chunks = args.curve or 12
         try:
-            res["ab"] = ab_curve(args.ab, counts[0], steps, args.curve or 12,
-                                 args.only or "LLMRouting-v0 (4")
+            if chunks < 2:
+                raise ValueError("--ab, --slots and --ceiling need --curve >= 2 (pairs are "
+                                 "taken over the second half)")
+            if args.ab:
+                res["ab"] = ab_curve(args.ab, counts[0], steps, chunks,
+                                     args.only or "LLMRouting-v0 (4")
+            elif args.slots:
+                res["slots"] = slot_widths(counts[0], steps, chunks, parse_widths(args.slots))
+            else:
+                res["ceiling"] = engine_ceiling(counts[0], steps, chunks)
         except ValueError as e:
             ap.error(str(e))
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=2))
-        return res
-    if args.slots:
-        try:
-            widths = [int(w) for w in args.slots.split(",")]
-            if (args.curve or 12) < 2:
-                raise ValueError("--slots needs --curve >= 2 (pairs are taken over the "
-                                 "second half)")
-            res["slots"] = slot_widths(counts[0], steps, args.curve or 12, widths)
-        except ValueError as e:
-            ap.error(str(e))
-        if args.out:
-            Path(args.out).write_text(json.dumps(res, indent=2))
-        return res
-    if args.ceiling:
-        if (args.curve or 12) < 2:
-            ap.error("--ceiling needs --curve >= 2 (pairs are taken over the second half)")
-        res["ceiling"] = engine_ceiling(counts[0], steps, args.curve or 12)
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return res

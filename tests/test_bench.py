@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxserve.evaluation import benchmark as bench
@@ -209,3 +210,16 @@ def test_bench_slots_rejects_bad_widths():
     for spec in ("64", "0", "32,x"):
         with pytest.raises(SystemExit):
             sb.main(["--slots", spec, "--num-envs", "4"])
+
+
+def test_rollout_tally_stacks_each_steps_tally_of_the_timed_program():
+    env = bench.NoOpEnv()
+    times = bench.rollout_tally(env, env.default_params, 4, 3, lambda state, info: state.time)
+    assert times.shape == (3, 4) and (np.diff(times, axis=0) >= 0).all()
+    # The same program as the timed chunks: its final states and summed observations agree
+    # (NoOpEnv's observation is 51 copies of the action, its state the summed actions).
+    chunk = bench._rollout_chunk(env, env.default_params, 4, 3)
+    states, acc = jax.jit(chunk)(jax.random.PRNGKey(1),
+                                 bench.reset_states(env, env.default_params, 4))
+    assert np.array_equal(np.asarray(states.time), times[-1])
+    assert float(acc) == 51.0 * times[-1].sum()

@@ -112,10 +112,11 @@ def time_env(env, params, num_envs, num_steps, warmup_steps, repeats=3, auto_res
             "arrivals_per_step": arrived / total}
 
 
-def _rollout_chunk(env, params, num_envs: int, chunk_steps: int):
+def _rollout_chunk(env, params, num_envs: int, chunk_steps: int, tally=None):
     """`chunk(key, states) -> (states, acc)`: a `lax.scan` of `chunk_steps` steps of `vmap`
     over `num_envs` environments with random actions, summing every observation and reward
-    into `acc` (so nothing is dead code)."""
+    into `acc` (so nothing is dead code). With `tally(states, info)` (a pytree of arrays
+    per step) the chunk returns `(states, acc, tallies)`, each leaf stacked over the steps."""
     n_act = env.action_space(params).n
 
     def chunk(key, state):
@@ -123,20 +124,31 @@ def _rollout_chunk(env, params, num_envs: int, chunk_steps: int):
             state, acc = carry
             ka, ks = jax.random.split(k)
             a = jax.random.randint(ka, (num_envs,), 0, n_act)
-            obs, state, r, *_ = jax.vmap(env.step, (0, 0, 0, None))(
+            obs, state, r, _, _, info = jax.vmap(env.step, (0, 0, 0, None))(
                 jax.random.split(ks, num_envs), state, a, params)
-            return (state, acc + obs.sum() + r.sum()), None
+            return (state, acc + obs.sum() + r.sum()), (None if tally is None
+                                                         else tally(state, info))
 
-        return jax.lax.scan(body, (state, jnp.float32(0.0)),
-                            jax.random.split(key, chunk_steps))[0]
+        (state, acc), ys = jax.lax.scan(body, (state, jnp.float32(0.0)),
+                                        jax.random.split(key, chunk_steps))
+        return (state, acc) if tally is None else (state, acc, ys)
 
     return chunk
 
 
-def _reset_states(env, params, num_envs: int):
+def reset_states(env, params, num_envs: int):
     """The `num_envs` environments' reset states (keys split from `PRNGKey(0)`)."""
     return jax.jit(jax.vmap(lambda k: env.reset(k, params)[1]))(
         jax.random.split(jax.random.PRNGKey(0), num_envs))
+
+
+def rollout_tally(env, params, num_envs: int, num_steps: int, tally) -> Any:
+    """Untimed: `num_steps` steps of `num_envs` environments from `reset_states`, random
+    actions (the timed rollouts' program, key `PRNGKey(1)`), returning `tally(states, info)`
+    of every step as NumPy arrays stacked over the steps (leading axis `num_steps`)."""
+    chunk = _rollout_chunk(env, params, num_envs, num_steps, tally)
+    ys = jax.jit(chunk)(jax.random.PRNGKey(1), reset_states(env, params, num_envs))[2]
+    return jax.tree.map(np.asarray, ys)
 
 
 def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> dict:
@@ -150,7 +162,7 @@ def rollout_curve(env, params, num_envs: int, chunk_steps: int, chunks: int) -> 
     Returns `{"chunk_steps", "compile_s", "steps_per_s": [per chunk]}`.
     """
     chunk = _rollout_chunk(env, params, num_envs, chunk_steps)
-    states = _reset_states(env, params, num_envs)
+    states = reset_states(env, params, num_envs)
     t0 = time.perf_counter()
     compiled = jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile()
     compile_s = time.perf_counter() - t0
@@ -183,13 +195,13 @@ def paired_curve(env, params, num_envs: int, chunk_steps: int, chunks: int,
     last chunk's summed observations and rewards, equal where the variants compute the same
     environment (every chunk starts from its own states and keys: 2 + chunk index).
     """
-    shared = _reset_states(env, params, num_envs)
+    shared = reset_states(env, params, num_envs)
     programs, compile_s, state = [], [], []
     for v in values:
         own = set_variant(v)
         jax.clear_caches()
         e, p = own if own is not None else (env, params)
-        states = shared if own is None else _reset_states(e, p, num_envs)
+        states = shared if own is None else reset_states(e, p, num_envs)
         chunk = _rollout_chunk(e, p, num_envs, chunk_steps)
         t0 = time.perf_counter()
         programs.append(jax.jit(chunk).lower(jax.random.PRNGKey(1), states).compile())
