@@ -569,7 +569,7 @@ def prefix_bench(counts, steps, repeats):
             @jax.jit
             def run(routes):
                 def one(r):
-                    rep, log, dropped, _, tot = replay_prefix_arrays(
+                    rep, log, dropped, _, tot, _ = replay_prefix_arrays(
                         prof, tables, *xs, r, num_replicas=r_n, queue_buffer=16,
                         max_seqs=8, blocks=blocks, decode_runs=skip)
                     return rep.iterations.sum(), dropped.sum(), tot["prefix_hit_tokens"]

@@ -275,7 +275,7 @@ def test_vmap_over_workloads_equals_single_runs():
     static = dict(num_replicas=2, queue_buffer=16, max_seqs=4, blocks=64)
 
     def run(c):
-        rep, log, dropped, _, _tot = replay_prefix_arrays(
+        rep, log, dropped, _, _tot, _ = replay_prefix_arrays(
             c["prof"], c["tables"], c["gaps"], c["prompt"], c["output"], c["node"],
             c["replica"], **static)
         return (log, dropped, rep.pc.hit_tokens, rep.pc.evictions, rep.iterations)
@@ -446,3 +446,20 @@ def test_ancestor_equals_a_parent_walk(max_depth):
     np.testing.assert_array_equal(np.asarray(got), want)
     assert int(CB.ancestor(tables, -1, 1)) == -1
     assert depth.max() > 16  # more than 4 levels of lifting are used
+
+
+def test_free_order_by_sort_equals_the_pairwise_order(monkeypatch):
+    """Past `QUADRATIC_ORDER_MAX` blocks the free queue is ordered by a stable sort; both
+    ways give the same order and ranks (random holds, stamps with ties, missing blocks)."""
+    m = 300
+    rng = np.random.default_rng(7)
+    pc = CB.empty_prefix_cache(1, 4, 4, m)
+    pc = jax.tree.map(lambda a: a[0], pc)
+    pc = pc.replace(ref=jnp.asarray(rng.integers(0, 3, m), jnp.int32),
+                    stamp=jnp.asarray(rng.integers(-50, 50, m), jnp.int32))
+    exists = jnp.arange(m) < m - 17
+    pairwise = CB._free_order(pc, exists)
+    monkeypatch.setattr(CB, "QUADRATIC_ORDER_MAX", 16)
+    by_sort = CB._free_order(pc, exists)
+    np.testing.assert_array_equal(np.asarray(pairwise[0]), np.asarray(by_sort[0]))
+    np.testing.assert_array_equal(np.asarray(pairwise[1]), np.asarray(by_sort[1]))

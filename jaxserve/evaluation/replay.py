@@ -35,6 +35,7 @@ from jaxserve.envs.base import with_static
 from jaxserve.envs.routing import Routing
 from jaxserve.evaluation import episodes
 from jaxserve.evaluation.evaluate import trace_env
+from jaxserve.traces.prefix import validate_prefix_trace
 
 
 def _replay_fold(num_gpus: int):
@@ -273,22 +274,27 @@ def replay_windows(env, params, wins: TraceArrays,
 # ------------------------------------------------------------------ prefix-caching replays
 
 @partial(jax.jit, static_argnames=("num_replicas", "queue_buffer", "max_seqs", "blocks",
-                                   "audit", "decode_runs"))
+                                   "audit", "decode_runs", "router"))
 def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
                          num_replicas: int, queue_buffer: int, max_seqs: int,
-                         blocks: int | None, audit: bool = False, decode_runs: bool = True):
+                         blocks: int | None, audit: bool = False, decode_runs: bool = True,
+                         router=None):
     """Routes request `i` (arriving `gaps[i]` s after the previous one; the last gap `inf`
     drains) to `replica[i]` on continuous-batching replicas, with prefix caching when
     `blocks` is set: the engine loop of LLMRouting-v0's step (route, advance to the next
     arrival, rebase) on its own, so it can carry each request's prefix node. Pure and
     jittable; vmaps over workloads (every array argument). `decode_runs=False` turns the
     engine's closed-form decode-run skip off (a boundary per iteration: tests, benchmarks).
+    `router`, a static function `router(replicas, profiles) -> int32`, chooses each request's
+    replica from the engine's state at its arrival instead of `replica[i]` (a rule a real
+    system applies inside the engine, e.g. vLLM's data-parallel balancer).
 
     Returns:
       (final `Replicas`, `TokenLog` (with cached tokens when caching), dropped `(n,)`,
       never_fit `(n,)`, totals over the steps' info of the keys `continuous.PREFIX_EXTRAS`
       plus `audit_failures` (boundaries where `prefix_audit` failed; 0 unless `audit`); all
-      0 without caching) and `boundaries` (the engine's boundary passes).
+      0 without caching) and `boundaries` (the engine's boundary passes); and the replica each
+      request was routed to, `(n,)` int32.
     """
     n = gaps.shape[0]
     rep = CB.empty_replicas(num_replicas, queue_buffer, max_seqs, True, blocks)
@@ -300,6 +306,8 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
     def step(carry, x):
         rep, log, tot = carry
         i, gap, p, o, nd, r = x
+        if router is not None:
+            r = router(rep, prof)
         req = Q.Request(arrival=jnp.float32(0.0), prompt=p, output=o, estimate=o,
                         size_class=jnp.int32(0), req_id=i)
         rep, dropped, never = CB.route(rep, prof, req, r, node=nd, tables=tab)
@@ -308,19 +316,19 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
                                      audit=audit and blocks is not None)
         rep = CB.rebase(rep, jnp.where(jnp.isfinite(gap), gap, 0.0))
         tot = {k: tot[k] + ex.get(k, jnp.int32(0)) for k in keys}
-        return (rep, log, tot), (dropped, never)
+        return (rep, log, tot), (dropped, never, r)
 
     xs = (jnp.arange(n, dtype=jnp.int32), gaps, prompt, output, node, replica)
     tot0 = {k: jnp.int32(0) for k in keys}
-    (rep, log, tot), (dropped, never) = jax.lax.scan(step, (rep, log, tot0), xs)
-    return rep, log, dropped, never, tot
+    (rep, log, tot), (dropped, never, routed) = jax.lax.scan(step, (rep, log, tot0), xs)
+    return rep, log, dropped, never, tot, routed
 
 
-def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buffer: int = 8,
-                  max_seqs: int | None = None, audit: bool = False,
+def replay_prefix(profiles, ptrace, actions=None, *, caching: bool = True,
+                  queue_buffer: int = 8, max_seqs: int | None = None, audit: bool = False,
                   prefix_blocks: int | None = None, tree_nodes: int | None = None,
-                  tree_depth: int | None = None,
-                  decode_runs: bool = True) -> dict[str, np.ndarray]:
+                  tree_depth: int | None = None, decode_runs: bool = True,
+                  router=None) -> dict[str, np.ndarray]:
     """Replays a trace with prefix identity (`traces.prefix.PrefixTrace`) on continuous-
     batching replicas with automatic prefix caching (docs/prefix_caching.md), routing request
     `i` to `actions[i]`, and drains.
@@ -329,7 +337,7 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
       profiles: sequence of `ReplicaProfile` (one per replica).
       ptrace: the `PrefixTrace`; KV block `j` of a request is shared (docs section 9) when it
         lies on its tree path; `tree.block_tokens` must be a multiple of every `block_size`.
-      actions: `(n,)` replica index per request.
+      actions: `(n,)` replica index per request (None with `router`).
       caching: False runs the engine without a prefix cache (today's engine exactly).
       queue_buffer: waiting slots per replica (>= every `queue_cap`).
       max_seqs: running slots (default: the largest `max_seqs`).
@@ -339,32 +347,35 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
         compiled program (see `continuous.prefix_tables`).
       decode_runs: False runs a boundary per iteration instead of skipping fixed decode runs
         in closed form (same results; tests and benchmarks).
+      router: instead of `actions`, a static `router(replicas, profiles) -> int32` choosing
+        each request's replica at its arrival from the engine's state (`replay_prefix_arrays`).
 
     Returns:
-      `token_log`'s dict plus `cached_tokens` (tokens cached at the first admission, vLLM's
-      `num_cached_tokens`; 0 if dropped), `cached_tokens_total` (over all admissions), and
-      per replica `hit_tokens`, `evictions`, `shared_preemptions`, `lookup_tokens`,
-      `lookup_blocks`, `hit_blocks`, `iterations`, `replica_preemptions`, `fresh`,
-      `cached_unreferenced`, `held` (blocks after draining); `info`: the steps' info totals
+      `token_log`'s dict (its `replica`: where each request went) plus `cached_tokens`
+      (tokens cached at the first admission, vLLM's `num_cached_tokens`; 0 if dropped),
+      `cached_tokens_total` (over all admissions), and per replica `hit_tokens`,
+      `evictions`, `shared_preemptions`, `lookup_tokens`, `lookup_blocks`, `hit_blocks`,
+      `iterations`, `replica_preemptions`, `fresh`, `cached_unreferenced`, `held` (blocks
+      after draining); `info`: the steps' info totals
       of `continuous.PREFIX_EXTRAS` (ints); `audit_failures` and `boundaries` (the engine's
       boundary passes) (ints). The cache counters are 0 without caching.
 
     Raises:
       ValueError: invalid trace, profiles, actions, sizes or block sizes (naming the field).
     """
-    tr = validate_trace(ptrace.trace)
+    ptrace = validate_prefix_trace(ptrace)
+    tr = ptrace.trace
     n = len(tr)
     prof = stack_replicas(profiles)
     r_n = len(profiles)
-    acts = np.asarray(actions)
+    if (actions is None) == (router is None):
+        raise ValueError("give exactly one of actions and router")
+    acts = np.zeros(n, np.int64) if actions is None else np.asarray(actions)
     if acts.shape != (n,) or not np.issubdtype(acts.dtype, np.integer):
         raise ValueError(f"actions must be ({n},) integers, got {acts.shape} {acts.dtype}")
     if np.any((acts < 0) | (acts >= r_n)):
         raise ValueError(f"actions must be replica indices in [0, {r_n})")
-    node = np.asarray(ptrace.node, np.int64)
-    tree = ptrace.tree
-    if node.shape != (n,) or np.any((node < -1) | (node >= max(tree.num_nodes, 0))):
-        raise ValueError(f"node must be ({n},) tree nodes or -1")
+    node, tree = ptrace.node, ptrace.tree
     bs = np.asarray(prof.block_size)
     if np.any(tree.block_tokens % bs):
         raise ValueError(f"tree.block_tokens ({tree.block_tokens}) must be a multiple of every "
@@ -385,11 +396,13 @@ def replay_prefix(profiles, ptrace, actions, *, caching: bool = True, queue_buff
         raise ValueError(f"prefix_blocks ({prefix_blocks}) must be >= every kv_blocks "
                          f"({kv_max})")
     blocks = (kv_max if prefix_blocks is None else int(prefix_blocks)) if caching else None
-    rep, log, dropped, never, tot = replay_prefix_arrays(
+    rep, log, dropped, never, tot, routed = replay_prefix_arrays(
         prof, tables, jnp.asarray(gaps), jnp.asarray(tr.prompt_tokens, jnp.float32),
         jnp.asarray(tr.output_tokens, jnp.float32), jnp.asarray(node, jnp.int32),
         jnp.asarray(acts, jnp.int32), num_replicas=r_n, queue_buffer=int(queue_buffer),
-        max_seqs=max_seqs, blocks=blocks, audit=bool(audit), decode_runs=bool(decode_runs))
+        max_seqs=max_seqs, blocks=blocks, audit=bool(audit), decode_runs=bool(decode_runs),
+        router=router)
+    acts = np.asarray(routed, np.int64)
     out = token_log(tr, acts, log, np.asarray(dropped))
     out["never_fit"] = np.asarray(never, bool)
     zero_r = np.zeros(r_n, np.int64)

@@ -62,10 +62,32 @@ def least_kv(key, obs, state, params):
     return _argmin_open(frac + 1e-6 * in_system(state), state, params)
 
 
+def vllm_dp_score(replicas) -> jax.Array:
+    """vLLM's data-parallel load-balancing score of each replica, `4 * waiting + running`
+    (waiting counts preempted requests too), `(R,)` int32.
+
+    Source: vLLM 0.19.0 (commit 2a69949bd), `vllm/v1/engine/core_client.py`,
+    `DPLBAsyncMPClient.get_core_engine_for_request`: `score = waiting * 4 + running`, the
+    lowest wins with a strict `<` scanned from engine 0 (ties to the lowest index); the counts
+    are `Scheduler.get_request_counts()` (`len(running)`, `len(waiting) +
+    len(skipped_waiting)`, `vllm/v1/core/sched/scheduler.py`). vLLM's front end sees them as
+    published by its DP coordinator, at most every 100 ms, plus one per request it routed since
+    (`DPCoordinatorProc`'s `min_stats_update_interval_ms`); here they are exact at the
+    arrival (docs/fidelity.md lists the difference)."""
+    return 4 * replicas.queues.count + replicas.run.count
+
+
+def vllm_dp_engine(replicas, profiles) -> jax.Array:
+    """vLLM's internal data-parallel balancer as an engine-side router (`vllm_dp_score`, ties
+    to the lowest index; it drops nothing, as vLLM's queues are unbounded): the replica of
+    the request arriving now. For `evaluation.replay.replay_prefix(router=...)`."""
+    return jnp.argmin(vllm_dp_score(replicas)).astype(jnp.int32)
+
+
 def vllm_dp(key, obs, state, params):
-    """vLLM's data-parallel load-balancing score: `4 * waiting + running`, the lowest wins."""
-    c = state.cluster
-    return _argmin_open(4 * c.queues.count + c.run.count, state, params)
+    """vLLM's data-parallel load-balancing score (`vllm_dp_score`), the lowest wins; replicas
+    that would drop the request are skipped as for every router here."""
+    return _argmin_open(vllm_dp_score(state.cluster), state, params)
 
 
 def make_sita_prompt(threshold: float = 512.0):

@@ -52,7 +52,7 @@ class _Req:
 
 
 class _Replica:
-    def __init__(self, prof):
+    def __init__(self, prof, step_time=None, on_iteration=None):
         self.c0, self.alpha, self.alpha2 = prof["c0"], prof["alpha"], prof["alpha2"]
         self.beta, self.gamma, self.delta = prof["beta"], prof["gamma"], prof["delta"]
         self.M, self.b = int(prof["kv_blocks"]), int(prof["block_size"])
@@ -70,6 +70,8 @@ class _Replica:
         self.busy = 0.0  # seconds spent in iterations
         self.kv_block_s = 0.0  # integral of blocks held during iterations
         self.kv_peak = 0
+        self.step_time = step_time  # optional replacement of the iteration-time formula
+        self.on_iteration = on_iteration  # optional observer of every iteration
 
     def blocks(self, tokens):
         return -(-tokens // self.b)
@@ -125,6 +127,8 @@ class _Replica:
             self.stalled = True
             return
         T = self.iteration_time(sched)
+        if self.on_iteration is not None:
+            self.on_iteration(self, t, sched, T)
         self.scheduled = sched
         self.end = t + T
         self.iterations += 1
@@ -144,7 +148,17 @@ class _Replica:
         self.waiting.appendleft(v)
 
     def iteration_time(self, sched):
-        """Seconds of an iteration computing `n` tokens of each `(r, n)` in `sched` (C before)."""
+        """Seconds of an iteration computing `n` tokens of each `(r, n)` in `sched` (C before):
+        the contract's formula, or `step_time(prefills, decodes)` when the replica was given one
+        (`prefills` the `(n, C)` of each prefilling request, `decodes` the `L` of each decode)."""
+        if self.step_time is not None:
+            pf, dec = [], []
+            for r, n in sched:
+                if r.g >= 1 and r.C == r.L - 1:
+                    dec.append(r.L)
+                else:
+                    pf.append((n, r.C))
+            return float(self.step_time(pf, dec))
         T = self.c0
         n_dec = 0
         for r, n in sched:
@@ -173,7 +187,7 @@ class _Replica:
 
 
 def simulate(arrival, prompt, output, replica, profiles, check=None, make_request=None,
-             make_replica=None):
+             make_replica=None, step_time=None, on_iteration=None, router=None):
     """Simulates the requests routed to `replica[i]` on replicas with the given profiles.
 
     Args:
@@ -184,6 +198,14 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
       make_request, make_replica: optional factories `make_request(i, a, p, o)` and
         `make_replica(k, profile)` replacing `_Req` and `_Replica` (models extending this one,
         e.g. `jaxserve/reference/prefix.py`, pass subclasses and keep the objects they build).
+      step_time: optional `step_time(prefills, decodes) -> seconds` replacing the iteration-time
+        formula (`prefills`: `(n, C)` per prefilling request; `decodes`: `L` per decode), e.g.
+        a step time built from measured kernel profiles.
+      on_iteration: optional `on_iteration(replica, t, sched, T)` called when an iteration of
+        `T` s starts at `t` with `sched` its `(request, n)` pairs (before `C` moves).
+      router: optional `router(i, replicas) -> k` choosing request `i`'s replica at its arrival
+        (after the iterations ending then, before earlier arrivals of the instant are
+        scheduled), replacing `replica[i]`; `replicas` expose `waiting` and `running`.
 
     Returns:
       dict of arrays: `first_token`, `finish` (NaN if dropped), `dropped`, `never_fit`,
@@ -193,7 +215,8 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
     n = len(arrival)
     make_request = make_request or _Req
     reqs = [make_request(i, float(arrival[i]), int(prompt[i]), int(output[i])) for i in range(n)]
-    reps = [(make_replica(k, p) if make_replica else _Replica(p)) for k, p in enumerate(profiles)]
+    reps = [(make_replica(k, p) if make_replica else _Replica(p, step_time, on_iteration))
+            for k, p in enumerate(profiles)]
     dropped = np.zeros(n, bool)
     never = np.zeros(n, bool)
     nxt = 0
@@ -209,7 +232,7 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
                 rp.finish_iteration(t)
         while nxt < n and reqs[nxt].a == t:
             q = reqs[nxt]
-            rp = reps[int(replica[nxt])]
+            rp = reps[int(router(nxt, reps) if router is not None else replica[nxt])]
             arrived += 1
             if rp.never_fits(q.p, q.o):
                 dropped[nxt] = never[nxt] = True

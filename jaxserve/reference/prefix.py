@@ -22,6 +22,11 @@ rules; what changes is the KV memory:
 * Finished requests free their blocks at the iteration's end, in scheduling order.
 
 With `caching=False` nothing is looked up or cached, and the model is `MODEL_CONTINUOUS.md`.
+
+Outside the contract, for measurements only (`evaluation.fidelity`): a profile dict may set
+`reserve_full: True` to admit a head only when the blocks of its whole sequence are free (vLLM
+0.19's `scheduler_reserve_full_isl`), and `simulate_prefix` takes a `step_time` replacing the
+iteration-time formula (e.g. one read from kernel profiles).
 """
 
 from __future__ import annotations
@@ -73,8 +78,11 @@ class _PReq(_Req):
 
 
 class _PReplica(_Replica):
-    def __init__(self, prof, caching=True, audit=None):
-        super().__init__(prof)
+    def __init__(self, prof, caching=True, audit=None, step_time=None, on_iteration=None,
+                 accounting=True):
+        super().__init__(prof, step_time, on_iteration)
+        self.track = accounting
+        self.reserve_full = bool(prof.get("reserve_full", False))
         self.caching = caching
         self.audit = audit
         self.ref = [0] * self.M
@@ -148,6 +156,10 @@ class _PReplica(_Replica):
         r.ncached = 0
 
     def _record(self, t):
+        if not self.track:  # counting fresh blocks is O(M) per change: skippable for large M
+            if self.audit is not None:
+                self.audit(self)
+            return
         fresh = sum(1 for x in self.queue if self.ident[x] is None)
         unref = len(self.queue) - fresh
         self.accounting.append((t, fresh, unref, self.M - len(self.queue)))
@@ -195,7 +207,10 @@ class _PReplica(_Replica):
                     n = rest
                 new = self.blocks(c + n) - len(hits)
                 need = new + sum(1 for x in hits if self.ref[x] == 0)
-                if len(self.queue) - need < self.wm:
+                # vLLM 0.19's `scheduler_reserve_full_isl`: admit only when the whole sequence's
+                # blocks are free, not just the chunk's (an option, not the contract's rule).
+                full = need - new + self.blocks(h.L) - len(hits) if self.reserve_full else need
+                if len(self.queue) - max(need, full) < self.wm:
                     break
                 self.waiting.popleft()
                 self.running.append(h)
@@ -213,6 +228,8 @@ class _PReplica(_Replica):
             self._record(t)
             return
         T = self.iteration_time(sched)
+        if self.on_iteration is not None:
+            self.on_iteration(self, t, sched, T)
         self.scheduled = sched
         self.end = t + T
         self.iterations += 1
@@ -269,7 +286,8 @@ def audit_replica(rp):
 
 
 def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=True,
-                    audit=False, check=None):
+                    audit=False, check=None, step_time=None, on_iteration=None,
+                    accounting=True, router=None):
     """Simulates the routed requests on replicas with prefix caching (docs/prefix_caching.md).
 
     Args:
@@ -281,7 +299,9 @@ def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=
         block_size <= prompt[i]` is required (ValueError otherwise).
       caching: False disables lookup and caching (then this is `MODEL_CONTINUOUS.md`).
       audit: check the block pool's invariants (`audit_replica`) after every change.
-      check: as in `continuous.simulate`.
+      check, step_time, on_iteration, router: as in `continuous.simulate`.
+      accounting: False skips the per-change block accounting (O(M) each; `accounting` is
+        then empty).
 
     Returns:
       `continuous.simulate`'s dict (`first_token`, `finish`, `dropped`, `never_fit`,
@@ -306,12 +326,13 @@ def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=
         return r
 
     def make_replica(k, prof):
-        rp = _PReplica(prof, caching=caching, audit=audit_replica if audit else None)
+        rp = _PReplica(prof, caching=caching, audit=audit_replica if audit else None,
+                       step_time=step_time, on_iteration=on_iteration, accounting=accounting)
         reps.append(rp)
         return rp
 
     out = simulate(arrival, prompt, output, replica, profiles, check=check,
-                   make_request=make_request, make_replica=make_replica)
+                   make_request=make_request, make_replica=make_replica, router=router)
     out["cached_tokens"] = [list(r.cached) for r in reqs]
     out["hit_tokens"] = np.array([rp.hit_tokens for rp in reps], np.int64)
     out["evictions"] = np.array([rp.evictions for rp in reps], np.int64)

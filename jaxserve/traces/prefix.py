@@ -14,10 +14,10 @@ from __future__ import annotations
 import numpy as np
 from flax import struct
 
-from jaxserve.core.types import Trace
+from jaxserve.core.types import Trace, numeric_array, validate_trace
 
-__all__ = ["PrefixTree", "PrefixTrace", "build_prefix_tree", "path_nodes", "reused_blocks",
-           "infinite_cache_reuse", "kv_prefix", "prefix_window"]
+__all__ = ["PrefixTree", "PrefixTrace", "build_prefix_tree", "validate_prefix_trace",
+           "path_nodes", "reused_blocks", "infinite_cache_reuse", "kv_prefix", "prefix_window"]
 
 
 @struct.dataclass
@@ -50,7 +50,8 @@ class PrefixTrace:
       node: `(n,)` deepest tree node of each request's id list (-1 when empty).
       full_blocks: `(n,)` hash blocks of the prompt that are full, `prompt //
         block_tokens` (the path's first `full_blocks` nodes; the deepest node is partial when
-        `full_blocks < depth[node]`).
+        `full_blocks < depth[node]`, and full blocks past the path's end are the request's
+        own, shared with no one: a path names at most `ceil(prompt / block_tokens)` blocks).
       tree: the prefix tree.
     """
 
@@ -61,6 +62,84 @@ class PrefixTrace:
 
     def __len__(self) -> int:
         return len(self.trace)
+
+
+def _int_column(value, where: str, n: int | None = None) -> np.ndarray:
+    """`value` as a 1-D int64 array (of `n` entries when given), else ValueError naming
+    `where`. Only integer dtypes pass: a float node id would otherwise be truncated."""
+    a = numeric_array(value, where)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{where} must hold integers, got dtype {a.dtype}")
+    if a.ndim != 1 or (n is not None and a.shape[0] != n):
+        want = "1-D" if n is None else f"({n},) (one entry per request)"
+        raise ValueError(f"{where} must be {want}, got shape {a.shape}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{where} holds values past int64")
+    return a.astype(np.int64)
+
+
+def validate_prefix_trace(pt: PrefixTrace) -> PrefixTrace:
+    """Checks a `PrefixTrace` on the host; returns it with int64 / float64 numpy arrays.
+
+    Raises ValueError naming the field for: an invalid or empty trace (`validate_trace`);
+    `node`, `full_blocks` or the tree's `parent`, `depth`, `hash_id` not integer arrays
+    (float ids would be truncated) or of the wrong length; a tree that is not one
+    (`parent[k]` in `[-1, k)`, `depth` 1 under the root and the parent's + 1 below);
+    `block_tokens` not an integer >= 1; a `node` outside `[-1, num_nodes)` or deeper than its
+    prompt's blocks (`depth[node] <= ceil(prompt / block_tokens)`); `full_blocks` other than
+    `prompt // block_tokens` (the field's definition; the path may be shorter, its remaining
+    full blocks private, as for a request at -1).
+    """
+    if not isinstance(pt, PrefixTrace):
+        raise ValueError(f"trace must be a PrefixTrace, got {type(pt).__name__}")
+    tree = pt.tree
+    if not isinstance(tree, PrefixTree):
+        raise ValueError(f"PrefixTrace.tree must be a PrefixTree, got {type(tree).__name__}")
+    if isinstance(pt.trace, Trace) and np.ndim(pt.trace.arrival_s) == 1 and len(pt.trace) == 0:
+        raise ValueError("PrefixTrace.trace holds no requests (an empty trace)")
+    trace = validate_trace(pt.trace)
+    n = len(trace)
+    bt = tree.block_tokens
+    if isinstance(bt, (bool, np.bool_)) or not isinstance(bt, (int, np.integer)) or bt < 1:
+        raise ValueError(f"PrefixTree.block_tokens must be an integer >= 1, got {bt!r}")
+    parent = _int_column(tree.parent, "PrefixTree.parent")
+    k = parent.shape[0]
+    depth = _int_column(tree.depth, "PrefixTree.depth", k)
+    hash_id = _int_column(tree.hash_id, "PrefixTree.hash_id", k)
+    idx = np.arange(k)
+    if np.any((parent < -1) | (parent >= idx)):
+        bad = int(np.flatnonzero((parent < -1) | (parent >= idx))[0])
+        raise ValueError(f"PrefixTree.parent[{bad}] must be in [-1, {bad}), got {parent[bad]}")
+    want = np.where(parent >= 0, depth[np.maximum(parent, 0)] + 1, 1)
+    if np.any(depth != want):
+        bad = int(np.flatnonzero(depth != want)[0])
+        raise ValueError(f"PrefixTree.depth[{bad}] must be {want[bad]} (1 under the root, the "
+                         f"parent's depth + 1 below it), got {depth[bad]}")
+    node = _int_column(pt.node, "PrefixTrace.node", n)
+    if np.any((node < -1) | (node >= k)):
+        bad = int(np.flatnonzero((node < -1) | (node >= k))[0])
+        raise ValueError(f"PrefixTrace.node[{bad}] must be -1 or a tree node in [0, {k}), got "
+                         f"{node[bad]}")
+    path = np.where(node >= 0, depth[np.maximum(node, 0)] if k else 0, 0)
+    blocks = -(-trace.prompt_tokens // int(bt))
+    if np.any(path > blocks):
+        bad = int(np.flatnonzero(path > blocks)[0])
+        raise ValueError(f"PrefixTrace.node[{bad}] ({node[bad]}) is at depth {path[bad]}, but "
+                         f"its prompt has only ceil({trace.prompt_tokens[bad]} / block_tokens "
+                         f"{int(bt)}) = {blocks[bad]} blocks")
+    full = _int_column(pt.full_blocks, "PrefixTrace.full_blocks", n)
+    if np.any(full < 0):
+        bad = int(np.flatnonzero(full < 0)[0])
+        raise ValueError(f"PrefixTrace.full_blocks[{bad}] must be >= 0, got {full[bad]}")
+    expect = trace.prompt_tokens // int(bt)
+    if np.any(full != expect):
+        bad = int(np.flatnonzero(full != expect)[0])
+        raise ValueError(f"PrefixTrace.full_blocks[{bad}] must be prompt_tokens // block_tokens "
+                         f"= {trace.prompt_tokens[bad]} // {int(bt)} = {expect[bad]}, got "
+                         f"{full[bad]}")
+    return PrefixTrace(trace=trace, node=node, full_blocks=full,
+                       tree=PrefixTree(parent=parent, depth=depth, hash_id=hash_id,
+                                       block_tokens=int(bt)))
 
 
 def build_prefix_tree(hash_lists, block_tokens: int) -> tuple[PrefixTree, np.ndarray]:
