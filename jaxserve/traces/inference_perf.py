@@ -50,8 +50,14 @@ vLLM re-tokenised the text (plus BOS), so real prompts were a few percent longer
 `system_prompt_len + question_len` (BLIS's H30 FINDINGS: 574 real vs 547 nominal input tokens
 for the `general` profile; inference-perf fixed the drift in May 2026, #383 / #491). Prompts
 here are exactly `system_prompt_len + question_len` tokens. `enable_multi_turn_chat` (true in
-the real specs) is not modelled: BLIS's H30 FINDINGS report constant input tokens in the real
-data, i.e. no context accumulation.
+the real specs) is not modelled. At 4ad7d4b it changes the pairing, not the structure: the
+questions stay in group order and the `G * U` user sessions (each starting from its group's
+system prompt, `LocalUserSession.context`) are shuffled, request `j` pairing session and
+question `j mod G*U`, so each system prompt still heads `U` of the `G * U` prompts of a cycle
+and whole prompts still repeat every `G * U` requests, as here. Its session code would also
+append each response to the session's context (`UserSessionCompletionAPIData`) and serialise
+a session's rounds; BLIS's H30 FINDINGS report constant input tokens in the real data, i.e.
+no accumulation, and the prompts here do not grow.
 
 Prefix identity (docs/prefix_caching.md, section 1: a chain over full blocks only), at
 `block_tokens` (16, vLLM's block size): full block `q` of a prompt (tokens `[16 q, 16 q + 16)`)
