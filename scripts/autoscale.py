@@ -19,7 +19,8 @@ differences and a table sorted by cost with exact p99 latencies and the verdicts
 (`evaluation.scaling.verdicts`), and writes `autoscale.csv`, `autoscale.json` and
 `cost_latency.png` (replica-hours against mean latency). Replica-hours are the `gpu_hours`
 fields: provisioned replica-seconds / 3600, not multiplied by the GPUs of a replica.
-Errors print one line on stderr and exit with status 2.
+`--out` is checked before any work: a file, or a folder holding other files (unless
+`--overwrite`), is refused. Errors print one line on stderr and exit with status 2.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from jaxserve.evaluation.scaling import (AUTOSCALERS, PAIRED_METRICS, evaluate_a
 from jaxserve.evaluation.serialize import to_jsonable
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
-from scripts.cli import parse_pairs, run_cli
+from scripts.cli import output_dir, parse_pairs, run_cli
 
 COLUMNS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas", "mean_latency",
            "mean_latency_ci95", "p99_latency", "p99_latency_ci95", "p99_latency_drops",
@@ -79,6 +80,8 @@ def build_parser() -> _Parser:
                     help="with --windows: the workload whose windows tune the told price "
                          "(default: X_train for workload X_test)")
     ap.add_argument("--out", default=None, help="directory for CSV, JSON and the plot")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty --out that holds other files")
     ap.add_argument("--no-plot", action="store_true")
     return ap
 
@@ -133,9 +136,14 @@ def plot(results: dict[str, dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# What `run` writes into --out (a folder holding only these is an earlier run: replaced).
+OUTPUTS = ("autoscale.csv", "autoscale.json", "cost_latency.png")
+
+
 def run(args) -> int:
 
 
+    out = output_dir(args.out or None, "--out", OUTPUTS, overwrite=args.overwrite)
     if args.num_envs < 1:
         raise _CLIError("--num-envs must be >= 1")
     overrides = parse_pairs(args.overrides, "--set")
@@ -200,9 +208,7 @@ def run(args) -> int:
     first = next(iter(results.values()))
     print_table(results, ver, f"Autoscaling-v0 {overrides or ''}: {first['num_envs']} episodes "
                 f"of {first['intervals']:.0f} intervals ({wall:.0f} s)")
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         with open(out / "autoscale.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["policy", *COLUMNS])

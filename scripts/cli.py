@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from jaxserve.compile_cache import enable_compilation_cache
 
@@ -59,6 +59,39 @@ def output_file(path: str | None, flag: str) -> Path | None:
     except OSError as e:
         raise CLIError(f"{flag} {path}: cannot create its folder ({e.strerror})") from e
     if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise CLIError(f"{flag} {path} is not writable")
+    return out
+
+
+def output_dir(path: str | None, flag: str, outputs: Iterable[str], *, overwrite: bool = False,
+               overwrite_flag: str = "--overwrite") -> Path | None:
+    """`path` as the folder a tool writes its files `outputs` (names) into at its end, checked
+    (and created) before the work starts, so that an hour's study cannot fail, or mix its
+    files into someone else's folder, at its last line. None stays None.
+
+    A folder that holds only (some of) `outputs` is an earlier run of the same tool: its
+    files are replaced. Raises CLIError naming `flag` if `path` exists and is not a folder,
+    cannot be created or written, or holds anything else (unless `overwrite`: then `outputs`
+    are written there beside it).
+    """
+    if path is None:
+        return None
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"{flag} {path} exists and is not a folder")
+    if out.is_dir() and not overwrite:
+        mine = set(outputs)
+        other = sorted(e.name for e in out.iterdir() if e.name not in mine)
+        if other:
+            shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+            raise CLIError(f"{flag} {path} is not empty and holds files this tool does not "
+                           f"write ({shown}): choose another {flag} or pass {overwrite_flag} "
+                           f"to write there anyway")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CLIError(f"{flag} {path}: cannot create the folder ({e.strerror})") from e
+    if not os.access(out, os.W_OK | os.X_OK):
         raise CLIError(f"{flag} {path} is not writable")
     return out
 

@@ -9,8 +9,10 @@ Prints a table with 95% CIs and a table of paired differences against `--referen
 Student-t CI over per-environment differences on the common streams: the comparison to
 read), writes `results.csv`, `results.json` and, unless `--no-plots`,
 `latency_cdf.png`, `load_sweep.png` (p99 latency and goodput vs arrival rate) and, for
-routing, `class_mix.png`. Errors (unknown environment or policy, missing or malformed trace,
-impossible SLO, bad arguments) print one line on stderr and exit with status 2.
+routing, `class_mix.png`. `--out` is checked before any work: a file, or a folder holding files
+other than these (unless `--overwrite`), is refused. Errors (unknown environment or policy,
+missing or malformed trace, impossible SLO, bad arguments) print one line on stderr and exit
+with status 2.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces import load
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
-from scripts.cli import run_cli
+from scripts.cli import output_dir, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-p99", type=float, default=None,
                     help="also find each policy's capacity: highest rate with p99 <= this (s)")
     ap.add_argument("--out", default="results/eval", help="output directory")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty --out that holds other files")
     ap.add_argument("--no-plots", action="store_true")
     return ap
 
@@ -124,9 +128,15 @@ def _print_paired(paired: dict, reference: str, title: str) -> None:
           f"over environments; * = the interval excludes 0")
 
 
+# What `run` writes into --out (a folder holding only these is an earlier run: replaced).
+OUTPUTS = ("results.csv", "results.json", "load_sweep.csv", "latency_cdf.png",
+           "load_sweep.png", "class_mix.png")
+
+
 def run(args) -> int:
 
 
+    out = output_dir(args.out, "--out", OUTPUTS, overwrite=args.overwrite)
     if args.num_envs < 1 or args.num_steps < 1:
         raise _CLIError("--num-envs and --num-steps must be >= 1")
     if args.env not in jaxserve.registered_envs():
@@ -205,8 +215,6 @@ def run(args) -> int:
                                args.sweep_envs, args.sweep_steps)
             print(f"capacity {n}: {caps[n]['rate']:.3f} req/s with p99 <= {args.slo_p99:g} s")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     num_gpus = len(next(iter(results.values()))["utilisation"])
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)

@@ -11,7 +11,9 @@ Replica counts 1..R x routing rules x max_batch values x iterations (seeds) run 
 program, paired over the same request draws. Prints, for each train_s, a table (iteration time,
 speedup over r = 1 of the same setting, GPU-hours per iteration, marginal speedup per extra
 GPU-hour) and the Pareto frontier of (speedup over the reference setting's r = 1: up,
-GPU-hours per iteration: down); writes `pareto.csv`, `pareto.json` and `pareto.png` to --out.
+GPU-hours per iteration: down); writes `pareto.csv`, `pareto.json` and `pareto.png` to --out
+(checked before any work: a file, or a folder holding other files unless `--overwrite`, is
+refused).
 
 Continuous-batching replicas (vLLM-style iteration-level scheduling with a paged KV cache,
 `jaxserve.core.continuous`): `--replica opt13b-a100-80g` (a named `ReplicaProfile`) replaces
@@ -48,7 +50,7 @@ from jaxserve.workloads import pareto_front
 from jaxserve.workloads import rollout as W
 from scripts.cli import CLIError as _CLIError
 from scripts.cli import Parser as _Parser
-from scripts.cli import run_cli
+from scripts.cli import output_dir, run_cli
 
 TRACE_NAMES = {
     "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
@@ -98,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-replica", type=float, default=1.0,
                     help="GPUs per replica (GPU-hours are r * this * T / 3600)")
     ap.add_argument("--out", default="runs/pareto", help="output directory")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="write into a non-empty --out that holds other files")
     ap.add_argument("--no-plot", action="store_true")
     return ap
 
@@ -272,10 +276,15 @@ CSV_FIELDS = ("train_s", "max_batch", "rule", "replicas", "iteration_s", "iterat
               "utilisation", "dropped")
 
 
+# What `run` writes into --out (a folder holding only these is an earlier run: replaced).
+OUTPUTS = ("pareto.csv", "pareto.json", "pareto.png")
+
+
 def run(args) -> int:
 
 
     t_start = time.perf_counter()
+    out = output_dir(args.out, "--out", OUTPUTS, overwrite=args.overwrite)
     train_s = _list(args.train_s, float, "--train-s")
     if any(not math.isfinite(t) or t < 0 for t in train_s):
         raise _CLIError(f"--train-s must be non-negative numbers, got {args.train_s!r}")
@@ -329,8 +338,6 @@ def run(args) -> int:
                   f"reference for 'vs ref' and the frontier: {reference[0]}, max_batch "
                   f"{reference[1]}, r = 1")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     with open(out / "pareto.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_FIELDS)

@@ -22,7 +22,8 @@ significant difference". Fitted baselines (sita, tuned_static, smdp_optimal) are
 `tuning_key(eval key)`, never on the evaluation streams. Writes `results.json` and
 `results.csv`. gymnax
 environments (e.g. CartPole-v1) are trained but not evaluated. Errors print one line on
-stderr and exit with status 2; Ctrl-C saves a checkpoint and exits with status 130.
+stderr and exit with status 2; Ctrl-C saves a checkpoint of the finished chunks (none before
+the first chunk finishes, and the message says so) and exits with status 130.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ import agents
 from agents.evaluate import EVAL_SEED_OFFSET, VERDICT_METRIC
 from agents.evaluate import evaluate_run as evaluate
 from agents.evaluate import paired_verdicts
-from agents.run_dir import check_out_dir
+from agents.checkpoint import latest_step
+from agents.run_dir import CHECKPOINT_DIR, check_out_dir
 from agents.train import make_env
 from jaxserve.envs.base import policy_kind
 from jaxserve.evaluation.serialize import to_jsonable
@@ -246,8 +248,17 @@ def run(args, argv) -> int:
                               chunk_updates=args.chunk_updates, imitate=args.imitate,
                               **hparams)
     except KeyboardInterrupt:
-        print(f"jaxserve-train: interrupted; checkpoint in {out}/checkpoints, continue with the "
-              f"same command plus --resume", file=sys.stderr)
+        # `agents.train` saves what it finished before re-raising: say what is there.
+        step = latest_step(out / CHECKPOINT_DIR)
+        if step is None:
+            print(f"jaxserve-train: interrupted before the first chunk finished; no checkpoint "
+                  f"saved yet in {out}, so there is nothing to --resume: run the same command "
+                  f"again", file=sys.stderr)
+        else:
+            again = ("the same command" + ("" if args.resume else " plus --resume")
+                     + (" and without --overwrite" if args.overwrite else ""))
+            print(f"jaxserve-train: interrupted; checkpoint at update {step} in "
+                  f"{out / CHECKPOINT_DIR}, continue with {again}", file=sys.stderr)
         return 130
     cfg = result.config
     total = f"{cfg.num_updates} updates, {cfg.num_updates * cfg.batch_size:,} env steps"

@@ -10,12 +10,27 @@ One test (or group) per case of the issue, each failing on the code before the f
 5. silent coercion of integers, booleans and strings;
 6. `jaxserve-train --out DIR` on a non-empty directory that holds no run.
 Then a hypothesis property test over `make` overrides, GPU profiles and `Trace` arrays.
+
+Issue #50's nine cases (`test_i50_caseN_*`), each failing on the code before its fix:
+1. a request window over 2,048 (`queue_buffer=2000`, `queue_cap=4096`) failed at reset with
+   "negative shift count" (the estimates' pairwise term; its values: test_continuous_load.py);
+2. slot sizes above `MAX_SLOTS` (2^16) accepted;
+3. an empty `PrefixTrace` failed inside numpy;
+4. float `node` / `parent` arrays truncated, `full_blocks` never checked;
+5. `gpus=` to an LLM env failed with a TypeError about `build_params`;
+6. Batching-v0's reset arrivals in no step's `info` (and an auto-reset kept the old episode's
+   queue slots);
+7. Mooncake bounds reported without file and line, or as a raw OverflowError;
+8. `jaxserve-eval`, `-pareto`, `-autoscale` checked `--out` only after their work;
+9. Ctrl-C in `jaxserve-train` before the first chunk promised a checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +41,16 @@ from hypothesis import strategies as st
 
 import jaxserve
 from jaxserve.core import arrivals as A
+from jaxserve.core import cluster as C
+from jaxserve.core import queues as Q
 from jaxserve.core.replica import ReplicaProfile, replica_profile
-from jaxserve.core.types import MAX_TOKENS, GPUProfile
+from jaxserve.core.types import MAX_SLOTS, MAX_TOKENS, GPUProfile
 from jaxserve.envs import common
+from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
+from jaxserve.evaluation.replay import replay_prefix
+from jaxserve.traces.loaders import TraceFormatError
+from jaxserve.traces.mooncake import load_mooncake
+from jaxserve.traces.prefix import PrefixTrace, PrefixTree
 
 ALL_ENVS = ("Routing-v0", "Batching-v0", "LLMRouting-v0", "Autoscaling-v0",
             "LLMAutoscaling-v0")
@@ -207,6 +229,295 @@ def test_case6_out_dir_check_names_flags(tmp_path):
     assert check_out_dir(tmp_path, resume=False, overwrite=True, refuse_foreign=True) is False
     assert check_out_dir(tmp_path / "new", resume=False, overwrite=False,
                          refuse_foreign=True) is False
+
+
+# ------------------------------------------------------ issue #50, 1. windows over 2,048
+
+@pytest.mark.parametrize("name, kw", [
+    ("LLMRouting-v0", {"queue_buffer": 2000}),  # 2000 + 64 running slots
+    ("LLMPrefixRouting-v0", {"queue_buffer": 2040}),  # 2040 + 16
+    ("LLMRouting-v0", {"replicas": [replica_profile("opt13b-a100-80g", queue_cap=4096)]}),
+])
+def test_i50_case1_windows_over_2048_build_and_reset(name, kw):
+    # Traced only (the failure was at trace time); test_continuous_load.py checks the values
+    # of the estimates past the width where the pairwise term switches to a sorted sum.
+    env, params = jaxserve.make(name, **kw)
+    assert env.queue_buffer + env.max_seqs > 2048
+    obs, state = jax.eval_shape(env.reset, jax.random.PRNGKey(0), params)
+    assert obs.shape == env.observation_space(params).shape
+
+
+# ---------------------------------------------------------- issue #50, 2. MAX_SLOTS bound
+
+@pytest.mark.parametrize("name, kw, field", [
+    ("Routing-v0", {"queue_buffer": MAX_SLOTS + 1}, "queue_buffer"),
+    ("Batching-v0", {"queue_buffer": 2 ** 20}, "queue_buffer"),
+    ("Autoscaling-v0", {"queue_buffer": 2 ** 31 - 1}, "queue_buffer"),
+    ("LLMRouting-v0", {"queue_buffer": MAX_SLOTS + 1}, "queue_buffer"),
+    ("LLMRouting-v0", {"max_seqs": MAX_SLOTS + 1}, "max_seqs"),
+    ("LLMAutoscaling-v0", {"queue_buffer": MAX_SLOTS + 1}, "queue_buffer"),
+    ("LLMPrefixRouting-v0", {"queue_buffer": MAX_SLOTS + 1}, "queue_buffer"),
+])
+def test_i50_case2_slot_sizes_over_max_slots_refused(name, kw, field):
+    with pytest.raises(ValueError, match=rf"{field} must be <= 65536 \(MAX_SLOTS"):
+        jaxserve.make(name, **kw)
+
+
+def test_i50_case2_static_sizes_checked_on_replace_and_bound_accepted():
+    env, _ = jaxserve.make("Routing-v0")
+    with pytest.raises(ValueError, match=r"max_batch must be <= 65536 \(MAX_SLOTS"):
+        env.replace_static(max_batch=MAX_SLOTS + 1)
+    assert env.replace_static(queue_buffer=MAX_SLOTS).queue_buffer == MAX_SLOTS
+    # Not slot counts: only int32's bound applies.
+    assert env.replace_static(log_capacity=MAX_SLOTS + 1).log_capacity == MAX_SLOTS + 1
+
+
+# ------------------------------------------------- issue #50, 3./4. PrefixTrace validation
+
+# Two replicas of 32 blocks x 16 tokens; a prefix tree that is one chain of four 64-token
+# blocks; request 0 at its deepest node (256-token prompt: 4 full blocks), request 1 private.
+PT_REPS = [jaxserve.ReplicaProfile(kv_blocks=32, block_size=16, max_seqs=4, queue_cap=8)] * 2
+
+
+def _pt(n=2, prompt=256, node=(3, -1), full=(4, 4), parent=(-1, 0, 1, 2), depth=(1, 2, 3, 4)):
+    return PrefixTrace(
+        trace=jaxserve.Trace(np.arange(n, dtype=np.float64), np.full(n, prompt),
+                             np.full(n, 8)),
+        node=np.asarray(node), full_blocks=np.asarray(full),
+        tree=PrefixTree(parent=np.asarray(parent), depth=np.asarray(depth),
+                        hash_id=np.arange(len(parent)), block_tokens=64))
+
+
+def _entries(pt):
+    """Where a `PrefixTrace` enters: the env's builder and the replay."""
+    return (lambda: make_llm_prefix_routing(replicas=PT_REPS, trace=pt),
+            lambda: replay_prefix(PT_REPS, pt, np.zeros(len(np.atleast_1d(pt.node)), int)))
+
+
+def test_i50_case3_empty_prefix_trace_refused_by_name():
+    empty = _pt(n=0, node=np.zeros(0, int), full=np.zeros(0, int))
+    for entry in _entries(empty):
+        with pytest.raises(ValueError, match=r"PrefixTrace\.trace holds no requests"):
+            entry()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"node": (2.7, -1.0)}, r"PrefixTrace\.node must hold integers, got dtype float64"),
+    ({"node": (True, False)}, r"PrefixTrace\.node must hold integers"),
+    ({"parent": (-1.0, 0.5, 1.2, 2.9)}, r"PrefixTree\.parent must hold integers"),
+    ({"depth": (1.0, 2.0, 3.0, 4.0)}, r"PrefixTree\.depth must hold integers"),
+    ({"full": (4.0, 4.0)}, r"PrefixTrace\.full_blocks must hold integers"),
+    ({"full": (99, -1)}, r"PrefixTrace\.full_blocks\[1\] must be >= 0, got -1"),
+    ({"full": (99, 4)}, r"PrefixTrace\.full_blocks\[0\] must be prompt_tokens // block_tokens "
+                        r"= 256 // 64 = 4, got 99"),
+    ({"prompt": 150, "full": (2, 2)}, r"PrefixTrace\.node\[0\] \(3\) is at depth 4, but its "
+                                      r"prompt has only ceil\(150 / block_tokens 64\) = 3"),
+    ({"full": (4, 3)}, r"PrefixTrace\.full_blocks\[1\] must be prompt_tokens // block_tokens "
+                       r"= 256 // 64 = 4, got 3"),
+    ({"node": (4, -1)}, r"PrefixTrace\.node\[0\] must be -1 or a tree node in \[0, 4\)"),
+    ({"node": (3, -1, 0)}, r"PrefixTrace\.node must be \(2,\)"),
+    ({"parent": (-1, 0, 3, 2)}, r"PrefixTree\.parent\[2\] must be in \[-1, 2\)"),
+    ({"depth": (1, 2, 2, 4)}, r"PrefixTree\.depth\[2\] must be 3"),
+])
+def test_i50_case4_prefix_trace_arrays_validated(kw, match):
+    # Before: every one of these was accepted by both entries (floats truncated to ints).
+    bad = _pt(**kw)
+    for entry in _entries(bad):
+        with pytest.raises(ValueError, match=match):
+            entry()
+
+
+def test_i50_case4_valid_prefix_traces_pass_as_int64():
+    from jaxserve.traces.prefix import validate_prefix_trace  # the helper the fix added
+
+    got = validate_prefix_trace(_pt(node=np.array([3, -1], np.int32)))
+    assert got.node.dtype == np.int64 and got.tree.parent.dtype == np.int64
+    np.testing.assert_array_equal(got.full_blocks, [4, 4])  # a private request: -1, 4 blocks
+    # A partial deepest block: 200 tokens at the depth-4 node has 3 full blocks.
+    assert validate_prefix_trace(_pt(prompt=200, full=(3, 3))).full_blocks.tolist() == [3, 3]
+    # A path shorter than the full blocks: the rest are the request's own (as at node -1).
+    assert validate_prefix_trace(_pt(node=(1, 0))).full_blocks.tolist() == [4, 4]
+
+
+# ------------------------------------------------------ issue #50, 5. gpus= to an LLM env
+
+@pytest.mark.parametrize("name", ["LLMRouting-v0", "LLMPrefixRouting-v0", "LLMAutoscaling-v0"])
+@pytest.mark.parametrize("gpus", [[], [GPUProfile()]])
+def test_i50_case5_llm_envs_refuse_gpus(name, gpus):
+    with pytest.raises(ValueError, match=rf"{name} takes replicas= .*not gpus="):
+        jaxserve.make(name, gpus=gpus)
+
+
+# --------------------------------------------------- issue #50, 6. Batching-v0's accounting
+
+def _batching_run(env, params, steps, key=3):
+    """A `step_env` rollout from `reset_env` (random actions): the reset state's pending
+    counts, then per step the `info` dict, the reward and the requests in the system."""
+    def run(key):
+        _, state = env.reset_env(key, params)
+
+        def body(state, k):
+            k_a, k_s = jax.random.split(k)
+            a = jax.random.randint(k_a, (), 0, env.num_actions)
+            _, state, reward, _, info = env.step_env(k_s, state, a, params)
+            return state, (info, reward, C.in_system(state.cluster))
+        # (-1 where the state has no such counts, as before the fix: the identity then fails)
+        pending = (getattr(state, "reset_arrived", -1), getattr(state, "reset_dropped", -1))
+        return pending, jax.lax.scan(body, state, jax.random.split(key, steps))[1]
+
+    return jax.device_get(jax.jit(run)(jax.random.PRNGKey(key)))
+
+
+def _accounted(info, held):
+    """Summed `info` arrivals, and completed + dropped + in system, after each step."""
+    return (np.cumsum(info["arrived"]),
+            np.cumsum(info["completed"]) + np.cumsum(info["dropped"]) + np.asarray(held))
+
+
+def test_i50_case6_batching_info_counts_the_reset_arrivals():
+    env, params = jaxserve.make("Batching-v0")
+    _, (info, _, held) = _batching_run(env, params, 40)
+    np.testing.assert_array_equal(*_accounted(info, held))  # was off by one at every step
+    # Five requests at t = 0 into a queue of 2: the reset admits 2 and drops 3; the first
+    # step reports all five arrivals and the three drops, but its reward does not charge
+    # those drops (no action could have avoided them).
+    tr = jaxserve.Trace(np.array([0.0] * 5 + [1.0, 2.0]), np.full(7, 100), np.full(7, 10))
+    env, params = jaxserve.make("Batching-v0", trace=tr,
+                                gpus=[GPUProfile(queue_cap=2, max_batch=2)])
+    (arrived, dropped), (info, reward, held) = _batching_run(env, params, 8)
+    assert (int(arrived), int(dropped)) == (5, 3)
+    total, accounted = _accounted(info, held)
+    np.testing.assert_array_equal(total, accounted)
+    assert total[-1] == 7 and info["arrived"][0] >= 5 and info["dropped"][0] >= 3
+    first = C.StepMetrics(**{k: v[0] for k, v in info.items()})
+    charged = first.replace(arrived=first.arrived - 5, dropped=first.dropped - 3)
+    assert float(reward[0]) == pytest.approx(float(common.reward_from(charged, params)))
+
+
+def test_i50_case6_batching_auto_reset_keeps_the_reset_queue():
+    # The auto-reset used to keep the finished episode's queue slots (it skips them for envs
+    # whose reset leaves the queues empty): the new episode's first waiting request was the
+    # old episode's slot 0 (its arrival, prompt and estimate), under the reset's count.
+    env, params = jaxserve.make("Batching-v0", max_steps_in_episode=3)
+    _, state = env.reset(jax.random.PRNGKey(0), params)
+    for i in range(3):
+        obs, state, _, _, trunc, _ = env.step(jax.random.PRNGKey(100 + i), state,
+                                              jnp.int32(1), params)
+    assert bool(trunc) and int(state.time) == 0
+    # `obs` is the reset's own observation; the state must give the same one.
+    np.testing.assert_allclose(env.get_obs(state, params), obs, rtol=1e-6)
+    q = state.cluster.queues
+    waiting = np.asarray(Q.waiting_mask(q))
+    assert waiting.sum() >= 1
+    np.testing.assert_allclose(np.asarray(q.estimate)[waiting].sum(), q.estimate_sum[0],
+                               rtol=1e-6)
+
+
+# ------------------------------------------------------ issue #50, 7. Mooncake bounds
+
+def _row(t, i=10, o=5, ids=None):
+    return {"timestamp": t, "input_length": i, "output_length": o,
+            "hash_ids": [1] * -(-i // 512) if ids is None else ids}
+
+
+@pytest.mark.parametrize("rows, line, match", [
+    # Out of order on purpose: the error names the file's line, not the sorted index.
+    ([_row(5), _row(0), _row(3, i=2 ** 25)], 3, r"input_length = 33554432 tokens exceeds"),
+    ([_row(5), _row(0), _row(3, o=2 ** 25)], 3, r"output_length = 33554432 tokens exceeds"),
+    ([_row(5), _row(0), _row(3, i=2 ** 24 - 1)], 3,
+     r"input_length \+ output_length = 16777220 tokens exceeds"),
+    ([_row(2e12), _row(0), _row(10)], 1,
+     r"timestamp comes 2e\+09 s after the previous request \(line 3\)"),
+    ([_row(0), _row(1, ids=[2 ** 63])], 2, r"hash_ids\[0\] = 9223372036854775808 is outside "
+                                           r"int64"),
+    ([_row(0), _row(1, ids=[-2 ** 63 - 1])], 2, r"hash_ids\[0\] = .* is outside int64"),
+])
+def test_i50_case7_mooncake_bounds_name_file_and_line(tmp_path, rows, line, match):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(TraceFormatError, match=match) as e:
+        load_mooncake(path)
+    assert e.value.line == line and str(e.value).startswith(f"{path}, line {line}: ")
+
+
+# ------------------------------------------------ issue #50, 8. --out checked before work
+
+class _WorkStarted(Exception):
+    """Raised where a CLI's work would start (not a user error: run_cli lets it through)."""
+
+
+def _cli(name, monkeypatch):
+    """The named CLI's module, its first piece of work replaced by `_WorkStarted`."""
+    from scripts import autoscale, evaluate, pareto
+
+    def work(*a, **k):
+        raise _WorkStarted
+
+    if name == "pareto":
+        monkeypatch.setattr(pareto.W, "make_params", work)
+        return pareto
+    monkeypatch.setattr(jaxserve, "make", work)
+    return {"eval": evaluate, "autoscale": autoscale}[name]
+
+
+@pytest.mark.parametrize("name", ["eval", "pareto", "autoscale"])
+def test_i50_case8_out_checked_before_any_work(name, tmp_path, monkeypatch, capsys):
+    cli = _cli(name, monkeypatch)
+    main = cli.main
+    # An existing file: refused at once (before: after all the work, by mkdir).
+    f = tmp_path / "file.txt"
+    f.write_text("keep")
+    assert main(["--out", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {f} exists and is not a folder" in err, err
+    # Someone else's non-empty folder: refused, its files untouched.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.md").write_text("mine")
+    assert main(["--out", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "holds files this tool does not write (notes.md)" in err and "--overwrite" in err
+    assert [p.name for p in other.iterdir()] == ["notes.md"]
+    # ... unless --overwrite; and an earlier run of the same tool is simply replaced.
+    with pytest.raises(_WorkStarted):
+        main(["--out", str(other), "--overwrite"])
+    again = tmp_path / "again"
+    again.mkdir()
+    for n in cli.OUTPUTS:  # the files the tool writes
+        (again / n).write_text("old")
+    with pytest.raises(_WorkStarted):
+        main(["--out", str(again)])
+    with pytest.raises(_WorkStarted):
+        main(["--out", str(tmp_path / "new" / "dir")])
+    assert (tmp_path / "new" / "dir").is_dir()
+
+
+# ---------------------------------------------- issue #50, 9. Ctrl-C before the first chunk
+
+def test_i50_case9_interrupt_before_a_checkpoint_says_so(tmp_path, monkeypatch, capsys):
+    import agents
+    from scripts import train as train_cli
+
+    def interrupted(*a, out_dir=None, **k):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)  # as agents.train does, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(agents, "train", interrupted)
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--total-steps", "1000", "--no-eval", "--no-progress"]
+    assert train_cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert "no checkpoint saved yet" in err and "continue with" not in err, err
+    # What it says is true: there is nothing to resume.
+    assert train_cli.main(argv + ["--resume"]) == 2
+    assert "--resume but there is no checkpoint" in capsys.readouterr().err
+    # With a checkpoint (saved by agents.train on Ctrl-C after a chunk), it says where.
+    monkeypatch.setattr(train_cli, "latest_step", lambda d: 8 if Path(d) == out /
+                        "checkpoints" else None)
+    assert train_cli.main(argv + ["--overwrite"]) == 130
+    err = capsys.readouterr().err
+    assert (f"checkpoint at update 8 in {out / 'checkpoints'}, continue with the same command "
+            f"plus --resume and without --overwrite") in err, err
 
 
 # ------------------------------------------------------------- property test (hypothesis)

@@ -143,3 +143,48 @@ def test_wide_windows_run_in_row_blocks_under_nested_vmap(monkeypatch):
     for i in range(5):
         for j in (0, 31):
             _check(jax.tree.map(lambda x: x[i, j], got), want)
+
+
+def test_windows_past_the_sort_width_equal_the_formula(monkeypatch):
+    """Past `_SORT_WIDTH` (a window over 2,048 requests: `queue_buffer=2000` or a
+    `queue_cap=4096` replica) the pairwise term is summed from the requests sorted by decodes
+    left (`_pairwise_sorted`), with no `(width, width)` term. Here the threshold is lowered to
+    64 so that the large state's window (96) takes that path, alone and under `vmap` beside a
+    lane of small windows: the estimates still equal the formula."""
+    monkeypatch.setattr(CL, "_BLOCK_WIDTH", 32)
+    monkeypatch.setattr(CL, "_SORT_WIDTH", 64)
+    args = (300.0, 120.0, 2.0, 0.1)
+    small = _state(6, 0, 0.5)
+    large = _state(2 * (MAX_SEQS + 70), 1, 2.0)
+    need = int((large[0].run.count + large[0].queues.count).max())
+    assert min(m for m in CL._widths(MAX_SEQS + QUEUE) if m >= need) > CL._SORT_WIDTH
+
+    def windowed(*a):  # a new function: jit's and make_jaxpr's caches hold the unpatched one
+        return _windowed(*a)
+
+    assert " sort[" in str(jax.make_jaxpr(windowed)(*large, *args))
+    for rep, prof in (small, large):
+        _check(jax.jit(windowed)(rep, prof, *args), jax.jit(_full_width)(rep, prof, *args))
+    batch = jax.tree.map(lambda a, b: jnp.stack([a, b]), small[0], large[0])
+    got = jax.jit(jax.vmap(windowed, in_axes=(0, None) + (None,) * 4))(batch, small[1],
+                                                                         *args)
+    for i, (rep, prof) in enumerate((small, large)):
+        _check(jax.tree.map(lambda x: x[i], got), jax.jit(_full_width)(rep, prof, *args))
+
+
+def test_sorted_pairwise_equals_the_pairwise_sum_with_ties_and_empty_slots():
+    """`_pairwise_sorted` at a real width past 2,048, with tied `k` and empty positions
+    (`k = c = 0`), against the `(m, m)` sum in float64."""
+    rng = np.random.default_rng(0)
+    m = 2100
+    k = rng.integers(1, 50, (3, m)).astype(np.float32)  # many ties
+    c = rng.uniform(0.0, 1e-3, (3, m)).astype(np.float32)
+    k[:, 1500:], c[:, 1500:] = 0.0, 0.0
+    want = (np.minimum(k[:, :, None], k[:, None, :]).astype(np.float64)
+            * c[:, None, :]).sum(-1)
+    got = jax.jit(CL._pairwise_sorted, static_argnums=2)(k, c, True)
+    np.testing.assert_allclose(got, want, rtol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got)[:, 1500:], 0.0)
+    np.testing.assert_allclose(jax.jit(CL._pairwise_sorted, static_argnums=2)(k, c, False),
+                               want.sum(-1), rtol=2e-6)
+    assert CL._block_rows(m) == 8  # past 2,048 the block size no longer fails either

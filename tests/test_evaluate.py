@@ -163,13 +163,15 @@ def test_cli_errors_are_one_line(argv, needle, capsys, tmp_path):
 def test_cli_malformed_trace(capsys, tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6,12,x\n")
-    assert main(["--trace", str(bad), "--out", str(tmp_path)]) == 2
+    assert main(["--trace", str(bad), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxserve-eval: error:") and err.count("\n") == 1
+    assert "bad.csv" in err  # the trace's error, not --out's
     empty = tmp_path / "empty.csv"
     empty.write_text("")
-    assert main(["--trace", str(empty), "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.startswith("jaxserve-eval: error:")
+    assert main(["--trace", str(empty), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxserve-eval: error:") and "empty.csv" in err
 
 
 def test_cli_writes_csv_json_and_plots(tmp_path, capsys):

@@ -259,7 +259,7 @@ def test_replayed_cached_tokens_equal_replay_prefix():
     (dict(trace=PT.trace), "PrefixTrace"),
     (dict(reward="slo"), "log_capacity"),
     (dict(arrival_rate=3.0), "arrival_rate"),
-    (dict(trace=PT.replace(node=PT.node[:-1])), "trace.node"),
+    (dict(trace=PT.replace(node=PT.node[:-1])), "PrefixTrace.node"),
     (dict(replicas=[REPS[0].replace(block_size=48)] * 2), "block_size"),
 ])
 def test_bad_config_raises_naming_field(bad, field):

@@ -103,6 +103,12 @@ _WIDTHS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 # width of 192 (a full sum ran ~70 ms there against ~1.3-2 ms at 128 and ~5.5 ms in blocks of 64).
 _BLOCK_WIDTH = 128
 _BLOCK_ELEMENTS = 2 ** 22  # a block's `rows x width x width` intermediate, at most (16 MiB)
+# Above this width (a window of more than 2,048 requests: queue and running slots together,
+# up to `types.MAX_SLOTS` each) even a block of 8 replicas' `(rows, width, width)` term would
+# pass 2^25 elements (and its cost grows as width^2), so the pairwise term is computed from the
+# requests sorted by decodes left instead (`_pairwise_sorted`, O(width log width)): the same
+# sums, in another order (float32 rounding only).
+_SORT_WIDTH = 2048
 
 
 def _widths(full: int) -> list[int]:
@@ -167,8 +173,30 @@ def _present(rep: CB.Replicas, prof: ReplicaProfile, m: int):
 
 
 def _block_rows(m: int) -> int:
-    """Replicas per block of the pairwise term at width `m` (a power of two, 8-256)."""
-    return max(8, min(256, 1 << (_BLOCK_ELEMENTS // (m * m)).bit_length() - 1))
+    """Replicas per block of the pairwise term at width `m` (a power of two, 8-256; 8 at any
+    width whose 8 rows pass `_BLOCK_ELEMENTS`)."""
+    return max(8, min(256, 1 << max(1, _BLOCK_ELEMENTS // (m * m)).bit_length() - 1))
+
+
+def _pairwise_sorted(k, c, per_request: bool):
+    """`_pairwise`'s sums from the requests sorted by `k`, without the `(m, m)` term.
+
+    With the requests in ascending order of `k` (ties in any order), position `i` shares
+    `k_l` decodes with every `l` at or before it and `k_i` with every `l` after it:
+    `sum_l c_l min(k_l, k_i) = prefix sum of c k through i + k_i * suffix sum of c after i`
+    (a tie's `k_l = k_i`, so which side it falls on does not matter). Empty positions have
+    `k = c = 0` and add nothing."""
+    axis = k.ndim - 1
+    idx = jax.lax.broadcasted_iota(jnp.int32, k.shape, axis)
+    ks, cs, order = jax.lax.sort((k, c, idx), dimension=axis, num_keys=1, is_stable=False)
+    through = jnp.cumsum(cs * ks, axis=axis)
+    rest = jnp.flip(jnp.cumsum(jnp.flip(cs, axis), axis=axis), axis)  # c summed from i on
+    after = jnp.concatenate([rest[..., 1:], jnp.zeros_like(rest[..., :1])], axis)
+    vals = through + ks * after
+    if not per_request:
+        return vals.sum(-1)
+    # Back to slot order (the indices are distinct: stability does not matter).
+    return jax.lax.sort((order, vals), dimension=axis, num_keys=1, is_stable=False)[1]
 
 
 def _pairwise(per_request: bool):
@@ -183,6 +211,8 @@ def _pairwise(per_request: bool):
         m = k.shape[-1]
         if m <= _BLOCK_WIDTH:
             return fn(k, c)
+        if m > _SORT_WIDTH:
+            return _pairwise_sorted(k, c, per_request)
         return map_rows(fn, _block_rows(m))(k, c)
 
     return run

@@ -288,8 +288,9 @@ class AutoscalingStatic:
     log_capacity: int = 0
 
     def __post_init__(self):
-        check_sizes(self, positive=("max_replicas", "queue_buffer", "max_batch", "history_len"),
-                    nonnegative=("trace_len", "log_capacity"))
+        check_sizes(self, positive=("max_replicas", "history_len"),
+                    nonnegative=("trace_len", "log_capacity"),
+                    slots=("queue_buffer", "max_batch"))
 
 
 class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, AutoscalingParams]):

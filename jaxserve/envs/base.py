@@ -33,6 +33,7 @@ import numpy as np
 from gymnax.environments import spaces
 
 from jaxserve.core import rng
+from jaxserve.core.types import INT32_MAX, MAX_SLOTS
 from jaxserve.envs import common
 
 # Every family of registered policies, defined here once (`policies.registry` reads it as
@@ -87,24 +88,27 @@ def feature_box(shape: tuple[int, ...]) -> spaces.Box:
 # ------------------------------------------------------------------------ static configuration
 
 def check_sizes(static: Any, positive: tuple[str, ...] = (),
-                nonnegative: tuple[str, ...] = ()) -> None:
+                nonnegative: tuple[str, ...] = (), slots: tuple[str, ...] = ()) -> None:
     """Validates integer fields of a frozen static dataclass (call from its `__post_init__`).
 
     Each named field must be an integer (an integral float or numpy integer is accepted and
     stored as a Python int, so equal configurations hash equal): `positive` ones >= 1,
-    `nonnegative` ones >= 0.
+    `nonnegative` ones >= 0, `slots` ones (queue and batch slots per GPU or replica) in
+    `[1, MAX_SLOTS]`.
 
     Raises:
       ValueError: naming the first field that is not an integer or is out of range.
     """
-    for names, low in ((positive, 1), (nonnegative, 0)):
+    for names, low, high in ((positive, 1, INT32_MAX), (nonnegative, 0, INT32_MAX),
+                             (slots, 1, MAX_SLOTS)):
         for name in names:
             v = getattr(static, name)
-            object.__setattr__(static, name, as_size(name, v, low))  # frozen: set once
+            object.__setattr__(static, name, as_size(name, v, low, high))  # frozen: set once
 
 
-def as_size(name: str, value: Any, low: int = 1) -> int:
-    """`value` as a Python int in `[low, 2^31 - 1]` (static sizes index int32 arrays).
+def as_size(name: str, value: Any, low: int = 1, high: int = INT32_MAX) -> int:
+    """`value` as a Python int in `[low, high]` (static sizes index int32 arrays: `high` is at
+    most 2^31 - 1; slot counts pass `high=MAX_SLOTS`).
 
     An integral float or numpy integer is accepted; strings (`"4"`), booleans, non-integral
     or non-finite numbers are refused.
@@ -122,8 +126,9 @@ def as_size(name: str, value: Any, low: int = 1) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if i < low:
         raise ValueError(f"{name} must be >= {low}, got {value!r}")
-    if i > 2 ** 31 - 1:
-        raise ValueError(f"{name} must be <= {2 ** 31 - 1}, got {value!r}")
+    if i > high:
+        what = " (MAX_SLOTS: queue and batch slots per GPU or replica)" if high == MAX_SLOTS else ""
+        raise ValueError(f"{name} must be <= {high}{what}, got {value!r}")
     return i
 
 
@@ -147,10 +152,13 @@ class StaticConfig:
     `step` keeps gymnax 1.0's contract exactly (auto-reset, `(obs, state, reward, terminated,
     truncated, info)`, `info["final_observation"]`) but does not select the queues' slot
     arrays on reset: a reset queue has count 0, so stale slots are never read, and skipping
-    them saves a full pass over the state (most of its bytes) on every step.
+    them saves a full pass over the state (most of its bytes) on every step. An environment
+    whose reset admits requests (Batching-v0) sets `reset_fills_queues = True` and gets the
+    plain select.
     """
 
     Static: ClassVar[type]  # the frozen dataclass of static fields, set by each environment
+    reset_fills_queues: ClassVar[bool] = False  # reset writes queue slots (see above)
 
     def __init__(self, *args, default=None, **fields):
         super().__init__()
@@ -229,10 +237,11 @@ class StaticConfig:
             key, state, action, params)
         truncated = self.is_truncated(state_st, params)
         done = jnp.logical_or(terminated, truncated)
-        q_st, q_re = state_st.cluster.queues, state_re.cluster.queues
-        q_re = q_re.replace(arrival=q_st.arrival, prompt=q_st.prompt, output=q_st.output,
-                            estimate=q_st.estimate, req_id=q_st.req_id)
-        state_re = state_re.replace(cluster=state_re.cluster.replace(queues=q_re))
+        if not self.reset_fills_queues:
+            q_st, q_re = state_st.cluster.queues, state_re.cluster.queues
+            q_re = q_re.replace(arrival=q_st.arrival, prompt=q_st.prompt, output=q_st.output,
+                                estimate=q_st.estimate, req_id=q_st.req_id)
+            state_re = state_re.replace(cluster=state_re.cluster.replace(queues=q_re))
         state = jax.tree.map(lambda r, s: jax.lax.select(done, r, s), state_re, state_st)
         obs = jax.lax.select(done, obs_re, obs_st)
         info = {**info, "terminated": terminated, "truncated": truncated,

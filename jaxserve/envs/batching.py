@@ -37,6 +37,9 @@ class BatchingState:
       trace_pos: trace row of `upcoming`. int32.
       time: decisions taken this episode. int32.
       log: per-request schedule of the first `log_capacity` requests (see `Routing`).
+      reset_arrived, reset_dropped: requests that arrived (and of them, were dropped) during
+        `reset`'s run to the first decision, not yet in any `info`: the next step adds them
+        to its `info["arrived"]` and `info["dropped"]`, then sets both to 0. int32.
     """
 
     cluster: C.Cluster
@@ -45,6 +48,8 @@ class BatchingState:
     trace_pos: jax.Array
     time: jax.Array
     log: C.RequestLog
+    reset_arrived: jax.Array
+    reset_dropped: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +69,8 @@ class BatchingStatic:
     log_capacity: int = 0
 
     def __post_init__(self):
-        check_sizes(self, positive=("max_batch", "queue_buffer"),
-                    nonnegative=("trace_len", "log_capacity"))
+        check_sizes(self, nonnegative=("trace_len", "log_capacity"),
+                    slots=("max_batch", "queue_buffer"))
 
 
 class Batching(StaticConfig, environment.Environment[BatchingState, common.ServingParams]):
@@ -85,12 +90,21 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
       time_scale, mean wait / time_scale, queued work / time_scale, and the waiting requests'
       mean output estimate as `log1p(mean)/log1p(max_output)`.
     Reward: `-(time-in-system during the step + drop_penalty_s * drops) / latency_scale`.
+    Info: the step's `StepMetrics`. `reset` already admits the first arrival (and any others
+      at that instant: the first decision needs a waiting request); the first step's
+      `info["arrived"]` and `info["dropped"]` include those (`BatchingState.reset_arrived`),
+      so that over an episode the summed `arrived` = summed `completed` + summed `dropped` +
+      requests in the system. Its reward does not charge reset's drops (no action could have
+      avoided them).
     Termination: with a replayed trace, once it has ended and the GPU has drained.
       Truncation after `max_steps_in_episode` decisions.
     """
 
     policy_kind = "batching"  # registered policies that act here (envs.base)
     Static = BatchingStatic  # static configuration (`env.static`; fields read as attributes)
+    # Reset admits the first arrival into the queue: an auto-reset must keep those slots
+    # (`StaticConfig.step`), or the new episode's first request is the old one's slot 0.
+    reset_fills_queues = True
     num_gpus = 1
 
     @property
@@ -120,8 +134,10 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
                                                       with_ids=self.log_capacity > 0),
                               upcoming=req.replace(arrival=jnp.float32(0.0)), phase=phase,
                               trace_pos=jnp.int32(0), time=jnp.int32(0),
-                              log=C.empty_log(self.log_capacity))
-        state, _ = self._run_to_decision(k_run, state, params, jnp.bool_(False))
+                              log=C.empty_log(self.log_capacity),
+                              reset_arrived=jnp.int32(0), reset_dropped=jnp.int32(0))
+        state, m = self._run_to_decision(k_run, state, params, jnp.bool_(False))
+        state = state.replace(reset_arrived=m.arrived, reset_dropped=m.dropped)
         return self.get_obs(state, params), state
 
     def step_env(self, key, state, action, params):
@@ -138,10 +154,15 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
         cl, log = C.dispatch(cl, params.gpus, go[None], k[None], jnp.zeros((1,), jnp.float32),
                              params.slo_s, state.log)
         state = state.replace(cluster=cl, log=log)
+        at_reset = (state.reset_arrived, state.reset_dropped)
         state, metrics = self._run_to_decision(key, state, params, ~go)
         metrics = metrics.replace(invalid_actions=invalid.astype(jnp.int32))
-        state = state.replace(time=state.time + 1)
+        state = state.replace(time=state.time + 1, reset_arrived=jnp.int32(0),
+                              reset_dropped=jnp.int32(0))
         reward = common.reward_from(metrics, params)
+        # Reported, not charged: the reset's arrivals and drops (class docstring, Info).
+        metrics = metrics.replace(arrived=metrics.arrived + at_reset[0],
+                                  dropped=metrics.dropped + at_reset[1])
         return (self.get_obs(state, params), state, reward, self.is_terminated(state, params),
                 metrics.as_dict())
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.sources import no_trace, trace_arrays
-from jaxserve.core.types import stack_profiles
+from jaxserve.core.types import MAX_SLOTS, stack_profiles
 from jaxserve.envs import common
 from jaxserve.envs.base import as_size
 
@@ -113,20 +113,29 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
 def static_sizes(queue_buffer, params):
     """(queue buffer, max batch) shapes for `params`, validated."""
     caps = int(np.max(np.asarray(params.gpus.queue_cap)))
-    qb = caps if queue_buffer is None else as_size("queue_buffer", queue_buffer)
+    qb = caps if queue_buffer is None else as_size("queue_buffer", queue_buffer, high=MAX_SLOTS)
     mb = int(np.max(np.asarray(params.gpus.max_batch)))
     common.validate_params(params, qb, mb)
     return qb, mb
 
 
 
+def refuse_gpus(name: str, kw: dict) -> None:
+    """Raises ValueError if the keywords `kw` of a continuous-batching env's builder hold
+    `gpus=`: those envs take `replicas=` (and pass their stacked replicas to `build_params`
+    as its `gpus` themselves)."""
+    if "gpus" in kw:
+        raise ValueError(f"{name} takes replicas= (a list of ReplicaProfile, e.g. "
+                         f"jaxserve.replica_profile(...)), not gpus=")
+
+
 def replica_sizes(prof, queue_buffer, max_seqs) -> tuple[int, int]:
     """(queue buffer, running slots) of a continuous-batching env over the stacked replica
     profile `prof`: the largest `queue_cap` and `max_seqs` unless given, validated."""
     qb = (int(np.max(np.asarray(prof.queue_cap))) if queue_buffer is None
-          else as_size("queue_buffer", queue_buffer))
+          else as_size("queue_buffer", queue_buffer, high=MAX_SLOTS))
     ms = (int(np.max(np.asarray(prof.max_seqs))) if max_seqs is None
-          else as_size("max_seqs", max_seqs))
+          else as_size("max_seqs", max_seqs, high=MAX_SLOTS))
     return qb, ms
 
 

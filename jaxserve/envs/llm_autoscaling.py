@@ -28,8 +28,8 @@ from jaxserve.envs import autoscaling as AS
 from jaxserve.envs import common
 from jaxserve.envs.autoscaling import scaling_params
 from jaxserve.envs.base import as_size
-from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, replica_sizes,
-                                    set_reward_scales)
+from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, refuse_gpus,
+                                    replica_sizes, set_reward_scales)
 from jaxserve.envs.routing import routing_tokens
 
 
@@ -80,6 +80,7 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     Autoscaling-v0's scaling and serving parameters (`envs/llm_autoscaling.py`).
     """
 
+    refuse_gpus("LLMAutoscaling-v0", kw)
     if replicas is None:
         replicas = [replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16)] * as_size(
             "max_replicas", max_replicas)

@@ -12,10 +12,10 @@ from jaxserve.core import arrivals as A
 from jaxserve.core import continuous as CB
 from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile, stack_replicas
 from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
-                                    replica_sizes, set_reward_scales)
+                                    refuse_gpus, replica_sizes, set_reward_scales)
 from jaxserve.envs.llm_routing import LLMRouting, PrefixRoutingParams
 from jaxserve.traces.mooncake import load_mooncake
-from jaxserve.traces.prefix import PrefixTrace
+from jaxserve.traces.prefix import PrefixTrace, validate_prefix_trace
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
 
@@ -115,6 +115,7 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     different trees share one program. Other keywords as LLMRouting-v0 (reward scalars).
     """
 
+    refuse_gpus("LLMPrefixRouting-v0", kw)
     for bad in ("arrivals", "arrival_rate", "tokens"):
         if bad in kw:
             raise ValueError(f"LLMPrefixRouting-v0 replays a trace; {bad}= does not apply")
@@ -127,6 +128,7 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     if not isinstance(trace, PrefixTrace):
         raise ValueError(f"trace must be a PrefixTrace or a Mooncake file path, got "
                          f"{type(trace).__name__}")
+    trace = validate_prefix_trace(trace)
     replicas = prefix_replicas() if replicas is None else list(replicas)
     prof = stack_replicas(replicas)
     n = len(trace.trace.arrival_s)
@@ -145,9 +147,7 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     kw.setdefault("estimate_noise", ROUTING_ESTIMATE_NOISE)
     base = build_params(prof, arrival_rate=1.0, trace=trace.trace, **kw)
     tree = trace.tree
-    node = np.asarray(trace.node, np.int64)
-    if node.shape != (n,):
-        raise ValueError(f"trace.node must have one entry per request ({n}), got {node.shape}")
+    node = trace.node
     tables = CB.prefix_tables(tree.parent, tree.depth, tree.block_tokens, tree_nodes,
                               tree_depth)
     params = PrefixRoutingParams(

@@ -18,7 +18,7 @@ from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import build_params, replica_sizes, set_reward_scales
+from jaxserve.envs.defaults import build_params, refuse_gpus, replica_sizes, set_reward_scales
 from jaxserve.envs.routing import routing_tokens
 from jaxserve.envs.routing_step import route_and_advance
 
@@ -113,8 +113,9 @@ class LLMRoutingStatic:
     ranked: bool = False
 
     def __post_init__(self):
-        check_sizes(self, positive=("num_replicas", "queue_buffer", "max_seqs"),
-                    nonnegative=("trace_len", "log_capacity", "prefix_blocks"))
+        check_sizes(self, positive=("num_replicas",),
+                    nonnegative=("trace_len", "log_capacity", "prefix_blocks"),
+                    slots=("queue_buffer", "max_seqs"))
         object.__setattr__(self, "shaping_gamma", common.check_shaping_gamma(self.shaping_gamma))
         if self.reward not in REWARDS:
             raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
@@ -555,6 +556,7 @@ def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_ra
     `reward="slo"` charges TTFT/TPOT SLO misses instead of time-in-system (`LLMRouting`).
     """
 
+    refuse_gpus("LLMRouting-v0", kw)
     replicas = llm_routing_replicas() if replicas is None else list(replicas)
     prof = stack_replicas(replicas)
     if arrivals is None and arrival_rate is None:

@@ -76,8 +76,8 @@ class RoutingStatic:
     shaping_gamma: float | None = DEFAULT_SHAPING_GAMMA
 
     def __post_init__(self):
-        check_sizes(self, positive=("num_gpus", "queue_buffer", "max_batch"),
-                    nonnegative=("trace_len", "log_capacity"))
+        check_sizes(self, positive=("num_gpus",), nonnegative=("trace_len", "log_capacity"),
+                    slots=("queue_buffer", "max_batch"))
         object.__setattr__(self, "shaping_gamma", common.check_shaping_gamma(self.shaping_gamma))
 
 

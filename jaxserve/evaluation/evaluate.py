@@ -92,14 +92,13 @@ def rollout(env_t, policy: Callable, params: common.ServingParams, key, routing:
     Returns:
       dict: `wait`, `service`, `batch` `(n,)` from the request log; `gpu` `(n,)` int32 (the
       GPU each request was routed to; 0 in Batching-v0); `sums` (StepMetrics summed over the
-      steps); `arrived_at_reset` (requests Batching-v0's reset absorbed before its first
-      decision: they are in the system but in no step's `info`); `in_flight` (waiting plus
-      running at the end); `decisions`.
+      steps; Batching-v0's first step reports the requests its reset admitted, so
+      `sums.arrived` counts every arrival); `in_flight` (waiting plus running at the end);
+      `decisions`.
     """
     n = params.trace.gap.shape[0]
     k_reset, k_step, k_pol = jax.random.split(key, 3)
     obs, state = env_t.reset_env(k_reset, params)
-    at_reset = C.in_system(state.cluster)
     act = episodes.from_policy(policy, params)
 
     if routing:
@@ -130,7 +129,7 @@ def rollout(env_t, policy: Callable, params: common.ServingParams, key, routing:
             acc=StepMetrics.zeros())
         gpu = jnp.zeros((n,), jnp.int32)
     return {"wait": state.log.wait, "service": state.log.service, "batch": state.log.batch,
-            "gpu": gpu, "sums": sums, "arrived_at_reset": at_reset,
+            "gpu": gpu, "sums": sums,
             "in_flight": C.in_system(state.cluster), "decisions": decisions}
 
 
@@ -288,7 +287,7 @@ def summarise(out: dict, streams: TraceArrays, params, warmup: int = 0,
     mix = mix_by_phase.sum(axis=0)
 
     sums = {k: np.asarray(v, np.float64) for k, v in out["sums"].as_dict().items()}
-    arrived_env = sums["arrived"] + np.asarray(out["arrived_at_reset"], np.float64)
+    arrived_env = sums["arrived"]
     arrived = int(arrived_env.sum())
     per_env_cost = ((sums["in_system_time"] + penalty * sums["dropped"])
                     / np.maximum(arrived_env, 1.0))

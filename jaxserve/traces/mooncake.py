@@ -14,7 +14,9 @@ block can be partial). Nodes are numbered in arrival order of first appearance.
 Conventions as in `jaxserve.traces.loaders`: arrivals are float64 seconds rebased so that the
 earliest request is at 0.0, rows stably sorted by time (the upstream files are already sorted);
 token counts are int64 >= 1. Any defect raises `TraceFormatError` naming the file and the
-1-based line; nothing is loaded partially.
+1-based line; nothing is loaded partially. The engine's bounds are defects too (as in
+`loaders`): a length over `MAX_TOKENS`, a prompt + output over it, a gap between (sorted)
+arrivals over `MAX_SECONDS`, and a hash id outside int64 (the tree's `hash_id` dtype).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.core.types import Trace, validate_trace
+from jaxserve.core.types import MAX_SECONDS, MAX_TOKENS, Trace, validate_trace
 from jaxserve.traces.loaders import TraceFormatError
 from jaxserve.traces.prefix import (PrefixTrace, PrefixTree, build_prefix_tree,
                                     infinite_cache_reuse, kv_prefix, path_nodes)
@@ -77,7 +79,11 @@ def _read_lines(path: Any) -> tuple[Path, list[tuple[int, str]]]:
     return p, rows
 
 
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
 def _count(p: Path, line: int, obj: dict, key: str, minimum: int) -> int:
+    """`obj[key]` as an integer in `[minimum, MAX_TOKENS]`, else TraceFormatError."""
     v = obj[key]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TraceFormatError(p, line, f"{key} must be an integer, got {v!r}")
@@ -85,6 +91,9 @@ def _count(p: Path, line: int, obj: dict, key: str, minimum: int) -> int:
         raise TraceFormatError(p, line, f"{key} must be an integer, got {v!r}")
     if v < minimum:
         raise TraceFormatError(p, line, f"{key} must be >= {minimum}, got {v!r}")
+    if v > MAX_TOKENS:
+        raise TraceFormatError(p, line, f"{key} = {v!r} tokens exceeds the engine's largest "
+                                        f"token count ({MAX_TOKENS})")
     return int(v)
 
 
@@ -99,8 +108,9 @@ def load_mooncake(path: Any, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Pr
     Raises:
       TraceFormatError (a ValueError) naming the file and line: unreadable or empty file,
       invalid JSON, a row that is not an object, a missing field, a non-finite or negative
-      timestamp, lengths that are not integers >= 1, `hash_ids` not a list of integers or of
-      the wrong length.
+      timestamp, lengths that are not integers in `[1, MAX_TOKENS]` or whose sum exceeds
+      `MAX_TOKENS`, a gap after the previous (sorted) arrival over `MAX_SECONDS`, `hash_ids`
+      not a list of int64 integers or of the wrong length.
       ValueError: `block_tokens` < 1.
     """
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
@@ -124,10 +134,18 @@ def load_mooncake(path: Any, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Pr
             raise TraceFormatError(p, num, f"timestamp is negative: {t!r}")
         pin = _count(p, num, obj, "input_length", 1)
         pout = _count(p, num, obj, "output_length", 1)
+        if pin + pout > MAX_TOKENS:
+            raise TraceFormatError(p, num, f"input_length + output_length = {pin + pout} tokens "
+                                           f"exceeds the engine's largest request "
+                                           f"({MAX_TOKENS})")
         ids = obj["hash_ids"]
         if not isinstance(ids, list) or any(isinstance(h, bool) or not isinstance(h, int)
                                             for h in ids):
             raise TraceFormatError(p, num, "hash_ids must be a list of integers")
+        wide = [j for j, h in enumerate(ids) if not _INT64[0] <= h <= _INT64[1]]
+        if wide:
+            raise TraceFormatError(p, num, f"hash_ids[{wide[0]}] = {ids[wide[0]]} is outside "
+                                           f"int64 [{_INT64[0]}, {_INT64[1]}]")
         want = -(-pin // block_tokens)
         if len(ids) != want:
             raise TraceFormatError(
@@ -142,10 +160,21 @@ def load_mooncake(path: Any, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Pr
     arrival = (ts_arr[order] - ts_arr[order[0]]) / 1000.0
     prompt_arr = np.asarray(prompt, np.int64)[order]
     output_arr = np.asarray(output, np.int64)[order]
+    line_arr = np.asarray([num for num, _ in lines], np.int64)[order]
+    big = np.diff(arrival) > MAX_SECONDS
+    if np.any(big):
+        i = int(np.flatnonzero(big)[0]) + 1
+        raise TraceFormatError(p, int(line_arr[i]),
+                               f"timestamp comes {arrival[i] - arrival[i - 1]:g} s after the "
+                               f"previous request (line {int(line_arr[i - 1])}); gaps must be "
+                               f"<= {MAX_SECONDS:g} s")
 
     tree, node = build_prefix_tree([hashes[i] for i in order], block_tokens)
-    trace = validate_trace(Trace(arrival_s=arrival, prompt_tokens=prompt_arr,
-                                 output_tokens=output_arr))
+    try:
+        trace = validate_trace(Trace(arrival_s=arrival, prompt_tokens=prompt_arr,
+                                     output_tokens=output_arr))
+    except ValueError as e:  # the checks above name the line; this is a safety net
+        raise TraceFormatError(p, None, str(e)) from None
     return PrefixTrace(trace=trace, node=node, full_blocks=prompt_arr // block_tokens,
                          tree=tree)
 
