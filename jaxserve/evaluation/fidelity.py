@@ -41,6 +41,7 @@ from jaxserve.core.kernel_fit import (FORM_FIELDS, MODEL_SHAPES, KernelProfile,
 from jaxserve.core.replica import ReplicaProfile, validate_replica
 from jaxserve.evaluation.replay import replay_prefix
 from jaxserve.policies.llm_routing import vllm_dp_engine
+from jaxserve.reference.continuous import split_schedule
 from jaxserve.reference.prefix import simulate_prefix
 from jaxserve.traces.vllm_run import (VllmRun, chained_block_hashes, load_vllm_run,
                                       prefix_trace_of, real_request_metrics, summarize)
@@ -189,13 +190,7 @@ def _reference(run: VllmRun, lists, prof: dict, step_time, opts: FidelityOptions
 
     def on_iteration(rp, t, sched, T):
         seen[id(rp)] = rp
-        pf, dec = [], []
-        for r, n in sched:
-            if r.g >= 1 and r.C == r.L - 1:
-                dec.append(r.L)
-            else:
-                pf.append((n, r.C))
-        comps.append((pf, dec))
+        comps.append(split_schedule(sched))
 
     def check(t, arrived, completed, waiting, running, dropped):
         held = sum(rp.M - len(rp.queue) for rp in seen.values())
@@ -516,12 +511,7 @@ def write_report(result: FidelityResult, out_dir) -> list[Path]:
         ax.set_xlabel(f"{m.upper()} ({'ms' if m == 'tpot' else 's'})")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{result.run}: per-request CDFs", fontsize=10)
-    fig.tight_layout()
-    p = out / "cdf.png"
-    fig.savefig(p, dpi=110)
-    paths.append(p)
+    paths.append(_finish(fig, axes, f"{result.run}: per-request CDFs", out / "cdf.png"))
 
     fig = Figure(figsize=(13, 3.4))
     FigureCanvasAgg(fig)
@@ -536,10 +526,14 @@ def write_report(result: FidelityResult, out_dir) -> list[Path]:
         ax.set_xlabel("time (s)")
         ax.set_ylabel(lab)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"{result.run}: engine state at 1-s ticks", fontsize=10)
-    fig.tight_layout()
-    p = out / "timeseries.png"
-    fig.savefig(p, dpi=110)
-    paths.append(p)
+    paths.append(_finish(fig, axes, f"{result.run}: engine state at 1-s ticks",
+                         out / "timeseries.png"))
     return paths
+
+
+def _finish(fig, axes, title: str, path: Path) -> Path:
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path

@@ -51,6 +51,18 @@ class _Req:
         return self.p + self.g
 
 
+def split_schedule(sched):
+    """An iteration's `(request, n)` pairs as `(prefills, decodes)`: the `(n, C)` of each
+    prefilling request and the `L` of each decode (`g >= 1`, `C = L - 1`), before `C` moves."""
+    pf, dec = [], []
+    for r, n in sched:
+        if r.g >= 1 and r.C == r.L - 1:
+            dec.append(r.L)
+        else:
+            pf.append((n, r.C))
+    return pf, dec
+
+
 class _Replica:
     def __init__(self, prof, step_time=None, on_iteration=None):
         self.c0, self.alpha, self.alpha2 = prof["c0"], prof["alpha"], prof["alpha2"]
@@ -152,13 +164,7 @@ class _Replica:
         the contract's formula, or `step_time(prefills, decodes)` when the replica was given one
         (`prefills` the `(n, C)` of each prefilling request, `decodes` the `L` of each decode)."""
         if self.step_time is not None:
-            pf, dec = [], []
-            for r, n in sched:
-                if r.g >= 1 and r.C == r.L - 1:
-                    dec.append(r.L)
-                else:
-                    pf.append((n, r.C))
-            return float(self.step_time(pf, dec))
+            return float(self.step_time(*split_schedule(sched)))
         T = self.c0
         n_dec = 0
         for r, n in sched:
