@@ -305,7 +305,7 @@ def test_invalid_configuration_is_refused():
         CB.prefix_tables(np.array([-1, 0]), np.array([1, 3]), B)
 
 
-MOONCAKE = Path("/work/shared/traces/mooncake_2025")
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_2025"
 
 
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake traces not present")

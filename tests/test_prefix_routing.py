@@ -6,6 +6,8 @@ Tiny scenarios keep compilation and steps cheap: two replicas of 40 blocks x 16 
 blocks whose sessions overlap, so prefixes are hit, blocks evicted and requests preempted.
 """
 
+from pathlib import Path
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -543,7 +545,7 @@ def test_heuristics_in_env_never_read_output_lengths():
     assert np.all(np.isfinite(np.asarray(drive(params))))
 
 
-MOONCAKE = "/work/shared/traces/mooncake_2025/conversation_trace.jsonl.gz"
+MOONCAKE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_2025" / "conversation_trace.jsonl.gz")
 
 
 @pytest.mark.skipif(not __import__("os").path.exists(MOONCAKE), reason="Mooncake trace absent")

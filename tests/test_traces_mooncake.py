@@ -13,7 +13,7 @@ from jaxserve.traces.loaders import TraceFormatError
 from jaxserve.traces.mooncake import (infinite_cache_reuse, kv_prefix, load_mooncake,
                                       path_nodes)
 
-REAL = Path("/work/shared/traces/mooncake_2025")
+REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_2025"
 
 ROWS = [
     {"timestamp": 1000, "input_length": 1000, "output_length": 5, "hash_ids": [7, 8]},

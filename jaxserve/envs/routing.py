@@ -331,7 +331,7 @@ def short_bursts_tokens() -> A.TokenDist:
     mix per arrival phase: 40% long in the quiet phase, none in bursts.
 
     The prompt says nothing of the output length, as in real LLM traces: on Azure's 2023 LLM
-    inference traces (/work/shared/traces/azure_llm_2023) the correlation of log prompt and
+    inference traces (../shared/traces/azure_llm_2023) the correlation of log prompt and
     log output is -0.005 (code, 8819 requests) and 0.087 (conversation, 19366; Pearson over
     every row, `np.corrcoef(np.log(ContextTokens), np.log(GeneratedTokens))`), while in the
     default mix (256- vs 1024-token prompts) the prompt gives the class away; so the noisy

@@ -33,7 +33,7 @@ knative (Knative KPA on concurrency, stable/panic windows), ray_serve (Ray Serve
 requests rule with up/down delays); stateless, their windows recomputed from the env state's
 `history`.
 Prefix routing (`prefix_routing.py`, LLMPrefixRouting-v0, kind "prefix_routing"): the
-production cache-aware routers of /work/shared/ROUTERS.md at their published defaults:
+production cache-aware routers of ../shared/ROUTERS.md at their published defaults:
 llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache, session_affinity; and
 the baseline most_cached (the plain cache-first rule, no production router's).
 """

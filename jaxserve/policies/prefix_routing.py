@@ -6,7 +6,7 @@ They name replicas by index; the registered LLMPrefixRouting-v0 is ranked (its a
 rank), so act there with `env.replica_policy(router)`. `most_cached` (in `BASELINES`, not
 `POLICIES`) is no production router's rule: the plain cache-first baseline, the ranked
 environment's rank 0.
-Each reads only what the real router reads (/work/shared/ROUTERS.md, "Cache-aware routers"):
+Each reads only what the real router reads (../shared/ROUTERS.md, "Cache-aware routers"):
 
 * the replicas' reported cached blocks of the pending request
   (`envs.llm_routing.pending_cached_blocks`: the leading prompt blocks held in each
