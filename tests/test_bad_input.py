@@ -11,7 +11,7 @@ One test (or group) per case of the issue, each failing on the code before the f
 6. `jaxserve-train --out DIR` on a non-empty directory that holds no run.
 Then a hypothesis property test over `make` overrides, GPU profiles and `Trace` arrays.
 
-Issue #50's nine cases (`test_i50_caseN_*`), each failing on the code before its fix:
+Nine further cases, each failing on the code before its fix:
 1. a request window over 2,048 (`queue_buffer=2000`, `queue_cap=4096`) failed at reset with
    "negative shift count" (the estimates' pairwise term; its values: test_continuous_load.py);
 2. slot sizes above `MAX_SLOTS` (2^16) accepted;
@@ -238,7 +238,7 @@ def test_case6_out_dir_check_names_flags(tmp_path):
     ("LLMPrefixRouting-v0", {"queue_buffer": 2040}),  # 2040 + 16
     ("LLMRouting-v0", {"replicas": [replica_profile("opt13b-a100-80g", queue_cap=4096)]}),
 ])
-def test_i50_case1_windows_over_2048_build_and_reset(name, kw):
+def test_windows_over_2048_build_and_reset(name, kw):
     # Traced only (the failure was at trace time); test_continuous_load.py checks the values
     # of the estimates past the width where the pairwise term switches to a sorted sum.
     env, params = jaxserve.make(name, **kw)
@@ -258,12 +258,12 @@ def test_i50_case1_windows_over_2048_build_and_reset(name, kw):
     ("LLMAutoscaling-v0", {"queue_buffer": MAX_SLOTS + 1}, "queue_buffer"),
     ("LLMPrefixRouting-v0", {"queue_buffer": MAX_SLOTS + 1}, "queue_buffer"),
 ])
-def test_i50_case2_slot_sizes_over_max_slots_refused(name, kw, field):
+def test_slot_sizes_over_max_slots_refused(name, kw, field):
     with pytest.raises(ValueError, match=rf"{field} must be <= 65536 \(MAX_SLOTS"):
         jaxserve.make(name, **kw)
 
 
-def test_i50_case2_static_sizes_checked_on_replace_and_bound_accepted():
+def test_static_sizes_checked_on_replace_and_bound_accepted():
     env, _ = jaxserve.make("Routing-v0")
     with pytest.raises(ValueError, match=r"max_batch must be <= 65536 \(MAX_SLOTS"):
         env.replace_static(max_batch=MAX_SLOTS + 1)
@@ -294,7 +294,7 @@ def _entries(pt):
             lambda: replay_prefix(PT_REPS, pt, np.zeros(len(np.atleast_1d(pt.node)), int)))
 
 
-def test_i50_case3_empty_prefix_trace_refused_by_name():
+def test_empty_prefix_trace_refused_by_name():
     empty = _pt(n=0, node=np.zeros(0, int), full=np.zeros(0, int))
     for entry in _entries(empty):
         with pytest.raises(ValueError, match=r"PrefixTrace\.trace holds no requests"):
@@ -319,7 +319,7 @@ def test_i50_case3_empty_prefix_trace_refused_by_name():
     ({"parent": (-1, 0, 3, 2)}, r"PrefixTree\.parent\[2\] must be in \[-1, 2\)"),
     ({"depth": (1, 2, 2, 4)}, r"PrefixTree\.depth\[2\] must be 3"),
 ])
-def test_i50_case4_prefix_trace_arrays_validated(kw, match):
+def test_prefix_trace_arrays_validated(kw, match):
     # Before: every one of these was accepted by both entries (floats truncated to ints).
     bad = _pt(**kw)
     for entry in _entries(bad):
@@ -327,7 +327,7 @@ def test_i50_case4_prefix_trace_arrays_validated(kw, match):
             entry()
 
 
-def test_i50_case4_valid_prefix_traces_pass_as_int64():
+def test_valid_prefix_traces_pass_as_int64():
     from jaxserve.traces.prefix import validate_prefix_trace  # the helper the fix added
 
     got = validate_prefix_trace(_pt(node=np.array([3, -1], np.int32)))
@@ -343,7 +343,7 @@ def test_i50_case4_valid_prefix_traces_pass_as_int64():
 
 @pytest.mark.parametrize("name", ["LLMRouting-v0", "LLMPrefixRouting-v0", "LLMAutoscaling-v0"])
 @pytest.mark.parametrize("gpus", [[], [GPUProfile()]])
-def test_i50_case5_llm_envs_refuse_gpus(name, gpus):
+def test_llm_envs_refuse_gpus(name, gpus):
     with pytest.raises(ValueError, match=rf"{name} takes replicas= .*not gpus="):
         jaxserve.make(name, gpus=gpus)
 
@@ -374,7 +374,7 @@ def _accounted(info, held):
             np.cumsum(info["completed"]) + np.cumsum(info["dropped"]) + np.asarray(held))
 
 
-def test_i50_case6_batching_info_counts_the_reset_arrivals():
+def test_batching_info_counts_the_reset_arrivals():
     env, params = jaxserve.make("Batching-v0")
     _, (info, _, held) = _batching_run(env, params, 40)
     np.testing.assert_array_equal(*_accounted(info, held))  # was off by one at every step
@@ -394,7 +394,7 @@ def test_i50_case6_batching_info_counts_the_reset_arrivals():
     assert float(reward[0]) == pytest.approx(float(common.reward_from(charged, params)))
 
 
-def test_i50_case6_batching_auto_reset_keeps_the_reset_queue():
+def test_batching_auto_reset_keeps_the_reset_queue():
     # The auto-reset used to keep the finished episode's queue slots (it skips them for envs
     # whose reset leaves the queues empty): the new episode's first waiting request was the
     # old episode's slot 0 (its arrival, prompt and estimate), under the reset's count.
@@ -432,7 +432,7 @@ def _row(t, i=10, o=5, ids=None):
                                            r"int64"),
     ([_row(0), _row(1, ids=[-2 ** 63 - 1])], 2, r"hash_ids\[0\] = .* is outside int64"),
 ])
-def test_i50_case7_mooncake_bounds_name_file_and_line(tmp_path, rows, line, match):
+def test_mooncake_bounds_name_file_and_line(tmp_path, rows, line, match):
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     with pytest.raises(TraceFormatError, match=match) as e:
@@ -461,7 +461,7 @@ def _cli(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["eval", "pareto", "autoscale"])
-def test_i50_case8_out_checked_before_any_work(name, tmp_path, monkeypatch, capsys):
+def test_out_checked_before_any_work(name, tmp_path, monkeypatch, capsys):
     cli = _cli(name, monkeypatch)
     main = cli.main
     # An existing file: refused at once (before: after all the work, by mkdir).
@@ -494,7 +494,7 @@ def test_i50_case8_out_checked_before_any_work(name, tmp_path, monkeypatch, caps
 
 # ---------------------------------------------- issue #50, 9. Ctrl-C before the first chunk
 
-def test_i50_case9_interrupt_before_a_checkpoint_says_so(tmp_path, monkeypatch, capsys):
+def test_interrupt_before_a_checkpoint_says_so(tmp_path, monkeypatch, capsys):
     import agents
     from scripts import train as train_cli
 

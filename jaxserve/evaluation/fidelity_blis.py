@@ -1,4 +1,4 @@
-"""The BLIS set (issue 47, deliverable 4): 16 real vLLM runs on H100, BLIS's predictions of
+"""The BLIS set: 16 real vLLM runs on H100, BLIS's predictions of
 them, and jaxserve's, side by side.
 
 Data: `$JAXSERVE_FIDELITY_DIR/blis_anchor/` (default `<repo root>/../shared/fidelity`; its
