@@ -6,14 +6,14 @@ actor-critics), `rollout` (vmapped rollouts, episode stats), `returns` (truncati
 restore), `sharding` (data-parallel runs over `jax.devices()`).
 """
 
-from agents import ppo, reinforce
-from agents.checkpoint import Checkpoint, restore_checkpoint, save_checkpoint
-from agents.config import PPOConfig, REINFORCEConfig, TrainConfig, config_from_dict
-from agents.networks import MLPActorCritic, SetActorCritic, make_network
-from agents.returns import gae, standardize
-from agents.rollout import EpisodeStats, RunnerState, Transition, collect_rollout
-from agents.sharding import make_mesh, shard_runner_state, shard_trainer
-from agents.trainer import Trainer, TrainOutput
+from jaxserve.agents import ppo, reinforce
+from jaxserve.agents.checkpoint import Checkpoint, restore_checkpoint, save_checkpoint
+from jaxserve.agents.config import PPOConfig, REINFORCEConfig, TrainConfig, config_from_dict
+from jaxserve.agents.networks import MLPActorCritic, SetActorCritic, make_network
+from jaxserve.agents.returns import gae, standardize
+from jaxserve.agents.rollout import EpisodeStats, RunnerState, Transition, collect_rollout
+from jaxserve.agents.sharding import make_mesh, shard_runner_state, shard_trainer
+from jaxserve.agents.trainer import Trainer, TrainOutput
 
 __all__ = [
     "Checkpoint",
@@ -41,6 +41,6 @@ __all__ = [
     "standardize",
 ]
 
-from agents.train import LearnedPolicy, TrainResult, make_env, train  # noqa: E402
+from jaxserve.agents.train import LearnedPolicy, TrainResult, make_env, train  # noqa: E402
 
 __all__ += ["LearnedPolicy", "TrainResult", "make_env", "train"]

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import agents
+from jaxserve import agents
 from jaxserve.policies import autoscaling as PA
 
 # Environment overrides that shape training, not the evaluated scenario.

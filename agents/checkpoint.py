@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from agents.config import TrainConfig, config_from_dict
-from agents.rollout import RunnerState
+from jaxserve.agents.config import TrainConfig, config_from_dict
+from jaxserve.agents.rollout import RunnerState
 
 _ITEMS = ("state", "config", "metadata")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from agents import ppo, reinforce
-from agents.config import PPOConfig, REINFORCEConfig, TrainConfig
-from agents.trainer import Trainer
+from jaxserve.agents import ppo, reinforce
+from jaxserve.agents.config import PPOConfig, REINFORCEConfig, TrainConfig
+from jaxserve.agents.trainer import Trainer
 from jaxserve.envs.autoscaling import AUTOSCALING_TRAINING
 
 ALGOS: dict[str, tuple[type[TrainConfig], Callable[..., Trainer]]] = {

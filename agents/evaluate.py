@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 import jaxserve
-from agents.envs import make_env
+from jaxserve.agents.envs import make_env
 from jaxserve import policies as P
 from jaxserve.core.sources import tuning_key
 from jaxserve.envs.base import policy_kind

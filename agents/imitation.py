@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from agents.returns import gae
-from agents.rollout import RunnerState, categorical_log_prob, step_discount
+from jaxserve.agents.returns import gae
+from jaxserve.agents.rollout import RunnerState, categorical_log_prob, step_discount
 from jaxserve import policies
 from jaxserve.core.sources import tuning_key
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents.config import TrainConfig
+from jaxserve.agents.config import TrainConfig
 
 ACTIVATION_FNS: dict[str, Callable[[jax.Array], jax.Array]] = {"tanh": nn.tanh, "relu": nn.relu}
 

@@ -15,9 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from agents.config import PPOConfig
-from agents.returns import gae, standardize
-from agents.rollout import (
+from jaxserve.agents.config import PPOConfig
+from jaxserve.agents.returns import gae, standardize
+from jaxserve.agents.rollout import (
     RunnerState,
     Transition,
     categorical_entropy,
@@ -25,8 +25,8 @@ from agents.rollout import (
     collect_rollout,
     episode_metrics,
 )
-from agents.sharding import constrain_batch
-from agents.trainer import Metrics, Trainer, build_trainer
+from jaxserve.agents.sharding import constrain_batch
+from jaxserve.agents.trainer import Metrics, Trainer, build_trainer
 
 
 def ppo_loss(

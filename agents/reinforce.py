@@ -17,9 +17,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from agents.config import REINFORCEConfig
-from agents.returns import gae, standardize
-from agents.rollout import (
+from jaxserve.agents.config import REINFORCEConfig
+from jaxserve.agents.returns import gae, standardize
+from jaxserve.agents.rollout import (
     RunnerState,
     Transition,
     categorical_entropy,
@@ -27,7 +27,7 @@ from agents.rollout import (
     collect_rollout,
     episode_metrics,
 )
-from agents.trainer import Metrics, Trainer, build_trainer
+from jaxserve.agents.trainer import Metrics, Trainer, build_trainer
 
 
 def reinforce_loss(

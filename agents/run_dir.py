@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from agents.checkpoint import latest_step, restore_checkpoint
-from agents.trainer import Trainer
+from jaxserve.agents.checkpoint import latest_step, restore_checkpoint
+from jaxserve.agents.trainer import Trainer
 
 CHECKPOINT_DIR = "checkpoints"
 METRICS_CSV = "metrics.csv"

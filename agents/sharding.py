@@ -18,8 +18,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agents.rollout import ENV_BATCHED_FIELDS, RunnerState
-from agents.trainer import Trainer, run_updates
+from jaxserve.agents.rollout import ENV_BATCHED_FIELDS, RunnerState
+from jaxserve.agents.trainer import Trainer, run_updates
 
 AXIS = "data"
 

@@ -5,7 +5,7 @@ The learning rate, the entropy coefficient and PPO's clip range are arrays in th
 grid `lr x ent_coef x clip_eps` (H points) is the outer `vmap`, the seeds (S) the inner one, and
 the whole run is `jit(vmap(vmap(init -> set_hparams -> lax.scan(update))))`. Everything else
 (network, num_envs, rollout length...) fixes shapes and stays static. The command line is
-`python -m scripts.sweep`.
+`python -m jaxserve.scripts.sweep`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
-from agents.envs import make_env
-from agents.trainer import run_updates, set_hparams, traced_hparam_names
+from jaxserve.agents.defaults import ALGOS, ENV_DEFAULTS, make_config
+from jaxserve.agents.envs import make_env
+from jaxserve.agents.trainer import run_updates, set_hparams, traced_hparam_names
 
 SWEPT = ("lr", "ent_coef", "clip_eps")
 DEFAULT_GRID = {"lr": (3e-4, 1e-3), "ent_coef": (0.0, 0.01), "clip_eps": (0.2,)}

@@ -41,17 +41,17 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from agents import imitation
-from agents.checkpoint import save_checkpoint
-from agents.config import TrainConfig
-from agents.defaults import ALGOS, ENV_DEFAULTS, make_config
-from agents.envs import make_env
-from agents.policy import LearnedPolicy
-from agents.rollout import RunnerState
-from agents.run_dir import (CHECKPOINT_DIR, CURVE_PNG, METRICS_CSV, _metadata, _restore, _write_csv,
+from jaxserve.agents import imitation
+from jaxserve.agents.checkpoint import save_checkpoint
+from jaxserve.agents.config import TrainConfig
+from jaxserve.agents.defaults import ALGOS, ENV_DEFAULTS, make_config
+from jaxserve.agents.envs import make_env
+from jaxserve.agents.policy import LearnedPolicy
+from jaxserve.agents.rollout import RunnerState
+from jaxserve.agents.run_dir import (CHECKPOINT_DIR, CURVE_PNG, METRICS_CSV, _metadata, _restore, _write_csv,
                             check_out_dir, jsonable_overrides, plot_learning_curve)
-from agents.sharding import shard_trainer
-from agents.trainer import Trainer
+from jaxserve.agents.sharding import shard_trainer
+from jaxserve.agents.trainer import Trainer
 
 __all__ = ["ALGOS", "ENV_DEFAULTS", "LearnedPolicy", "TrainResult", "chunk_size", "make_config",
            "make_env", "train"]

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
 
-from agents.config import TrainConfig
-from agents.networks import make_network
-from agents.rollout import RunnerState, init_episode_stats
+from jaxserve.agents.config import TrainConfig
+from jaxserve.agents.networks import make_network
+from jaxserve.agents.rollout import RunnerState, init_episode_stats
 
 Metrics = dict[str, jax.Array]
 UpdateFn = Callable[[RunnerState], tuple[RunnerState, Metrics]]

@@ -1,6 +1,6 @@
 """Runs experiment (x)'s ablations with chosen variants, seeds and evaluation key.
 
-    python -m scripts.ablate --variants ppo,no-shaping --seeds 8-23 --eval-seed 2027 \\
+    python -m jaxserve.scripts.ablate --variants ppo,no-shaping --seeds 8-23 --eval-seed 2027 \\
         --out /tmp/confirm.md
 
 The confirmatory runs of a difference (x) found: fresh training seeds and fresh evaluation
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from agents.experiments.ablation import main
+from jaxserve.agents.experiments.ablation import main
 
 if __name__ == "__main__":
     sys.exit(main())

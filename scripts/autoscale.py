@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 import jaxserve
-from agents.autoscaling import as_evaluated, evaluation_overrides, load_run, price_conditioned
+from jaxserve.agents.autoscaling import as_evaluated, evaluation_overrides, load_run, price_conditioned
 from jaxserve import policies as P
 from jaxserve import traces as T
 from jaxserve.core.sources import params_trace
@@ -45,9 +45,9 @@ from jaxserve.evaluation.scaling import (AUTOSCALERS, PAIRED_METRICS, evaluate_a
                                          paired_comparisons, tune_scheduled, tune_told_price,
                                          verdicts)
 from jaxserve.evaluation.serialize import to_jsonable
-from scripts.cli import CLIError as _CLIError
-from scripts.cli import Parser as _Parser
-from scripts.cli import output_dir, parse_pairs, run_cli
+from jaxserve.scripts.cli import CLIError as _CLIError
+from jaxserve.scripts.cli import Parser as _Parser
+from jaxserve.scripts.cli import output_dir, parse_pairs, run_cli
 
 COLUMNS = ("cost", "cost_ci95", "gpu_hours", "gpu_hours_ci95", "mean_replicas", "mean_latency",
            "mean_latency_ci95", "p99_latency", "p99_latency_ci95", "p99_latency_drops",

@@ -19,29 +19,29 @@ The harness (`time_env`, `NoOpEnv`, the trace analysis) is `jaxserve.evaluation.
 this script holds the benchmark's workloads and modes.
 
 Usage (from the repository root; docs/benchmarks.md has the figures):
-  python -m scripts.bench --num-steps 50 --warmup 150 --repeats 3 --ppo --ppo-envs 256 \
+  python -m jaxserve.scripts.bench --num-steps 50 --warmup 150 --repeats 3 --ppo --ppo-envs 256 \
       --ppo-steps 262144 --out docs/bench_cpu.json      # the acceptance run (2-core CPU: ~2 min)
-  python -m scripts.bench --quick                       # small sizes, a smoke test
-  python -m scripts.bench --num-envs 16384,65536,262144 --ppo   # on a GPU
-  python -m scripts.bench --profile --num-envs 256,4096  # Routing-v0 step variants
-  python -m scripts.bench --profile --profile-env LLMRouting-v0 --num-envs 256 --num-steps 20 \
+  python -m jaxserve.scripts.bench --quick                       # small sizes, a smoke test
+  python -m jaxserve.scripts.bench --num-envs 16384,65536,262144 --ppo   # on a GPU
+  python -m jaxserve.scripts.bench --profile --num-envs 256,4096  # Routing-v0 step variants
+  python -m jaxserve.scripts.bench --profile --profile-env LLMRouting-v0 --num-envs 256 --num-steps 20 \
       --warmup 40 --repeats 2     # LLMRouting-v0: decode runs on/off, no engine, boundaries
-  python -m scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
-  python -m scripts.bench --curve 10 --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
+  python -m jaxserve.scripts.bench --trace --num-envs 256,4096    # Routing-v0 per-XLA-op trace
+  python -m jaxserve.scripts.bench --curve 10 --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
       # PPO's layout from reset to the steady state, 128-step chunks
-  python -m scripts.bench --trace --trace-env LLMPrefixRouting-v0 --num-envs 256 --num-steps 8
-  python -m scripts.bench --trace --trace-env LLMRouting-v0 --num-envs 256 --num-steps 32 \
+  python -m jaxserve.scripts.bench --trace --trace-env LLMPrefixRouting-v0 --num-envs 256 --num-steps 8
+  python -m jaxserve.scripts.bench --trace --trace-env LLMRouting-v0 --num-envs 256 --num-steps 32 \
       --warmup 960     # at the steady state, with the engine's phases (named scopes)
-  python -m scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
+  python -m jaxserve.scripts.bench --prefix --num-envs 256,4096 --num-steps 32 --repeats 2
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
-  python -m scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
+  python -m jaxserve.scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
       # LLMPrefixRouting-v0's default scenario, caching on and off (same process)
-  python -m scripts.bench --ab jaxserve.core.lanes.DENSE_FRACTION=4,2 --curve 12 \
+  python -m jaxserve.scripts.bench --ab jaxserve.core.lanes.DENSE_FRACTION=4,2 --curve 12 \
       --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
       # a paired A/B of a module constant: both programs in one process, chunks alternated
-  python -m scripts.bench --ceiling --curve 12 --num-envs 256 --num-steps 128
+  python -m jaxserve.scripts.bench --ceiling --curve 12 --num-envs 256 --num-steps 128
       # LLMRouting-v0's engine against one boundary pass per step and against no engine
-  python -m scripts.bench --slots 32,16 --curve 12 --num-envs 256 --num-steps 128
+  python -m jaxserve.scripts.bench --slots 32,16 --curve 12 --num-envs 256 --num-steps 128
       # LLMRouting-v0 with fewer running slots (replicas' max_seqs): speed, and what it changes
 """
 
@@ -65,10 +65,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import agents
+from jaxserve import agents
 import jaxserve
-from agents.config import PPOConfig
-from agents.defaults import ENV_DEFAULTS
+from jaxserve.agents.config import PPOConfig
+from jaxserve.agents.defaults import ENV_DEFAULTS
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core import continuous as CB
@@ -705,7 +705,7 @@ def _main(argv=None):
            "jax": jax.__version__, "machine": platform.machine(), "cpu_count": os.cpu_count(),
            "cpu": _cpu_description(),
            "load_average_start": os.getloadavg(), "default_batched_path": C.batched_path(),
-           "command": " ".join(["python -m scripts.bench", *(sys.argv[1:] if argv is None
+           "command": " ".join(["python -m jaxserve.scripts.bench", *(sys.argv[1:] if argv is None
                                                              else argv)]), "results": {}}
     for flag, bench in (("prefix_env", prefix_env_bench), ("prefix", prefix_bench)):
         if getattr(args, flag):  # a mode of its own: only these rows

@@ -39,9 +39,9 @@ from jaxserve.evaluation.capacity import capacity, check_slo, sweep_rates
 from jaxserve.evaluation.evaluate import paired_table
 from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces import load
-from scripts.cli import CLIError as _CLIError
-from scripts.cli import Parser as _Parser
-from scripts.cli import output_dir, run_cli
+from jaxserve.scripts.cli import CLIError as _CLIError
+from jaxserve.scripts.cli import Parser as _Parser
+from jaxserve.scripts.cli import output_dir, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,8 +3,8 @@
 The fit itself is `jaxserve.core.profile_fit` (source rows, method and checks are described
 there and in docs/profiles.md). Run from the repository root:
 
-    python -m scripts.fit_profiles            # table of coefficients and fit quality
-    python -m scripts.fit_profiles --python   # also the PROFILES entries for profiles.py
+    python -m jaxserve.scripts.fit_profiles            # table of coefficients and fit quality
+    python -m jaxserve.scripts.fit_profiles --python   # also the PROFILES entries for profiles.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Example (the docs/continuous.md experiment)::
 
-    python -m scripts.llm_routing --trace conv --load 0.8 --seeds 0,1,2 --steps 40000 \
+    python -m jaxserve.scripts.llm_routing --trace conv --load 0.8 --seeds 0,1,2 --steps 40000 \
         --out runs/llm_routing
 
 Trains PPO on a workload fitted to the first quarter of the trace and replays the rest, in
@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from agents.experiments.llm_routing_study import format_study, run_study
+from jaxserve.agents.experiments.llm_routing_study import format_study, run_study
 from jaxserve.evaluation.serialize import to_jsonable
-from scripts.cli import Parser, run_cli
+from jaxserve.scripts.cli import Parser, run_cli
 
 
 def build_parser() -> Parser:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                         eval_windows=args.eval_windows, slo_ttft=args.slo_ttft,
                         slo_tpot=args.slo_tpot, max_seqs=args.max_seqs,
                         queue_cap=args.queue_cap, out_dir=str(out / "train"))
-        res["command"] = "python -m scripts.llm_routing " + " ".join(
+        res["command"] = "python -m jaxserve.scripts.llm_routing " + " ".join(
             sys.argv[1:] if argv is None else argv)
         with open(out / "study.json", "w") as f:
             json.dump(to_jsonable(res), f, indent=1)

@@ -2,7 +2,7 @@
 
 Example::
 
-    python -m scripts.pareto --requests 256 --train-s 0,60,300 --max-replicas 8 \
+    python -m jaxserve.scripts.pareto --requests 256 --train-s 0,60,300 --max-replicas 8 \
         --profile mid --iterations 16 --max-batch 16,32 --out runs/pareto
 
 Each RL iteration submits K rollouts at once to r identical replicas (static batcher), waits for
@@ -19,7 +19,7 @@ Continuous-batching replicas (vLLM-style iteration-level scheduling with a paged
 `jaxserve.core.continuous`): `--replica opt13b-a100-80g` (a named `ReplicaProfile`) replaces
 `--profile`; `--max-batch` then sweeps `max_seqs` and `lpt_batch` is not a rule::
 
-    python -m scripts.pareto --replica opt13b-a100-80g --requests 256 --train-s 60 \
+    python -m jaxserve.scripts.pareto --replica opt13b-a100-80g --requests 256 --train-s 60 \
         --max-replicas 8 --max-batch 32,64 --out runs/pareto_continuous
 
 Errors print one line on stderr and exit with status 2.
@@ -48,9 +48,9 @@ from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces import default_traces_dir, load
 from jaxserve.workloads import pareto_front
 from jaxserve.workloads import rollout as W
-from scripts.cli import CLIError as _CLIError
-from scripts.cli import Parser as _Parser
-from scripts.cli import output_dir, run_cli
+from jaxserve.scripts.cli import CLIError as _CLIError
+from jaxserve.scripts.cli import Parser as _Parser
+from jaxserve.scripts.cli import output_dir, run_cli
 
 TRACE_NAMES = {
     "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
@@ -345,7 +345,7 @@ def run(args) -> int:
             w.writerow([r[k] for k in CSV_FIELDS])
     argv = sys.argv[1:] if args.argv is None else args.argv
     doc = {
-        "command": "python -m scripts.pareto " + " ".join(argv),
+        "command": "python -m jaxserve.scripts.pareto " + " ".join(argv),
         "config": {k: v for k, v in vars(args).items() if k != "argv"},
         "tokens": tokens_desc, "reference": {"rule": reference[0], "max_batch": reference[1]},
         "profile": {f: np.asarray(getattr(params.gpu, f)).item()

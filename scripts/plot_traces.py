@@ -3,8 +3,8 @@
 Run from the repository root (the trace files are read from `../shared/traces`, or
 `$JAXSERVE_TRACES_DIR`, or `--traces-dir`):
 
-    python -m scripts.plot_traces                 # figures into docs/figures, tables to stdout
-    python -m scripts.plot_traces --no-replay     # skip the (JAX-compiling) busy-fraction table
+    python -m jaxserve.scripts.plot_traces                 # figures into docs/figures, tables to stdout
+    python -m jaxserve.scripts.plot_traces --no-replay     # skip the (JAX-compiling) busy-fraction table
 
 For each Azure trace (LLM 2023 code and conv, Functions 2021 subsample) it fits a workload
 (`jaxserve.traces.fit_workload`: 2-phase MMPP by moment matching, lognormal tokens) and draws

@@ -11,7 +11,7 @@ return: its potential-based shaping does not telescope in an undiscounted sum.)
 
 One trace and one key: differences between routers are of this stream, not a confidence
 statement. Usage (from the repository root):
-  python -m scripts.prefix_routers [--requests 512] [--seed 0] [--scenario system_prompts]
+  python -m jaxserve.scripts.prefix_routers [--requests 512] [--seed 0] [--scenario system_prompts]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Example (one configuration of experiment (p), at its quick budget)::
 
-    python -m scripts.prefix_study --workload system_prompts --load 1.0 --seeds 0,1,2 \
+    python -m jaxserve.scripts.prefix_study --workload system_prompts --load 1.0 --seeds 0,1,2 \
         --steps 32768 --windows 4 --out runs/prefix_study/system_prompts_1.json
 
 Trains PPO (LLMPrefixRouting-v0's settings on the environment as registered: ranked replicas,
@@ -30,10 +30,10 @@ from pathlib import Path
 import jax
 from flax import serialization
 
-from agents.experiments.prefix_study import (WORKLOADS, format_prefix_study, plot_cache_use,
+from jaxserve.agents.experiments.prefix_study import (WORKLOADS, format_prefix_study, plot_cache_use,
                                              run_prefix_study)
 from jaxserve.evaluation.serialize import to_jsonable
-from scripts.cli import CLIError, Parser, output_file, run_cli
+from jaxserve.scripts.cli import CLIError, Parser, output_file, run_cli
 
 
 def read_saved_networks(path: str, flag: str) -> dict:
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                                tune=not args.no_tuned, trained=trained,
                                algo=args.algo)
         pols = res.pop("policies", {})
-        res["command"] = "python -m scripts.prefix_study " + " ".join(
+        res["command"] = "python -m jaxserve.scripts.prefix_study " + " ".join(
             sys.argv[1:] if argv is None else argv)
         print(format_prefix_study(res))
         if out is not None:

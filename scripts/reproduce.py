@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from agents.experiments import BUDGETS, Context, run_experiments
-from agents.experiments.report import write_results
-from scripts.cli import Parser, run_cli
+from jaxserve.agents.experiments import BUDGETS, Context, run_experiments
+from jaxserve.agents.experiments.report import write_results
+from jaxserve.scripts.cli import Parser, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

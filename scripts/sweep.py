@@ -2,8 +2,8 @@
 
 Example::
 
-    python -m scripts.sweep                                  # Routing-v0 PPO, 2 x 2 grid, 2 seeds
-    python -m scripts.sweep --env CartPole-v1 --lr 3e-4,1e-3,3e-3 --ent-coef 0,0.01 \
+    python -m jaxserve.scripts.sweep                                  # Routing-v0 PPO, 2 x 2 grid, 2 seeds
+    python -m jaxserve.scripts.sweep --env CartPole-v1 --lr 3e-4,1e-3,3e-3 --ent-coef 0,0.01 \
         --clip-eps 0.1,0.2 --seeds 4 --total-steps 200000 --out runs/sweep-cartpole
 
 The sweep itself is `agents.sweep.run_sweep` (one `jit(vmap(vmap(...)))` program over the
@@ -26,11 +26,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from agents.sweep import DEFAULT_GRID, SWEPT, SweepResult, plot_sweep, run_sweep  # noqa: F401
+from jaxserve.agents.sweep import DEFAULT_GRID, SWEPT, SweepResult, plot_sweep, run_sweep  # noqa: F401
 from jaxserve.compile_cache import enable_compilation_cache
-from scripts.cli import CLIError as _CLIError
-from scripts.cli import Parser as _Parser
-from scripts.cli import parse_pairs
+from jaxserve.scripts.cli import CLIError as _CLIError
+from jaxserve.scripts.cli import Parser as _Parser
+from jaxserve.scripts.cli import parse_pairs
 
 
 def print_sweep(result: SweepResult, title: str) -> None:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, s in enumerate(res.settings):
             w.writerow(list(s.values()) + list(res.final_return[i])
                        + [float(np.nanmean(res.final_return[i]))])
-    doc = {"command": "python -m scripts.sweep " + " ".join(sys.argv[1:] if argv is None
+    doc = {"command": "python -m jaxserve.scripts.sweep " + " ".join(sys.argv[1:] if argv is None
                                                             else argv),
            "settings": res.settings, "seeds": res.seeds,
            "final_return": [[None if not np.isfinite(x) else float(x) for x in row]

@@ -39,26 +39,26 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-import agents
+from jaxserve import agents
 # The comparison itself is library code (agents.evaluate).
-from agents.evaluate import EVAL_SEED_OFFSET, VERDICT_METRIC
-from agents.evaluate import evaluate_run as evaluate
-from agents.evaluate import paired_verdicts
-from agents.checkpoint import latest_step
-from agents.run_dir import CHECKPOINT_DIR, check_out_dir
-from agents.train import make_env
+from jaxserve.agents.evaluate import EVAL_SEED_OFFSET, VERDICT_METRIC
+from jaxserve.agents.evaluate import evaluate_run as evaluate
+from jaxserve.agents.evaluate import paired_verdicts
+from jaxserve.agents.checkpoint import latest_step
+from jaxserve.agents.run_dir import CHECKPOINT_DIR, check_out_dir
+from jaxserve.agents.train import make_env
 from jaxserve.envs.base import policy_kind
 from jaxserve.evaluation.serialize import to_jsonable
-from scripts.cli import CLIError as _CLIError
-from scripts.cli import Parser as _Parser
-from scripts.cli import parse_pairs, run_cli
+from jaxserve.scripts.cli import CLIError as _CLIError
+from jaxserve.scripts.cli import Parser as _Parser
+from jaxserve.scripts.cli import parse_pairs, run_cli
 
 # Registered environments whose learned policies other commands compare with the heuristics.
 _COMPARED_ELSEWHERE = {
-    "LLMRouting-v0": "the LLM routers are compared by `python -m scripts.llm_routing` and "
+    "LLMRouting-v0": "the LLM routers are compared by `python -m jaxserve.scripts.llm_routing` and "
                      "experiment (f) of scripts/reproduce.py",
-    "LLMPrefixRouting-v0": "the prefix routers are compared by `python -m scripts.prefix_study` "
-                           "(experiment (p)) and `python -m scripts.prefix_routers`",
+    "LLMPrefixRouting-v0": "the prefix routers are compared by `python -m jaxserve.scripts.prefix_study` "
+                           "(experiment (p)) and `python -m jaxserve.scripts.prefix_routers`",
 }
 
 # Hyperparameter flags: (flag, config field, type).

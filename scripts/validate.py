@@ -28,7 +28,7 @@ from jaxserve.evaluation.fidelity import (FidelityOptions, table_markdown, valid
                                           write_report)
 from jaxserve.evaluation.fidelity_blis import blis_markdown, blis_rows, fidelity_dir
 from jaxserve.evaluation.fidelity_report import measure_bench, render_doc
-from scripts.cli import CLIError, Parser, run_cli
+from jaxserve.scripts.cli import CLIError, Parser, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

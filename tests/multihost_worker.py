@@ -32,7 +32,7 @@ if NUM_PROCESSES > 1:
                                num_processes=NUM_PROCESSES, process_id=PROCESS_ID,
                                initialization_timeout=120)
 
-import agents  # noqa: E402
+from jaxserve import agents  # noqa: E402
 
 NUM_ENVS = 8          # two environments per device of the 4-device mesh
 STEPS_PER_UPDATE = NUM_ENVS * 32  # Routing-v0's PPO rollout is 32 steps per environment

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents.experiments.prefix_study import SET_PPO, train_ppo
+from jaxserve.agents.experiments.prefix_study import SET_PPO, train_ppo
 from jaxserve.envs.llm_prefix_routing import (PREFIX_REQUESTS, PREFIX_SCENARIOS, PREFIX_SEED,
                                               make_llm_prefix_routing, prefix_workload)
 from jaxserve.envs.llm_routing import DEFAULT_SHAPING_GAMMA

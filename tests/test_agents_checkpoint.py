@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from agents import restore_checkpoint, save_checkpoint
-from agents.checkpoint import latest_step
+from jaxserve.agents import restore_checkpoint, save_checkpoint
+from jaxserve.agents.checkpoint import latest_step
 from tests import test_agents_common as common
 
 

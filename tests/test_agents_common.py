@@ -12,7 +12,7 @@ import gymnax
 import jax
 import numpy as np
 
-from agents import PPOConfig, Trainer, TrainOutput, ppo
+from jaxserve.agents import PPOConfig, Trainer, TrainOutput, ppo
 
 # 16 envs x 64 steps x 146 updates ~ 150k steps: solves CartPole in ~2 s after compiling.
 PPO_CARTPOLE = PPOConfig(num_envs=16, num_steps=64, total_timesteps=149_504, lr=1e-3)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agents import PPOConfig, REINFORCEConfig, config_from_dict
+from jaxserve.agents import PPOConfig, REINFORCEConfig, config_from_dict
 
 
 @pytest.mark.parametrize("config", [

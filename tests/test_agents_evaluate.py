@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxserve
-from agents import evaluate as E
+from jaxserve.agents import evaluate as E
 
 
 def _result(per_env_incl, mean=None):

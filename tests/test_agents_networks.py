@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import MLPActorCritic, PPOConfig, SetActorCritic, make_network, ppo
+from jaxserve.agents import MLPActorCritic, PPOConfig, SetActorCritic, make_network, ppo
 from tests import test_agents_common as common
 
 R, G = 3, 5

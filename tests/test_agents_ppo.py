@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests import test_agents_common as common
-from agents import PPOConfig, REINFORCEConfig, ppo
+from jaxserve.agents import PPOConfig, REINFORCEConfig, ppo
 
 RANDOM_RETURN = 22.0  # mean CartPole-v1 return of a uniform random policy
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from agents import PPOConfig, REINFORCEConfig, reinforce
+from jaxserve.agents import PPOConfig, REINFORCEConfig, reinforce
 from tests import test_agents_common as common
 
 

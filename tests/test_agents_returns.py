@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from agents import collect_rollout, gae
+from jaxserve.agents import collect_rollout, gae
 from tests import test_agents_common as common
 
 GAMMA, LAM = 0.9, 0.8
@@ -149,7 +149,7 @@ def test_gae_with_per_step_discounts_matches_reference():
 
 
 def test_step_discount_by_elapsed_time():
-    from agents.rollout import step_discount
+    from jaxserve.agents.rollout import step_discount
 
     elapsed = jnp.asarray([0.0, 5.0, 10.0, 2.5], jnp.float32)
     got = step_discount(0.9, 5.0, {"elapsed": elapsed})
@@ -157,6 +157,6 @@ def test_step_discount_by_elapsed_time():
     assert float(step_discount(0.9, None, {})) == pytest.approx(0.9)
     with pytest.raises(ValueError, match="elapsed"):
         step_discount(0.9, 5.0, {})
-    from agents.config import PPOConfig
+    from jaxserve.agents.config import PPOConfig
     with pytest.raises(ValueError, match="discount_time_s"):
         PPOConfig(discount_time_s=0.0)

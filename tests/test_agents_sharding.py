@@ -10,7 +10,7 @@ import textwrap
 import jax
 import pytest
 
-from agents import PPOConfig, make_mesh, ppo, shard_trainer
+from jaxserve.agents import PPOConfig, make_mesh, ppo, shard_trainer
 from tests import test_agents_common as common
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = textwrap.dedent("""
     import gymnax, jax, numpy as np
     from jax.sharding import PartitionSpec
-    from agents import PPOConfig, ppo, shard_trainer
+    from jaxserve.agents import PPOConfig, ppo, shard_trainer
     assert jax.device_count() == 4, jax.devices()
     env, params = gymnax.make("CartPole-v1")
     config = PPOConfig(num_envs=8, num_steps=16, total_timesteps=256, num_minibatches=2)

@@ -10,7 +10,7 @@ import pytest
 import jaxserve
 from jaxserve import policies as P
 from jaxserve.evaluation.scaling import evaluate_autoscalers, verdicts
-from scripts import autoscale
+from jaxserve.scripts import autoscale
 
 
 def small(**kw):
@@ -84,7 +84,7 @@ def test_verdicts_and_frontier():
 def test_told_price_choice_and_adapter():
     from types import SimpleNamespace
 
-    from agents.autoscaling import as_evaluated, evaluation_overrides
+    from jaxserve.agents.autoscaling import as_evaluated, evaluation_overrides
     from jaxserve.evaluation.scaling import choose_told_price
     from jaxserve.policies.autoscaling import told_price
 

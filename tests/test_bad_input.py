@@ -199,7 +199,7 @@ def test_case5_integral_floats_still_accepted():
 # --------------------------------------------------------------------------- 6. the CLI
 
 def test_case6_cli_refuses_a_foreign_nonempty_out(tmp_path, capsys):
-    from scripts import train as train_cli
+    from jaxserve.scripts import train as train_cli
 
     out = tmp_path / "mine"
     out.mkdir()
@@ -219,7 +219,7 @@ def test_case6_cli_refuses_a_foreign_nonempty_out(tmp_path, capsys):
 
 
 def test_case6_out_dir_check_names_flags(tmp_path):
-    from agents.run_dir import check_out_dir
+    from jaxserve.agents.run_dir import check_out_dir
 
     (tmp_path / "x").write_text("x")
     assert check_out_dir(tmp_path, resume=False, overwrite=False) is False  # library: allowed
@@ -448,7 +448,7 @@ class _WorkStarted(Exception):
 
 def _cli(name, monkeypatch):
     """The named CLI's module, its first piece of work replaced by `_WorkStarted`."""
-    from scripts import autoscale, evaluate, pareto
+    from jaxserve.scripts import autoscale, evaluate, pareto
 
     def work(*a, **k):
         raise _WorkStarted
@@ -495,8 +495,8 @@ def test_out_checked_before_any_work(name, tmp_path, monkeypatch, capsys):
 # ---------------------------------------------- issue #50, 9. Ctrl-C before the first chunk
 
 def test_interrupt_before_a_checkpoint_says_so(tmp_path, monkeypatch, capsys):
-    import agents
-    from scripts import train as train_cli
+    from jaxserve import agents
+    from jaxserve.scripts import train as train_cli
 
     def interrupted(*a, out_dir=None, **k):
         Path(out_dir).mkdir(parents=True, exist_ok=True)  # as agents.train does, then Ctrl-C

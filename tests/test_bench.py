@@ -148,7 +148,7 @@ def test_paired_curve_compiles_each_variant_and_alternates_chunks():
 
 
 def test_bench_ab_parses_and_rejects_bad_specs():
-    import scripts.bench as sb
+    import jaxserve.scripts.bench as sb
     from jaxserve.core import lanes
 
     module, attr, values = sb.parse_ab("jaxserve.core.lanes.DENSE_FRACTION=4, 2")
@@ -163,7 +163,7 @@ def test_bench_ab_parses_and_rejects_bad_specs():
 
 
 def test_ceiling_one_pass_runs_each_lane_body_once_where_due():
-    import scripts.bench as sb
+    import jaxserve.scripts.bench as sb
     from jaxserve.core import lanes
 
     def cond(c, consts):  # consts: (this lane's (limit,), the shared step)
@@ -183,7 +183,7 @@ def test_ceiling_one_pass_runs_each_lane_body_once_where_due():
 
 
 def test_bench_ceiling_rejects_a_single_chunk():
-    import scripts.bench as sb
+    import jaxserve.scripts.bench as sb
 
     with pytest.raises(SystemExit):
         sb.main(["--ceiling", "--curve", "1", "--num-envs", "4"])
@@ -205,7 +205,7 @@ def test_paired_curve_variant_may_time_its_own_environment():
 
 
 def test_bench_slots_rejects_bad_widths():
-    import scripts.bench as sb
+    import jaxserve.scripts.bench as sb
 
     for spec in ("64", "0", "32,x"):
         with pytest.raises(SystemExit):

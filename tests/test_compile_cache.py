@@ -76,7 +76,7 @@ import json, jax, jax.numpy as jnp
 hits = []
 jax.monitoring.register_event_listener(
     lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
-import scripts.train  # noqa: F401 (as a CLI does: its imports compile before the cache is on)
+import jaxserve.scripts.train  # noqa: F401 (as a CLI does: its imports compile before the cache is on)
 x = jnp.arange(8.0)
 from jaxserve.compile_cache import enable_compilation_cache
 folder = enable_compilation_cache()

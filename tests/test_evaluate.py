@@ -16,7 +16,7 @@ from jaxserve import policies as P
 from jaxserve.core import arrivals as A
 from jaxserve.core.types import Trace
 from jaxserve.evaluation.capacity import p99_lower_bound, sweep_rates
-from scripts.evaluate import main
+from jaxserve.scripts.evaluate import main
 
 E, N = 2, 300
 

@@ -25,7 +25,7 @@ from jaxserve.traces.prefix import PrefixTrace, build_prefix_tree, path_nodes
 from jaxserve.traces.vllm_run import (chained_block_hashes, load_vllm_run, prefix_trace_of,
                                       real_request_metrics, summarize)
 from jaxserve.core.types import Trace
-from scripts.validate import main
+from jaxserve.scripts.validate import main
 
 FIDELITY = Path(__file__).resolve().parents[2] / "shared" / "fidelity"
 

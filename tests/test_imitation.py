@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 import jaxserve
-from agents.defaults import ALGOS, make_config
-from agents.experiments.common import train_scenarios
-from agents.imitation import demonstrations
+from jaxserve.agents.defaults import ALGOS, make_config
+from jaxserve.agents.experiments.common import train_scenarios
+from jaxserve.agents.imitation import demonstrations
 from jaxserve import policies as P
 from jaxserve.core.sources import tuning_key
 from jaxserve.evaluation.agreement import action_agreement
@@ -85,8 +85,8 @@ def test_train_with_imitate_records_it_and_resume_checks_it(tmp_path, bursty, mo
     refused while resuming with it continues. The clone is fitted on 128 demonstration steps
     per environment instead of `imitation.DEFAULTS`' 512 (the same code, 4x fewer samples to
     fit): measured 11.4 s against JSQ's 35.1 s."""
-    import agents
-    from agents import imitation
+    from jaxserve import agents
+    from jaxserve.agents import imitation
     monkeypatch.setitem(imitation.DEFAULTS, "num_steps", 128)
     env, params, _, key = bursty
     out = tmp_path / "run"

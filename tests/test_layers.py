@@ -16,7 +16,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("jaxserve.reference", "jaxserve.core", "jaxserve.traces", "jaxserve.envs",
-          "jaxserve.workloads", "jaxserve.policies", "jaxserve.evaluation", "agents", "scripts")
+          "jaxserve.workloads", "jaxserve.policies", "jaxserve.evaluation", "jaxserve.agents",
+          "jaxserve.scripts")
+# The top-level folders agents/ and scripts/ install as these subpackages (pyproject.toml).
+FOLDER_PACKAGES = {"agents": "jaxserve.agents", "scripts": "jaxserve.scripts"}
 FRONT_DOORS = {"jaxserve": "jaxserve.evaluation", "jaxserve.gymnasium": "jaxserve.evaluation"}
 
 
@@ -50,7 +53,8 @@ def imported_modules(tree: ast.AST) -> list[tuple[str, int]]:
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts[0] = FOLDER_PACKAGES.get(parts[0], parts[0])
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -73,11 +77,26 @@ def test_no_import_points_up_a_layer():
 
 
 def test_the_walk_sees_imports_that_point_up():
-    tree = ast.parse("import agents\ndef f():\n    from scripts.bench import main\n"
+    tree = ast.parse("from jaxserve import agents\ndef f():\n"
+                     "    from jaxserve.scripts.bench import main\n"
                      "from jaxserve import traces\nfrom jaxserve import make\n")
     targets = [m for m, _ in imported_modules(tree)]
-    assert sorted(targets) == ["agents", "jaxserve", "jaxserve.traces", "scripts.bench"]
-    assert layer_of("scripts.bench") > layer_of("agents") > layer_of("jaxserve")
+    assert sorted(targets) == ["jaxserve", "jaxserve.agents", "jaxserve.scripts.bench",
+                               "jaxserve.traces"]
+    assert layer_of("jaxserve.scripts.bench") > layer_of("jaxserve.agents") > layer_of("jaxserve")
+    assert module_name(ROOT / "agents" / "ppo.py") == "jaxserve.agents.ppo"
+
+
+def test_nothing_imports_the_folders_by_their_bare_names():
+    """`agents` and `scripts` are not installed top-level packages: `import agents` works only
+    from the repository root, so any such import is a bug for an installed user."""
+    found = []
+    for pkg in ("jaxserve", "agents", "scripts", "tests"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for target, line in imported_modules(ast.parse(path.read_text(), str(path))):
+                if target.split(".")[0] in FOLDER_PACKAGES:
+                    found.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert found == []
     assert layer_of("jaxserve.evaluation.stats") > layer_of("jaxserve.core.stats")
     assert layer_of("jaxserve.core") == 1 and layer_of("numpy") is None
     assert layer_of("jaxserve.reference.sim") < layer_of("jaxserve.core.replica")

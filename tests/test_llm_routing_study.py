@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve.core.types import Trace
-from agents.experiments import llm_routing_study as S
+from jaxserve.agents.experiments import llm_routing_study as S
 
 
 def test_window_metrics_by_hand():

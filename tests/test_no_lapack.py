@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import jaxserve
-from agents import TrainConfig, make_network
-from agents.networks import NETWORKS, orthogonal
+from jaxserve.agents import TrainConfig, make_network
+from jaxserve.agents.networks import NETWORKS, orthogonal
 from jaxserve.core import arrivals as A
 
 ENVS = tuple(jaxserve.registered_envs())

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxserve
-from agents.experiments.prefix_study import ranked_router
+from jaxserve.agents.experiments.prefix_study import ranked_router
 from jaxserve import policies as P
 from jaxserve.core import continuous as CB
 from jaxserve.envs.base import FEATURE_CLIP, with_static

@@ -14,11 +14,11 @@ import jax
 import numpy as np
 import pytest
 
-from agents.defaults import make_config
-from agents.experiments import prefix_study as P
-from agents.experiments.prefix_routing import section_body
-from agents.networks import make_network
-from agents.policy import LearnedPolicy
+from jaxserve.agents.defaults import make_config
+from jaxserve.agents.experiments import prefix_study as P
+from jaxserve.agents.experiments.prefix_routing import section_body
+from jaxserve.agents.networks import make_network
+from jaxserve.agents.policy import LearnedPolicy
 from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces.prefix import path_nodes, prefix_window
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
@@ -170,7 +170,7 @@ def test_format_renders_the_tables(result):
 
 
 def test_plot_cache_use_and_the_cli_rendering_a_stored_result(result, tmp_path, capsys):
-    from scripts.prefix_study import main
+    from jaxserve.scripts.prefix_study import main
 
     res, _ = result
     stored = tmp_path / "r.json"
@@ -339,7 +339,7 @@ def test_prefix_window_keeps_the_windows_prefixes():
 def test_cli_refuses_unwritable_outputs_before_any_work(tmp_path, capsys):
     """`jaxserve-prefix-study` checks --out and --save-policies before training (a full
     study runs for an hour): a folder, or a path under a file, exits 2 with one line."""
-    from scripts.prefix_study import main
+    from jaxserve.scripts.prefix_study import main
 
     assert main(["--out", str(tmp_path)]) == 2
     assert "--out" in capsys.readouterr().err
@@ -355,7 +355,7 @@ def test_rule_check_cli_errors(tmp_path, capsys):
     line and status 2 (its replay is the study's `replay_windows`, tested above)."""
     from flax import serialization
 
-    from scripts.prefix_rule_check import main
+    from jaxserve.scripts.prefix_rule_check import main
 
     assert main(["--policies", str(tmp_path / "none.msgpack")]) == 2
     assert "not a saved policies file" in capsys.readouterr().err

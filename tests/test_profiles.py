@@ -22,7 +22,7 @@ from jaxserve.core.profiles import (
 )
 from jaxserve.core.types import PROFILE_FLOAT_FIELDS, GPUProfile, stack_profiles, validate_profile
 from jaxserve.core import profile_fit as fit_profiles
-from scripts import fit_profiles as fit_cli
+from jaxserve.scripts import fit_profiles as fit_cli
 
 COEFS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta")
 

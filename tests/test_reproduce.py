@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import jaxserve
-from agents.experiments import BUDGETS, EXPERIMENTS, Context, run_experiments
-from agents.experiments.common import fmt, paired_across_seeds, stack_params, table
-from agents.experiments.report import write_results
-from agents.experiments.routing import capacity_from_sweep
+from jaxserve.agents.experiments import BUDGETS, EXPERIMENTS, Context, run_experiments
+from jaxserve.agents.experiments.common import fmt, paired_across_seeds, stack_params, table
+from jaxserve.agents.experiments.report import write_results
+from jaxserve.agents.experiments.routing import capacity_from_sweep
 
 SMOKE = ["a"]  # the smallest experiment: one training and one evaluation program to compile
 
@@ -58,14 +58,14 @@ def test_confirmation_protocol_uses_seeds_and_streams_the_pick_was_not_made_on()
     index no other experiment uses; the variant is one (x) trains."""
     import inspect
 
-    from agents.experiments import ablation, confirmation
+    from jaxserve.agents.experiments import ablation, confirmation
     for budget in ("quick", "full", "tiny"):
         proto = confirmation.protocol(budget)
         assert not set(proto["seeds"]) & set(ablation.SEEDS[budget])
         assert proto["variant"] in [v[0] for v in ablation.VARIANTS]
     salts = set()
     for mod in ("routing", "batching", "generalisation", "routing_win", "llm_routing_study"):
-        src = inspect.getsource(__import__(f"agents.experiments.{mod}", fromlist=["x"]))
+        src = inspect.getsource(__import__(f"jaxserve.agents.experiments.{mod}", fromlist=["x"]))
         salts |= {int(m) for m in __import__("re").findall(r"eval_key\((\d+)", src)}
     assert confirmation.STREAMS_SALT not in salts | set(range(70, 70 + 8))
 
@@ -150,7 +150,7 @@ def test_paired_across_seeds_and_formatting():
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    from scripts.reproduce import main
+    from jaxserve.scripts.reproduce import main
     assert main(["--budget", "nope"]) == 2
     assert main(["--budget", "tiny", "--only", "zz", "--out", str(tmp_path / "r.md")]) == 2
     err = capsys.readouterr().err
@@ -161,7 +161,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_budget_skip_leaves_out_the_long_studies_unless_named():
     """quick and tiny skip the LLM study (f), the prefix-routing study (p), the ablation (x)
     and its confirmation (y); full runs every experiment; naming a skipped one runs it."""
-    from agents.experiments.registry import select
+    from jaxserve.agents.experiments.registry import select
     keys = [e.key for e in EXPERIMENTS]
     long_ones = {"f", "p", "x", "y"}
     assert long_ones <= set(keys)
@@ -177,8 +177,8 @@ def test_budget_skip_leaves_out_the_long_studies_unless_named():
 def test_partial_run_merges_into_the_page(tmp_path):
     """`--only b` rewrites section (b) and its JSON entry; (a) and (c) keep their text and the
     command and commit that wrote them (an old-style page's run line is carried into them)."""
-    from agents.experiments.common import Section
-    from agents.experiments.report import split_page
+    from jaxserve.agents.experiments.common import Section
+    from jaxserve.agents.experiments.report import split_page
     md = tmp_path / "results.md"
     md.write_text("# Results\n\nThis run: `python scripts/reproduce.py --quick` (budget `quick`"
                   "), at commit `abc1234` (plus ...); wall time **1 min**.\n\n"
@@ -218,7 +218,7 @@ def test_stale_note_flags_routing_sections_written_before_an_information_change(
     """A kept routing section written before `INFORMATION_CHANGES` is named in the preamble; one
     written after, and a section with no router in it, are not. Needs the repository's history
     (a shallow checkout cannot tell ancestry: then the note is empty and the test skips)."""
-    from agents.experiments.report import _is_ancestor, stale_note
+    from jaxserve.agents.experiments.report import _is_ancestor, stale_note
 
     before, after = "8a9a35b", "1447f4e"  # (a)'s and (w)'s provenance commits on the page
     if _is_ancestor("f3d97b3", after) is not True or _is_ancestor("f3d97b3", before) is not False:
@@ -239,8 +239,8 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     """The page's summary table: one row per (w) scenario, the verdict from the paired CI's
     sign, the best clairvoyant reference, the budget curve; nothing without (w). And (w)'s
     figures draw."""
-    from agents.experiments.report import headline_summary
-    from agents.experiments.routing_win import _plot_budget, _plot_to_fast
+    from jaxserve.agents.experiments.report import headline_summary
+    from jaxserve.agents.experiments.routing_win import _plot_budget, _plot_to_fast
 
     def scen(diff, to_fast):
         return {"latency": {"ppo": 10.0, "sita_tuned": 11.0, "jsq": 20.0,
@@ -313,7 +313,7 @@ def test_train_scenarios_checkpoints_are_the_same_run_cut_into_parts():
     """`train_scenarios(checkpoints=K)` runs the same updates as K=1 (the final networks agree
     to float32 reassociation) and keeps the network after each part; an earlier checkpoint
     differs from the final one, and K must divide the updates."""
-    from agents.experiments.common import train_scenarios
+    from jaxserve.agents.experiments.common import train_scenarios
 
     env, params = jaxserve.make("Routing-v0")
     one, _ = train_scenarios("Routing-v0", env, [params], "ppo", (0,), 2048)
@@ -333,7 +333,7 @@ def test_train_scenarios_checkpoints_are_the_same_run_cut_into_parts():
 
 @pytest.mark.slow
 def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, monkeypatch):
-    """(x) through `python -m scripts.ablate` at the tiny budget: two variants that share one
+    """(x) through `python -m jaxserve.scripts.ablate` at the tiny budget: two variants that share one
     training program (only a parameter differs) and an imitation warm start (its own
     program, with its clone's row), sita_tuned and least_marginal beside them, the paired
     columns and the agreement diagnostics; bad input exits 2 without a traceback.
@@ -342,8 +342,8 @@ def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, mo
     path; only scan lengths and the demonstration batch shrink): the default 512
     demonstration steps x 300 Adam steps ran 11 s on CPU, for rows whose values are not
     checked here."""
-    from agents import imitation
-    from scripts.ablate import main
+    from jaxserve.agents import imitation
+    from jaxserve.scripts.ablate import main
     monkeypatch.setitem(imitation.DEFAULTS, "num_steps", 32)
     monkeypatch.setitem(imitation.DEFAULTS, "epochs", 8)
     out = tmp_path / "x.md"

@@ -75,7 +75,7 @@ def test_win_experiment_trains_every_scenario_in_one_program():
     """(w) writes a one-mix scenario's class mix once per arrival phase so that all
     scenarios share parameter shapes; the rewritten parameters draw the same requests."""
     from jaxserve.core.sources import sample_stream
-    from agents.experiments.routing_win import _per_phase_mix, _shape_signature
+    from jaxserve.agents.experiments.routing_win import _per_phase_mix, _shape_signature
     params = {n: jaxserve.make("Routing-v0", scenario=n)[1] for n in ROUTING_SCENARIOS}
     sig = {n: _shape_signature(p) for n, p in params.items()}
     # The per-phase class mix adds an axis to tokens.weights ...

@@ -38,7 +38,7 @@ def test_static_table_gains_are_exact_and_never_beat_the_optimum(bmax, a, load):
 def test_control_limit_scenario_is_a_control_limit_no_table_rule_matches():
     """The scenario of results (b): the optimum waits below 3 and dispatches everything from
     3 on, and every static rule that is a table is at least 0.5% worse (exact: 0.78%)."""
-    from agents.experiments.scenarios import batching_control_limit
+    from jaxserve.agents.experiments.scenarios import batching_control_limit
     _, params = batching_control_limit()
     model = smdp.build_model(params)
     opt = smdp.solve_smdp(model)

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-import agents
-from agents.trainer import get_hparams, set_hparams
-from agents import sweep
-from scripts import sweep as sweep_cli
+from jaxserve import agents
+from jaxserve.agents.trainer import get_hparams, set_hparams
+from jaxserve.agents import sweep
+from jaxserve.scripts import sweep as sweep_cli
 
 TINY = dict(num_envs=4, num_steps=16, hidden_sizes=(8,))
 STEPS = 4 * 16 * 6  # 6 updates

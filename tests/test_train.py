@@ -18,13 +18,13 @@ import jax
 import numpy as np
 import pytest
 
-import agents
+from jaxserve import agents
 import jaxserve
-from agents.defaults import make_config
-from agents.envs import make_env
-from agents.train import TrainResult, chunk_size
+from jaxserve.agents.defaults import make_config
+from jaxserve.agents.envs import make_env
+from jaxserve.agents.train import TrainResult, chunk_size
 from jaxserve import policies as P
-from scripts import train as train_cli
+from jaxserve.scripts import train as train_cli
 from tests.test_agents_common import key_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,7 +228,7 @@ def test_cli_errors_are_one_line(argv, match, capsys):
 
 
 def test_cli_value_parsing():
-    from scripts.cli import parse_pairs
+    from jaxserve.scripts.cli import parse_pairs
     assert parse_pairs(["arrival_rate=2.5", "estimate_mode=0", "anneal_lr=false",
                         "set_mixer=mean", "hidden_sizes=[16, 16]"], "--set") == {
         "arrival_rate": 2.5, "estimate_mode": 0, "anneal_lr": False, "set_mixer": "mean",
@@ -236,7 +236,7 @@ def test_cli_value_parsing():
 
 
 def test_cli_unknown_env_exits_nonzero_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "scripts.train", "--env", "Nope-v0"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.scripts.train", "--env", "Nope-v0"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "unknown environment" in proc.stderr

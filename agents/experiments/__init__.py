@@ -15,11 +15,11 @@ on; skipped by the quick and tiny budgets unless named), `confirmation` (y: the 
 re-measured on fresh seeds and streams; skipped likewise), `report`.
 """
 
-from agents.experiments.budget import BUDGETS, Budget
-from agents.experiments.common import Context, Section
-from agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
+from jaxserve.agents.experiments.budget import BUDGETS, Budget
+from jaxserve.agents.experiments.common import Context, Section
+from jaxserve.agents.experiments.registry import EXPERIMENTS, experiment, run_experiments
 # Importing the experiment modules registers them.
-from agents.experiments import (ablation, batching, confirmation,  # noqa: F401,E402
+from jaxserve.agents.experiments import (ablation, batching, confirmation,  # noqa: F401,E402
                                  generalisation, llm_routing, prefix_routing, routing,
                                  routing_win)
 

@@ -19,7 +19,7 @@ variant does: the share of short requests sent to the fast GPUs during bursts ((
 and how often `least_marginal` and `sita_tuned` would have made the variant's decisions
 (`evaluation.agreement.action_agreement`, on the variant's own trajectories).
 
-`python -m scripts.ablate` runs chosen variants with chosen seeds and evaluation
+`python -m jaxserve.scripts.ablate` runs chosen variants with chosen seeds and evaluation
 key outside `scripts/reproduce.py`: the confirmatory runs (fresh seeds, fresh streams) of a
 difference found here.
 """
@@ -34,11 +34,11 @@ from typing import Sequence
 
 import numpy as np
 
-from agents.experiments.common import (LATENCY, Context, Section, made_by, seed_names, table,
+from jaxserve.agents.experiments.common import (LATENCY, Context, Section, made_by, seed_names, table,
                                        train_scenarios)
-from agents.experiments.registry import experiment
-from agents.experiments.routing import routing_heuristics
-from agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _interval,
+from jaxserve.agents.experiments.registry import experiment
+from jaxserve.agents.experiments.routing import routing_heuristics
+from jaxserve.agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _interval,
                                             _to_fast_shares)
 
 # Training seeds per budget name (steps per seed are (w)'s). More than (w)'s 3: at 3 seeds
@@ -47,7 +47,7 @@ from agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _in
 # differences measured here, which 3 seeds cannot show.
 SEEDS = {"quick": tuple(range(8)), "full": tuple(range(10)), "tiny": (0,)}
 
-from agents.experiments.budget import BUDGETS
+from jaxserve.agents.experiments.budget import BUDGETS
 from jaxserve import policies  # noqa: E402
 from jaxserve.core.stats import seed_env_bootstrap  # noqa: E402
 from jaxserve.envs.registry import make  # noqa: E402
@@ -269,7 +269,7 @@ def ablation(ctx: Context) -> Section:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m scripts.ablate`: chosen variants, seeds and evaluation key."""
+    """`python -m jaxserve.scripts.ablate`: chosen variants, seeds and evaluation key."""
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     known = {short_name(v[0]): v for v in ALL_VARIANTS}
@@ -303,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown heuristic {args.heuristic!r}; known: {heuristics}",
               file=sys.stderr)
         return 2
-    command = "python -m scripts.ablate " + " ".join(
+    command = "python -m jaxserve.scripts.ablate " + " ".join(
         a if " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
     ctx = Context(budget=BUDGETS[args.budget], command=command, eval_seed=args.eval_seed)
     t0 = time.perf_counter()

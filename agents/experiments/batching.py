@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxserve
-from agents.defaults import make_config
-from agents.experiments import scenarios as S
-from agents.experiments.common import (LATENCY, Context, Section, fmt, fmt_diff, learned_dict,
+from jaxserve.agents.defaults import make_config
+from jaxserve.agents.experiments import scenarios as S
+from jaxserve.agents.experiments.common import (LATENCY, Context, Section, fmt, fmt_diff, learned_dict,
                                        made_by, metric_of, paired_across_seeds, stack_params, table,
                                        train_scenarios)
-from agents.experiments.registry import experiment
+from jaxserve.agents.experiments.registry import experiment
 from jaxserve import policies
 from jaxserve.core import arrivals as A
 from jaxserve.core.sources import tuning_key

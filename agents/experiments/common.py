@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from agents.defaults import ALGOS, make_config
-from agents.imitation import warm_start
-from agents.policy import LearnedPolicy
-from agents.trainer import run_updates
+from jaxserve.agents.defaults import ALGOS, make_config
+from jaxserve.agents.imitation import warm_start
+from jaxserve.agents.policy import LearnedPolicy
+from jaxserve.agents.trainer import run_updates
 from jaxserve.core.stats import paired_difference, t_halfwidth
 
 LATENCY = "latency_incl_drops"  # the per-env replicate of the drop-inclusive mean latency

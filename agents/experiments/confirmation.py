@@ -18,11 +18,11 @@ about 7 minutes on 2 CPU cores.
 
 from __future__ import annotations
 
-from agents.experiments.ablation import HEURISTIC, SCENARIO, SEEDS as ABLATION_SEEDS
-from agents.experiments.ablation import VARIANTS, run_ablation
-from agents.experiments.common import LATENCY, Context, Section, env_mean, table
-from agents.experiments.registry import experiment
-from agents.experiments.routing_win import WIN_EVAL, clairvoyant
+from jaxserve.agents.experiments.ablation import HEURISTIC, SCENARIO, SEEDS as ABLATION_SEEDS
+from jaxserve.agents.experiments.ablation import VARIANTS, run_ablation
+from jaxserve.agents.experiments.common import LATENCY, Context, Section, env_mean, table
+from jaxserve.agents.experiments.registry import experiment
+from jaxserve.agents.experiments.routing_win import WIN_EVAL, clairvoyant
 from jaxserve.envs.registry import make
 from jaxserve.evaluation import evaluate_many
 

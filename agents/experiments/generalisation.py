@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from agents.experiments import scenarios as S
+from jaxserve.agents.experiments import scenarios as S
 from jaxserve.evaluation.plots import axes_row
-from agents.experiments.common import (LATENCY, Context, Section, drops_of, fmt, fmt_diff,
+from jaxserve.agents.experiments.common import (LATENCY, Context, Section, drops_of, fmt, fmt_diff,
                                        learned_dict, made_by, metric_of, paired_across_seeds,
                                        table)
-from agents.experiments.registry import experiment
-from agents.experiments.routing import routing_heuristics, train_mixes
+from jaxserve.agents.experiments.registry import experiment
+from jaxserve.agents.experiments.routing import routing_heuristics, train_mixes
 from jaxserve import traces as T
 from jaxserve.evaluation import evaluate_many
 from jaxserve.policies.routing import workload_means

@@ -9,9 +9,9 @@ budgets skip it unless it is asked for by name (`--only f`).
 
 from __future__ import annotations
 
-from agents.experiments.common import Context, Section
-from agents.experiments.registry import experiment
-from agents.experiments import llm_routing_study as study
+from jaxserve.agents.experiments.common import Context, Section
+from jaxserve.agents.experiments.registry import experiment
+from jaxserve.agents.experiments import llm_routing_study as study
 
 # Training steps per seed and evaluation windows per budget. "quick" is docs/continuous.md's
 # CPU budget (40k steps, ~20 s per seed on 2 CPU cores since the engine work of issue 21);

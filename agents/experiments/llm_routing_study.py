@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import agents
+from jaxserve import agents
 import jaxserve
 from jaxserve.core import arrivals as A
 from jaxserve.core.continuous_load import capacity

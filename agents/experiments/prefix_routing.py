@@ -14,9 +14,9 @@ it is asked for by name (`--only p`).
 
 from __future__ import annotations
 
-from agents.experiments import prefix_study as study
-from agents.experiments.common import Context, Section
-from agents.experiments.registry import experiment
+from jaxserve.agents.experiments import prefix_study as study
+from jaxserve.agents.experiments.common import Context, Section
+from jaxserve.agents.experiments.registry import experiment
 
 # PPO env steps per seed, by budget and workload. "full" gives the 1M steps at which PPO
 # reached llm-d's level on system_prompts (docs/prefix_caching.md; meant for a GPU); "quick"

@@ -78,10 +78,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents.defaults import ALGOS, make_config
-from agents.experiments import llm_routing_study as study
-from agents.experiments.common import stack_params, train_scenarios
-from agents.policy import LearnedPolicy
+from jaxserve.agents.defaults import ALGOS, make_config
+from jaxserve.agents.experiments import llm_routing_study as study
+from jaxserve.agents.experiments.common import stack_params, train_scenarios
+from jaxserve.agents.policy import LearnedPolicy
 from jaxserve.core import continuous as CB
 from jaxserve.core.replica import (_OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile,
                                    stack_replicas)

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from agents.experiments.common import Context, Section
+from jaxserve.agents.experiments.common import Context, Section
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from agents.experiments.common import Context, Section
+from jaxserve.agents.experiments.common import Context, Section
 
 INTRO = """\
 Every number on this page is written by `scripts/reproduce.py` (the command in each table's
@@ -62,7 +62,7 @@ environments:
 - [docs/benchmarks.md](benchmarks.md): speed (env-steps/s, compile time, PPO training
   throughput).
 - [docs/confirmations.md](confirmations.md): (x)'s findings re-measured on fresh training
-  seeds and fresh evaluation streams (`python -m scripts.ablate`).
+  seeds and fresh evaluation streams (`python -m jaxserve.scripts.ablate`).
 """
 
 

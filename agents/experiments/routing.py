@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from agents.experiments import scenarios as S
+from jaxserve.agents.experiments import scenarios as S
 from jaxserve.evaluation.plots import axes_row
-from agents.experiments.common import (LATENCY, Context, Section, drops_of, fmt,
+from jaxserve.agents.experiments.common import (LATENCY, Context, Section, drops_of, fmt,
                                        fmt_diff, learned_dict, made_by, metric_of,
                                        paired_across_seeds, seed_names, table,
                                        train_scenarios)
-from agents.experiments.registry import experiment
+from jaxserve.agents.experiments.registry import experiment
 from jaxserve import policies
 from jaxserve.core.sources import tuning_key
 from jaxserve.evaluation import evaluate_many, sweep_rates

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agents.experiments.common import (LATENCY, Context, Section, env_mean, fmt, learned_dict,
+from jaxserve.agents.experiments.common import (LATENCY, Context, Section, env_mean, fmt, learned_dict,
                                        made_by, seed_names, table, train_scenarios)
-from agents.experiments.registry import experiment
-from agents.experiments.routing import routing_heuristics
+from jaxserve.agents.experiments.registry import experiment
+from jaxserve.agents.experiments.routing import routing_heuristics
 from jaxserve import policies
 from jaxserve.core import arrivals as A
 from jaxserve.core.sources import tuning_key

@@ -15,7 +15,7 @@ by non-negative least squares (all coefficients >= 0, as the model requires) on 
 
 so that a static batch runs for `T(S) = prefill(S) + max o * decode_it(S)`.
 
-The command line is `python -m scripts.fit_profiles [--python]` (scripts/fit_profiles.py);
+The command line is `python -m jaxserve.scripts.fit_profiles [--python]` (scripts/fit_profiles.py);
 tests/test_profiles.py checks that `jaxserve.core.profiles` holds what this fit computes.
 """
 

@@ -10,7 +10,7 @@ seconds) to measured prefill and decode-iteration times published in
 
 of which the rows used are saved in `jaxserve/core/profile_data/splitwise_perf_model_subset.csv`.
 `docs/profiles.md` describes the data, the fit and its limits. The constants below are exactly
-what `python -m scripts.fit_profiles --python` prints (a test checks this).
+what `python -m jaxserve.scripts.fit_profiles --python` prints (a test checks this).
 
 Fit quality (each comment): R^2 and max relative error of each phase over the 60 measured rows
 per configuration (batch <= 32; "vs medians": against the median of the 5 repeats of a point),
