@@ -328,6 +328,55 @@ def test_dp_routed_replay_equals_the_reference_per_request():
                       router=vllm_dp_engine, queue_buffer=n)
 
 
+@pytest.mark.parametrize("idle_s, expect", [
+    # Independent ranks: A's prefill and decode take 1 s each on rank 0; B arrives at rank 1
+    # at 0.5 s and finishes its one-token prefill at 1.5 s.
+    (None, dict(a_first=1.0, a_finish=2.0, b_finish=1.5)),
+    # Lockstep: rank 1 runs a dummy batch with rank 0's first iteration, so B waits for the
+    # common end at 1 s; both ranks' next iterations end at 2 s.
+    (0.5, dict(a_first=1.0, a_finish=2.0, b_finish=2.0)),
+    # A dummy batch slower than rank 0's step stretches the wave: it ends at 1.5 s.
+    (1.5, dict(a_first=1.5, a_finish=2.5, b_finish=2.5)),
+])
+def test_lockstep_data_parallel_ranks_by_hand(idle_s, expect):
+    prof = dict(c0=1.0, alpha=0.0, alpha2=0.0, beta=0.0, gamma=0.0, delta=0.0, kv_blocks=40,
+                block_size=16, max_seqs=4, max_tokens=128, chunked_prefill=True,
+                watermark=0.0, queue_cap=8)
+    out = simulate_prefix(np.array([0.0, 0.5]), np.array([20, 20]), np.array([2, 1]),
+                          np.array([0, 1]), [prof, prof], [[], []], lockstep_idle_s=idle_s)
+    assert out["first_token"][0] == expect["a_first"]
+    assert out["finish"][0] == expect["a_finish"]
+    assert out["finish"][1] == expect["b_finish"]
+
+
+def _waves_overlap(lockstep_idle_s):
+    """Whether some iteration starts before an iteration begun earlier (on any rank) ends, on a
+    random DP-routed workload: what lockstep rules out and independent ranks do all the time."""
+    rng = np.random.default_rng(5)
+    n = 60
+    arrival = np.cumsum(rng.exponential(0.02, n))
+    prompt, output = rng.integers(20, 200, n), rng.integers(1, 30, n)
+    prof = dict(c0=0.01, alpha=1e-4, alpha2=1e-8, beta=0.002, gamma=-5e-5, delta=1e-6,
+                kv_blocks=400, block_size=16, max_seqs=8, max_tokens=128,
+                chunked_prefill=True, watermark=0.0, queue_cap=n)
+    starts = {}  # start time -> the longest iteration starting then
+
+    def seen(rp, t, sched, T):
+        starts[t] = max(starts.get(t, 0.0), T)
+
+    out = simulate_prefix(arrival, prompt, output, np.arange(n) % 2, [prof, prof], [[]] * n,
+                          on_iteration=seen, lockstep_idle_s=lockstep_idle_s)
+    assert np.isfinite(out["finish"]).all()
+    ts = sorted(starts)
+    return any(b < a + starts[a] - 1e-12 for a, b in zip(ts, ts[1:]))
+
+
+def test_lockstep_ranks_start_every_iteration_together():
+    assert _waves_overlap(None)
+    assert not _waves_overlap(0.0)
+    assert not _waves_overlap(0.05)
+
+
 # ------------------------------------------------------------------ KV blocks and pipeline
 
 def test_kv_blocks_derivation_follows_vllms_rule(tmp_path):

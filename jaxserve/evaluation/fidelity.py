@@ -77,6 +77,9 @@ class FidelityOptions:
       skew: apply the profile's decode-skew correction (`kernel_fit`; on by default where
         the profile measured it).
       prefix_caching: override the run's prefix caching (None: as the run had it).
+      dp_lockstep: data-parallel ranks iterate in lockstep, an idle rank running a one-token
+        dummy batch (vLLM's MoE data parallelism); run in the reference only, a measurement
+        of what independent replicas leave out, not the default.
     """
 
     arrivals: str = "workload"
@@ -89,6 +92,7 @@ class FidelityOptions:
     engine: bool = True
     skew: bool = True
     prefix_caching: bool | None = None
+    dp_lockstep: bool = False
 
 
 # --------------------------------------------------------------------------- configuration
@@ -183,7 +187,9 @@ def reference_dp_router(i, replicas) -> int:
 def _reference(run: VllmRun, lists, prof: dict, step_time, opts: FidelityOptions,
                caching: bool = True, tick_s: float = 1.0) -> dict:
     """Runs the reference; returns per-request times, the iteration compositions, the peak
-    running count and the time series sampled at `tick_s` s."""
+    running count and the time series sampled at `tick_s` s. With `opts.dp_lockstep` the
+    ranks iterate in lockstep and an idle rank's dummy batch is one token (vLLM's
+    `execute_dummy_batch` runs a one-token forward), timed by `step_time` or the form."""
     n_rep = run.data_parallel
     comps, seen = [], {}
     events = []  # (t, waiting, running, held blocks) after every event instant
@@ -196,13 +202,18 @@ def _reference(run: VllmRun, lists, prof: dict, step_time, opts: FidelityOptions
         held = sum(rp.M - len(rp.queue) for rp in seen.values())
         events.append((t, waiting, running, held))
 
+    idle_s = None
+    if opts.dp_lockstep and n_rep > 1:
+        idle_s = (step_time([(1, 0)], []) if step_time is not None
+                  else prof["c0"] + prof["alpha"] + prof["alpha2"])
     tr = run.trace(opts.arrivals)
     p = dict(prof, reserve_full=opts.reserve_full_prompt)
     out = simulate_prefix(tr.arrival_s, tr.prompt_tokens, tr.output_tokens,
                           np.zeros(len(run), np.int64), [p] * n_rep, lists,
                           caching=caching, step_time=step_time, on_iteration=on_iteration,
                           accounting=False, check=check,
-                          router=reference_dp_router if n_rep > 1 else None)
+                          router=reference_dp_router if n_rep > 1 else None,
+                          lockstep_idle_s=idle_s)
     ev = np.array(events, float).reshape(-1, 4)
     horizon = float(np.nanmax(out["finish"])) if np.isfinite(out["finish"]).any() else 0.0
     ticks = np.arange(tick_s, horizon + tick_s, tick_s)
@@ -299,6 +310,7 @@ class FidelityResult:
     slots: int = 0
     profile_skew: bool = False  # whether the kernel profile measured decode skew
     ep: int = 1  # expert-parallel ranks of the MoE layers
+    data_parallel: int = 1  # engine replicas behind vLLM's data-parallel balancer
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -403,7 +415,7 @@ def validate_run(run_dir, profiles=None, options: FidelityOptions | None = None,
     replica = ReplicaProfile(name=run.name, **dict(prof, max_seqs=slots,
                                                     queue_cap=min(n, 65536)))
     pt = prefix_trace_of(run, arrivals=opts.arrivals)
-    if opts.reserve_full_prompt or not opts.engine:
+    if opts.reserve_full_prompt or opts.dp_lockstep or not opts.engine:
         jax_out = None  # the engine has no such option; the reference stands in (documented)
     else:
         jax_out = replay_prefix([replica] * run.data_parallel, pt,
@@ -443,7 +455,7 @@ def validate_run(run_dir, profiles=None, options: FidelityOptions | None = None,
         rows=rows, summary_check=_summary_check(run, real),
         engine_vs_reference_max_diff_s=float(diff), per_request=per_request,
         series_real=run.timeseries, series_sim=ref_form["series"], seconds=clock, slots=slots,
-        profile_skew=has_skew, ep=ep)
+        profile_skew=has_skew, ep=ep, data_parallel=run.data_parallel)
 
 
 # --------------------------------------------------------------------------- reports

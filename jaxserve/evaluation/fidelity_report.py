@@ -47,6 +47,14 @@ VARIANTS = (
      lambda r: r.ep > 1,
      "per-MoE-layer all-gather and reduce-scatter between expert-parallel ranks, over "
      "LLMServingSim's configured link (its calibration, not a measurement of ours)"),
+    ("dp_lockstep", "data-parallel ranks in lockstep", dict(dp_lockstep=True),
+     lambda r: r.data_parallel > 1,
+     "vLLM's data-parallel MoE ranks iterate together (an idle rank runs a one-token dummy "
+     "batch; each MoE layer's collectives wait for every rank), so a step lasts as long as "
+     "the busier rank's"),
+    ("ep_comm_lockstep", "expert-parallel collectives and lockstep together",
+     dict(ep_collectives=True, dp_lockstep=True), lambda r: r.ep > 1 and r.data_parallel > 1,
+     "both mechanisms above at once"),
 )
 
 
@@ -247,11 +255,12 @@ def render_doc(measured: dict, fig_dir, fig_rel: str, blis_markdown: str | None,
                      f"{_pct(b['tpot'])} | {_pct(a['tpot'])} | {_pct(b['e2e'])} | "
                      f"{_pct(a['e2e'])} |")
         L.append("")
-    L.append("Not measured here, named: the data-parallel ranks of an MoE model step in lockstep "
-             "(an idle rank runs dummy batches; every MoE layer synchronises them, so a step "
-             "lasts as long as the busier rank's), which independent replicas cannot express; "
-             "the DP balancer's 100-ms-stale counts; async scheduling's one-step-late release "
-             "of finished requests' slots.\n")
+    L.append("Not measured here, named: the DP balancer's 100-ms-stale counts; async "
+             "scheduling's one-step-late release of finished requests' slots. The two "
+             "mechanisms measured above that the engine lacks (expert-parallel collectives, "
+             "data-parallel lockstep) are reference-only options (`FidelityOptions("
+             "ep_collectives=True, dp_lockstep=True)`): the JAX engine's replicas are "
+             "independent and its step form has no collective term.\n")
     if blis_markdown:
         L.append("## The BLIS H100 set\n")
         L.append(blis_markdown.strip() + "\n")

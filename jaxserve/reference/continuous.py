@@ -192,8 +192,30 @@ class _Replica:
         self.end = None
 
 
+def _lockstep_wave(reps, t, idle_s):
+    """Starts one synchronised iteration of all replicas at `t` when none is mid-iteration and
+    one has work: each rank with work schedules as alone, a rank without runs a dummy batch of
+    `idle_s` s, and every rank's iteration ends with the slowest (vLLM's data-parallel MoE
+    ranks: `DPEngineCoreProc.run_busy_loop` runs `execute_dummy_batch()` on an idle rank while a
+    peer is busy, and each MoE layer's collectives wait for every rank; docs/fidelity_sources.md)."""
+    if any(rp.end is not None for rp in reps):
+        return
+    for rp in reps:
+        if not rp.stalled and (rp.waiting or rp.running):
+            rp.schedule(t)
+    ends = [rp.end for rp in reps if rp.end is not None]
+    if not ends:
+        return
+    if len(ends) < len(reps):
+        ends.append(t + idle_s)
+    end = max(ends)
+    for rp in reps:
+        rp.end = end
+
+
 def simulate(arrival, prompt, output, replica, profiles, check=None, make_request=None,
-             make_replica=None, step_time=None, on_iteration=None, router=None):
+             make_replica=None, step_time=None, on_iteration=None, router=None,
+             lockstep_idle_s=None):
     """Simulates the requests routed to `replica[i]` on replicas with the given profiles.
 
     Args:
@@ -212,6 +234,11 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
       router: optional `router(i, replicas) -> k` choosing request `i`'s replica at its arrival
         (after the iterations ending then, before earlier arrivals of the instant are
         scheduled), replacing `replica[i]`; `replicas` expose `waiting` and `running`.
+      lockstep_idle_s: None (independent replicas, the contract), or the seconds of a dummy
+        batch: the replicas then iterate in lockstep as a data-parallel MoE deployment does
+        (every iteration starts on all ranks at once and lasts as long as the slowest; a rank
+        without work runs the dummy batch; a request arriving at a rank mid-iteration waits
+        for the common end). `busy` still counts each rank's own compute.
 
     Returns:
       dict of arrays: `first_token`, `finish` (NaN if dropped), `dropped`, `never_fit`,
@@ -248,9 +275,12 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
                 rp.waiting.append(q)
                 rp.stalled = False
             nxt += 1
-        for rp in reps:
-            if rp.end is None and not rp.stalled and (rp.waiting or rp.running):
-                rp.schedule(t)
+        if lockstep_idle_s is not None:
+            _lockstep_wave(reps, t, float(lockstep_idle_s))
+        else:
+            for rp in reps:
+                if rp.end is None and not rp.stalled and (rp.waiting or rp.running):
+                    rp.schedule(t)
         if check is not None:
             check(t, arrived, sum(r.finish is not None for r in reqs),
                   sum(len(rp.waiting) for rp in reps), sum(len(rp.running) for rp in reps),

@@ -287,7 +287,7 @@ def audit_replica(rp):
 
 def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=True,
                     audit=False, check=None, step_time=None, on_iteration=None,
-                    accounting=True, router=None):
+                    accounting=True, router=None, lockstep_idle_s=None):
     """Simulates the routed requests on replicas with prefix caching (docs/prefix_caching.md).
 
     Args:
@@ -299,7 +299,7 @@ def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=
         block_size <= prompt[i]` is required (ValueError otherwise).
       caching: False disables lookup and caching (then this is `MODEL_CONTINUOUS.md`).
       audit: check the block pool's invariants (`audit_replica`) after every change.
-      check, step_time, on_iteration, router: as in `continuous.simulate`.
+      check, step_time, on_iteration, router, lockstep_idle_s: as in `continuous.simulate`.
       accounting: False skips the per-change block accounting (O(M) each; `accounting` is
         then empty).
 
@@ -332,7 +332,8 @@ def simulate_prefix(arrival, prompt, output, replica, profiles, prefix, caching=
         return rp
 
     out = simulate(arrival, prompt, output, replica, profiles, check=check,
-                   make_request=make_request, make_replica=make_replica, router=router)
+                   make_request=make_request, make_replica=make_replica, router=router,
+                   lockstep_idle_s=lockstep_idle_s)
     out["cached_tokens"] = [list(r.cached) for r in reqs]
     out["hit_tokens"] = np.array([rp.hit_tokens for rp in reps], np.int64)
     out["evictions"] = np.array([rp.evictions for rp in reps], np.int64)
