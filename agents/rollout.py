@@ -143,7 +143,9 @@ def collect_rollout(
       env: a gymnax-1.0 environment (auto-resetting `step`, `info["final_observation"]`).
       env_params: env parameters, shared by all envs.
       num_steps: rollout length T (static).
-      gamma, discount_time_s: how each transition's `discount` is set (see `step_discount`).
+      gamma: discount factor; with `discount_time_s` it sets each transition's `discount`
+        (see `step_discount`).
+      discount_time_s: see `gamma` and `step_discount`.
 
     Returns:
       `(runner, traj)`: the runner state after the rollout (train_state unchanged) and the

@@ -20,7 +20,7 @@ this script holds the benchmark's workloads and modes.
 
 Usage (from the repository root; docs/benchmarks.md has the figures):
   python -m jaxserve.scripts.bench --num-steps 50 --warmup 150 --repeats 3 --ppo --ppo-envs 256 \
-      --ppo-steps 262144 --out docs/bench_cpu.json      # the acceptance run (2-core CPU: ~2 min)
+      --ppo-steps 262144 --out lab/bench/bench_cpu.json      # the acceptance run (2-core CPU: ~2 min)
   python -m jaxserve.scripts.bench --quick                       # small sizes, a smoke test
   python -m jaxserve.scripts.bench --num-envs 16384,65536,262144 --ppo   # on a GPU
   python -m jaxserve.scripts.bench --profile --num-envs 256,4096  # Routing-v0 step variants
@@ -794,7 +794,7 @@ def _main(argv=None):
         cartpole = res["ppo"][-1]["steps_per_s"]
         for i, name in enumerate(names):
             own, like = (res["ppo"][2 * i + j]["steps_per_s"] / cartpole for j in (0, 1))
-            # The Routing-v0 keys keep their earlier names (docs/bench_cpu*.json).
+            # The Routing-v0 keys keep their earlier names (lab/bench/bench_cpu*.json).
             tag = "routing" if name == "Routing-v0" else name
             res["summary"][f"ppo_{tag}_vs_cartpole"] = own
             res["summary"][f"ppo_{tag}_same_settings_vs_cartpole"] = like

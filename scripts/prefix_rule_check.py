@@ -2,7 +2,7 @@
 
 Example (the check of docs/prefix_caching.md, "What the learned routers do at load 1.5")::
 
-    python -m jaxserve.scripts.prefix_rule_check --policies docs/prefix_study_1m/system_prompts_1.5_policies.msgpack \
+    python -m jaxserve.scripts.prefix_rule_check --policies lab/prefix_study_1m/system_prompts_1.5_policies.msgpack \
         --network ppo_seed0 --load 1.5 --windows 8
 
 Replays a network saved by `scripts/prefix_study.py --save-policies` beside `most_cached` and

@@ -2,8 +2,11 @@
 
     python scripts/reproduce.py --quick        # 2-core CPU, under 20 minutes
     python scripts/reproduce.py                # full budgets, meant for a GPU
-    python scripts/reproduce.py --quick --only b,c --out /tmp/results.md
+    python scripts/reproduce.py --quick --only b,c --out runs/results.md
     python scripts/reproduce.py --quick --only b   # rewrites (b) in docs/results.md, keeps the rest
+
+The page's data (every experiment's numbers, read back when sections are merged) goes to
+lab/results.json with the default --out, and next to --out (its name with .json) otherwise.
 
 The experiments live in `agents.experiments` (one registered function each); this script
 only parses arguments, runs them with stage lines on stderr, and writes the page.
@@ -21,6 +24,9 @@ from jaxserve.agents.experiments.report import write_results
 from jaxserve.scripts.cli import Parser, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "docs" / "results.md"
+# Raw data stays out of docs/ (the site): the lab notebook holds it (lab/README.md).
+DEFAULT_DATA = ROOT / "lab" / "results.json"
 
 
 def build_parser():
@@ -31,8 +37,11 @@ def build_parser():
     ap.add_argument("--only", default=None,
                     help="comma-separated experiment keys (default: all; \"\" runs none and "
                          "rewrites only the page's summary from the kept sections' data)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"),
+    ap.add_argument("--out", default=str(DEFAULT_OUT),
                     help="markdown file to write (figures go to its figures/ folder)")
+    ap.add_argument("--data", default=None,
+                    help="JSON file for the page's data (default: lab/results.json with the "
+                         "default --out, else --out with the suffix .json)")
     ap.add_argument("--figures", default=None,
                     help="figure folder (default: figures/ next to --out)")
     ap.add_argument("--fresh", action="store_true",
@@ -56,11 +65,18 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         sections = run_experiments(ctx, only)
         out = Path(args.out)
+        if args.data is not None:
+            data = Path(args.data)
+        elif out.resolve() == DEFAULT_OUT.resolve():
+            data = DEFAULT_DATA
+        else:
+            data = out.with_suffix(".json")
         figs = Path(args.figures) if args.figures else out.parent / "figures"
         # A run of every experiment keeps the sections its budget skips (e.g. the quick
         # budget's (f) and (x), written by `--only`) unless --fresh.
         merge = not args.fresh and (only is not None or bool(budget.skip))
-        path = write_results(sections, ctx, out, figs, time.perf_counter() - t0, merge=merge)
+        path = write_results(sections, ctx, out, figs, time.perf_counter() - t0, merge=merge,
+                             json_path=data)
         failed = [s.key for s in sections if "failed" in s.data]
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)"
               + (f"; FAILED: {failed}" if failed else ""))

@@ -280,8 +280,10 @@ def _section_block(sec: Section, ctx: Context, commit: str, md_path: Path,
 
 
 def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
-                  wall_s: float, merge: bool = False) -> Path:
-    """Writes `md_path` (markdown), its figures under `fig_dir` and `md_path`.json (data).
+                  wall_s: float, merge: bool = False, json_path=None) -> Path:
+    """Writes `md_path` (markdown), its figures under `fig_dir` and its data as JSON at
+    `json_path` (default: `md_path` with the suffix `.json`; `scripts/reproduce.py` keeps the
+    page's data in `lab/results.json`, outside the documentation).
 
     With `merge` and an existing page, only the sections run now are replaced (matched by
     their `(key)` heading) and their JSON entries updated; every other section keeps its text,
@@ -291,7 +293,8 @@ def write_results(sections: Sequence[Section], ctx: Context, md_path, fig_dir,
     md_path, fig_dir = Path(md_path), Path(fig_dir)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     fig_dir.mkdir(parents=True, exist_ok=True)
-    json_path = md_path.with_suffix(".json")
+    json_path = md_path.with_suffix(".json") if json_path is None else Path(json_path)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
     commit = _git_commit()
     blocks, data = {}, {}
     if merge and md_path.exists():

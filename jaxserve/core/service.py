@@ -28,12 +28,12 @@ def service_time(gpu, size, sum_prompt, sum_prompt_sq, max_output):
     All arguments broadcast against the profile's leaves (scalars or `(num_gpus,)`).
 
     Args:
-      gpu: profile(s) of the GPU(s) running the batch (a `GPUProfile`, with jax or numpy
-        leaves, e.g. from `host_profile`).
-      size: |S|, requests in the batch.
-      sum_prompt: sum of prompt tokens in the batch.
-      sum_prompt_sq: sum of squared prompt tokens.
-      max_output: longest output (tokens) in the batch.
+      gpu (GPUProfile): profile(s) of the GPU(s) running the batch (jax or numpy leaves,
+        e.g. from `host_profile`).
+      size (array-like): |S|, requests in the batch.
+      sum_prompt (array-like): sum of prompt tokens in the batch.
+      sum_prompt_sq (array-like): sum of squared prompt tokens.
+      max_output (array-like): longest output (tokens) in the batch.
     """
     decode_iter = gpu.beta + gpu.gamma * size + gpu.delta * sum_prompt
     return gpu.c0 + gpu.alpha * sum_prompt + gpu.alpha2 * sum_prompt_sq + max_output * decode_iter

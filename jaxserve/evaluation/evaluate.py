@@ -352,9 +352,10 @@ def evaluate_many(env, params, policies: Mapping[str, Callable], key, num_envs: 
     the same policy keys.
 
     Args:
-      env, params: a Routing-v0 or Batching-v0 environment and its `ServingParams`.
+      env (Environment): a Routing-v0 or Batching-v0 environment.
+      params (ServingParams): its parameters.
       policies: `{name: policy}`, each `policy(key, obs, state, params) -> int32 action`.
-      key: PRNG key.
+      key (jax.Array): PRNG key.
       num_envs: independent environments (replicates for the CIs).
       num_steps: requests per environment (Routing-v0: decisions; ignored with a trace).
       warmup: first requests of each environment excluded from the statistics.

@@ -79,15 +79,16 @@ def replay(env, params, trace: Trace, actions=None, *, policy=None,
     """Runs every request of `trace` through `env`'s cluster and drains it.
 
     Args:
-      env: a routing environment such as `make("Routing-v0")[0]` or
+      env (Environment): a routing environment such as `make("Routing-v0")[0]` or
         `make("LLMRouting-v0")[0]` (continuous batching; see `token_log` for its result).
-      params: its `ServingParams` (GPU profiles, SLO, estimate settings).
+      params (ServingParams): its parameters (GPU profiles, SLO, estimate settings).
       trace: the requests (`jaxserve.Trace`), arrival times in seconds.
-      actions: `(n,)` integer GPU index for each request, in `[0, num_gpus)`.
-      policy: instead of `actions`, a routing policy `policy(key, obs, state, params) -> GPU`
+      actions (array-like | None): `(n,)` integer GPU index for each request, in `[0, num_gpus)`.
+      policy (callable | None): instead of `actions`, a routing policy `policy(key, obs, state, params) -> GPU`
         that routes every request as it arrives (an out-of-range choice is clipped, as the
         environment does, and reported as the clipped GPU).
-      key: PRNG key for noisy output estimates and the policy (default `PRNGKey(0)`).
+      key (jax.Array | None): PRNG key for noisy output estimates and the policy (default
+        `PRNGKey(0)`).
 
     Returns:
       dict of numpy arrays, one entry per request: `arrival` (s, float64), `start`, `finish`
@@ -228,8 +229,8 @@ def replay_windows(env, params, wins: TraceArrays,
     the episode's end) until it terminates; steps after termination are no-ops.
 
     Args:
-      env: a jaxserve environment (`Routing-v0`, `Batching-v0`).
-      params: its `ServingParams` (the `trace` field is replaced per window).
+      env (Environment): a jaxserve environment (`Routing-v0`, `Batching-v0`).
+      params (ServingParams): its parameters (the `trace` field is replaced per window).
       wins: windows from `windows(...)`, leaves `(W, L)` and `length (W,)`.
       policy: a function `policy(key, obs, state, params) -> action` (traced once, vmapped
         over windows; must be hashable, e.g. a module-level function), or an integer array of
@@ -334,20 +335,22 @@ def replay_prefix(profiles, ptrace, actions=None, *, caching: bool = True,
     `i` to `actions[i]`, and drains.
 
     Args:
-      profiles: sequence of `ReplicaProfile` (one per replica).
-      ptrace: the `PrefixTrace`; KV block `j` of a request is shared (docs section 9) when it
+      profiles (Sequence[ReplicaProfile]): one per replica.
+      ptrace (PrefixTrace): the trace; KV block `j` of a request is shared (docs section 9) when it
         lies on its tree path; `tree.block_tokens` must be a multiple of every `block_size`.
-      actions: `(n,)` replica index per request (None with `router`).
+      actions (array-like | None): `(n,)` replica index per request (None with `router`).
       caching: False runs the engine without a prefix cache (today's engine exactly).
       queue_buffer: waiting slots per replica (>= every `queue_cap`).
       max_seqs: running slots (default: the largest `max_seqs`).
       audit: check the block pool at every boundary (`continuous.prefix_audit`; slow).
-      prefix_blocks, tree_nodes, tree_depth: static sizes (default: the largest `kv_blocks`,
-        the tree's nodes and depth); larger values let differently sized cases share one
-        compiled program (see `continuous.prefix_tables`).
+      prefix_blocks: static size (default: the largest `kv_blocks`); larger values, here and
+        in `tree_nodes` and `tree_depth`, let differently sized cases share one compiled
+        program (see `continuous.prefix_tables`).
+      tree_nodes: static size (default: the tree's nodes).
+      tree_depth: static size (default: the tree's depth).
       decode_runs: False runs a boundary per iteration instead of skipping fixed decode runs
         in closed form (same results; tests and benchmarks).
-      router: instead of `actions`, a static `router(replicas, profiles) -> int32` choosing
+      router (callable | None): instead of `actions`, a static `router(replicas, profiles) -> int32` choosing
         each request's replica at its arrival from the engine's state (`replay_prefix_arrays`).
 
     Returns:

@@ -57,23 +57,27 @@ def tune_static(env, params, key=None, max_batches=None, timeouts=None, num_envs
     nothing is dropped (Little's law, the run drains), so also what `smdp_optimal` minimises.
 
     Args:
-      env, params: a Batching-v0 environment and its parameters.
-      key: the PRNG key of the tuning streams (default `tuning_key()`, i.e. `tuning_key(
+      env (Environment): a Batching-v0 environment.
+      params (ServingParams): its parameters.
+      key (jax.Array): the PRNG key of the tuning streams (default `tuning_key()`, i.e. `tuning_key(
         PRNGKey(0))`). It is recorded as a tuning key, and `evaluate` refuses it, so the
         setting is never scored on the streams it was chosen on: pass
         `tuning_key(eval_key)` when the evaluation will use `eval_key`.
-      max_batches, timeouts: the grid axes (default `default_grid(params)`).
-      num_envs, num_steps, warmup: as in `jaxserve.evaluate`.
-      compare_tables: optional `{name: table}` of queue-length tables (q -> action, e.g.
+      max_batches (sequence of int): the grid's batch sizes (default `default_grid(params)`).
+      timeouts (sequence of float): the grid's timeouts in seconds (default likewise).
+      num_envs (int): as in `jaxserve.evaluate`.
+      num_steps (int): as in `jaxserve.evaluate`.
+      warmup (int): as in `jaxserve.evaluate`.
+      compare_tables (dict | None): optional `{name: table}` of queue-length tables (q -> action, e.g.
         `smdp_optimal`'s `info["table"]`) evaluated in the same program on the same streams,
         for comparison; they are reported in the table (`policy` = name) but never chosen.
 
     Returns:
       (best `Policy`, table): the table is a list of dicts, one per grid point (and compared
-      table), with `policy` ("static" or the table's name), `max_batch`, `timeout`,
-      `cost_per_request`, `cost_ci95`, `mean_latency`, `mean_latency_ci95`, `p99_latency`,
-      `drop_rate`, `throughput`, `arrived`, `completed`, `dropped_total`, `in_flight` and
-      `per_env_cost` (numpy, per environment); sorted by cost (best first).
+        table), with `policy` ("static" or the table's name), `max_batch`, `timeout`,
+        `cost_per_request`, `cost_ci95`, `mean_latency`, `mean_latency_ci95`, `p99_latency`,
+        `drop_rate`, `throughput`, `arrived`, `completed`, `dropped_total`, `in_flight` and
+        `per_env_cost` (numpy, per environment); sorted by cost (best first).
     """
     if is_routing(env):
         raise ValueError("tune_static needs a Batching-v0 environment")
@@ -169,17 +173,21 @@ def tune_sita(env, params, key=None, fits=None, grid=None,
     the larger threshold (closer to plain SITA).
 
     Args:
-      env, params: a Routing-v0 environment and its parameters.
-      key: PRNG key of the tuning streams (default `tuning_key()`); recorded as a tuning key,
-        which evaluation refuses: pass `tuning_key(eval_key)`.
-      fits: `{name: SitaFit}` with size predictors (default: the two orientations above).
-      grid: spill thresholds in seconds (default: `OVERFLOW_GRID` times the mean request's
-        `single_request_time`, averaged over GPUs).
-      num_envs, num_steps, warmup: as in `jaxserve.evaluate`.
+      env (Environment): a Routing-v0 environment.
+      params (ServingParams): its parameters.
+      key (jax.Array | None): PRNG key of the tuning streams (default `tuning_key()`);
+        recorded as a tuning key, which evaluation refuses: pass `tuning_key(eval_key)`.
+      fits (dict | None): `{name: SitaFit}` with size predictors (default: the two
+        orientations above).
+      grid (sequence of float | None): spill thresholds in seconds (default: `OVERFLOW_GRID`
+        times the mean request's `single_request_time`, averaged over GPUs).
+      num_envs (int): as in `jaxserve.evaluate`.
+      num_steps (int): as in `jaxserve.evaluate`.
+      warmup (int): as in `jaxserve.evaluate`.
 
     Returns:
       (`Policy` "sita_tuned", table): the table has one dict per candidate, `fit`,
-      `overflow_s`, `mean_latency_incl_drops`, `mean_latency`, `dropped`, sorted best first.
+        `overflow_s`, `mean_latency_incl_drops`, `mean_latency`, `dropped`, sorted best first.
     """
     if not is_routing(env):
         raise ValueError("tune_sita needs a Routing-v0 environment")

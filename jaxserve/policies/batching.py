@@ -27,9 +27,9 @@ def make_static(max_batch=None, timeout=None):
     """The static batcher `policy(key, obs, state, params)`.
 
     Args:
-      max_batch: B (default: the GPU profile's `max_batch`); clipped to the GPU's batch limit.
-        May be a traced value (grid search vmaps over it).
-      timeout: tau in seconds (default: the GPU profile's `timeout`). May be traced.
+      max_batch (int | jax.Array | None): B (default: the GPU profile's `max_batch`); clipped
+        to the GPU's batch limit. May be a traced value (grid search vmaps over it).
+      timeout (float | jax.Array | None): tau in seconds (default: the GPU profile's `timeout`). May be traced.
     """
 
     def static(key, obs, state, params):

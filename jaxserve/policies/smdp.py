@@ -121,8 +121,10 @@ def build_model(params, key=None, num_samples: int = 2048, wait_cap: int | None 
     """The SMDP of Batching-v0 under `params` (see the module docstring).
 
     Args:
-      params: Batching-v0 `ServingParams` (one GPU).
-      key, num_samples: Monte Carlo of batch service times (unused draws for fixed sizes).
+      params (ServingParams): Batching-v0's parameters (one GPU).
+      key (jax.Array | None): Monte Carlo key for batch service times (unused draws for
+        fixed sizes).
+      num_samples: Monte Carlo draws of batch service times.
       wait_cap: waiting is allowed for `1 <= q < wait_cap` (default and maximum: `queue_cap`).
       rate: arrival rate (default: the mean rate of `params.arrivals`).
     """

@@ -100,7 +100,8 @@ def offered_load(trace: Trace, gpus: Any, *, mean_prompt: float | None = None,
     Args:
       trace: at least 2 requests over a positive span.
       gpus: a list of `GPUProfile`, or one (scalar or stacked `(num_gpus,)`) profile.
-      mean_prompt, mean_output: token sizes for the capacity (default: the trace's means).
+      mean_prompt: prompt tokens for the capacity (default: the trace's mean).
+      mean_output: output tokens for the capacity (default: the trace's mean).
     """
     tr, lam, p, o = _rate_and_means(trace)
     p = p if mean_prompt is None else float(mean_prompt)
@@ -122,7 +123,8 @@ def rescale_to_load(trace: Trace, gpus: Any, target_utilisation: float, *,
       gpus: the cluster (list of `GPUProfile` or a stacked profile).
       target_utilisation: the offered load to reach, > 0 (see the module docstring; values
         near or above 1 overload the cluster).
-      mean_prompt, mean_output: as in `offered_load`.
+      mean_prompt: as in `offered_load`.
+      mean_output: as in `offered_load`.
 
     Returns:
       (rescaled trace, factor f).
@@ -152,7 +154,8 @@ def _starts(n: int, window_len: int, stride: int) -> np.ndarray:
 
 def windows(trace: Trace, window_len: float, stride: float | None = None, *,
             by: str = "requests", pad_to: int | None = None,
-            return_starts: bool = False):
+            return_starts: bool = False
+            ) -> TraceArrays | tuple[TraceArrays, np.ndarray, np.ndarray]:
     """Cuts a trace into fixed-shape windows, each rebased to start at its first request.
 
     Args:
@@ -167,8 +170,8 @@ def windows(trace: Trace, window_len: float, stride: float | None = None, *,
 
     Returns:
       `TraceArrays` with `gap, prompt, output` of shape `(W, L)` float32 and `length (W,)`
-      int32 (valid rows per window; rows past it are padding), or `(TraceArrays, first_row,
-      first_arrival)` with `return_starts=True`.
+        int32 (valid rows per window; rows past it are padding), or `(TraceArrays, first_row,
+        first_arrival)` with `return_starts=True`.
     """
     tr = validate_trace(trace)
     n = len(tr)
