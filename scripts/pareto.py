@@ -45,16 +45,16 @@ from rich.table import Table
 from jaxserve.core import arrivals as A
 from jaxserve.core.replica import NAMED_REPLICAS
 from jaxserve.evaluation.serialize import to_jsonable
-from jaxserve.traces import default_traces_dir, load
+from jaxserve.traces import load, path as trace_path
 from jaxserve.workloads import pareto_front
 from jaxserve.workloads import rollout as W
 from jaxserve.scripts.cli import CLIError as _CLIError
 from jaxserve.scripts.cli import Parser as _Parser
 from jaxserve.scripts.cli import output_dir, run_cli
 
-TRACE_NAMES = {
-    "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
-    "azure_code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
+TRACE_NAMES = {  # --tokens value -> `jaxserve.traces.registry` name
+    "azure_conv": "azure_llm_2023_conv",
+    "azure_code": "azure_llm_2023_code",
 }
 # A setting's marginal speedup per extra GPU-hour has "collapsed" once it falls below this
 # fraction of its first extra replica's (r = 1 -> 2).
@@ -74,8 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="continuous-batching replica profile name (e.g. opt13b-a100-80g); "
                          "replaces --profile, and --max-batch sweeps max_seqs")
     ap.add_argument("--tokens", default="lognormal",
-                    help="lognormal, azure_conv, azure_code (real trace lengths from "
-                         "shared/traces) or a trace file path")
+                    help="lognormal, azure_conv, azure_code (real trace lengths of the public "
+                         "Azure LLM 2023 traces: `jaxserve-traces fetch azure_llm_2023_conv`) "
+                         "or a trace file path")
     ap.add_argument("--prompt-median", type=float, default=512.0)
     ap.add_argument("--prompt-sigma", type=float, default=0.5)
     ap.add_argument("--output-median", type=float, default=1024.0)
@@ -123,11 +124,13 @@ def _tokens(args):
             (f"lognormal prompt (median {args.prompt_median:g}, sigma {args.prompt_sigma:g}) and "
              f"output (median {args.output_median:g}, sigma {args.output_sigma:g}, cap "
              f"{args.max_output:g}) tokens")
-    path = (default_traces_dir() / TRACE_NAMES[args.tokens] if args.tokens in TRACE_NAMES
-            else Path(args.tokens))
-    if not path.is_file():
-        raise _CLIError(f"trace file not found: {path} (--tokens takes lognormal, "
-                        f"{', '.join(TRACE_NAMES)} or a trace file; see shared/traces/README.md)")
+    if args.tokens in TRACE_NAMES:
+        path = trace_path(TRACE_NAMES[args.tokens])  # names `jaxserve-traces fetch` if missing
+    else:
+        path = Path(args.tokens)
+        if not path.is_file():
+            raise _CLIError(f"trace file not found: {path} (--tokens takes lognormal, "
+                            f"{', '.join(TRACE_NAMES)} or a trace file)")
     tr = load(path)
     return A.empirical_tokens(tr.prompt_tokens, tr.output_tokens), \
         f"empirical (prompt, output) rows of {path.name} ({len(tr)} requests)"

@@ -1,7 +1,9 @@
 """Plots of the real traces beside their fitted synthetic workloads, and fit-quality tables.
 
-Run from the repository root (the trace files are read from `../shared/traces`, or
-`$JAXSERVE_TRACES_DIR`, or `--traces-dir`):
+Run from the repository root. The trace files are read from `--traces-dir` (a folder laid out
+like the trace mirror) if given, else with `jaxserve.traces.path` (`$JAXSERVE_TRACES_DIR`, e.g.
+`../shared/traces` beside the repository, then the user cache: `jaxserve-traces fetch --all`
+downloads them):
 
     python -m jaxserve.scripts.plot_traces                 # figures into docs/figures, tables to stdout
     python -m jaxserve.scripts.plot_traces --no-replay     # skip the (JAX-compiling) busy-fraction table
@@ -38,15 +40,15 @@ from jaxserve.core.profiles import get_profile
 from jaxserve.envs.routing import routing_gpus
 from jaxserve.evaluation.replay import replay_windows
 from jaxserve.traces import (burstgpt_like, burstgpt_profile, burstgpt_stats,  # noqa: E402
-                             default_traces_dir, fit_report, fit_table, fit_tokens, fit_workload,
-                             load, offered_load, published_stats, rescale_to_load, sample_workload,
-                             windows)
+                             fit_report, fit_table, fit_tokens, fit_workload, load,
+                             offered_load, published_stats, rescale_to_load, resolve,
+                             sample_workload, windows)
 
-AZURE = [
-    ("azure_code", "Azure LLM 2023 code", "azure_llm_2023/AzureLLMInferenceTrace_code.csv", {}),
-    ("azure_conv", "Azure LLM 2023 conv", "azure_llm_2023/AzureLLMInferenceTrace_conv.csv", {}),
+AZURE = [  # (name, title, `jaxserve.traces.registry` name, load kwargs)
+    ("azure_code", "Azure LLM 2023 code", "azure_llm_2023_code", {}),
+    ("azure_conv", "Azure LLM 2023 conv", "azure_llm_2023_conv", {}),
     ("azure_functions", "Azure Functions 2021 subsample (50 tok/s, prompt 512)",
-     "azure_functions_2021/Azure2021_200_invitro_sample.csv", {}),
+     "azure_functions_2021_sample", {}),
 ]
 DPI = 80
 ARRIVAL_KEYS = ("mean_rate", "cv_interarrival", "iod_1s", "iod_60s")
@@ -211,16 +213,18 @@ def busy_fractions(tr, targets=(0.3, 0.6, 0.9), window=1024):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--traces-dir", type=Path, default=None)
+    ap.add_argument("--traces-dir", type=Path, default=None,
+                    help="a folder laid out like the trace mirror (default: $JAXSERVE_TRACES_DIR, "
+                         "then the user cache)")
     ap.add_argument("--out", type=Path, default=Path("docs/figures"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-replay", action="store_true")
     args = ap.parse_args(argv)
-    root = args.traces_dir or default_traces_dir()
+    root = args.traces_dir  # None: jaxserve.traces.path
     args.out.mkdir(parents=True, exist_ok=True)
     reports, token_reports, traces = [], [], {}
     for name, title, rel, kw in AZURE:
-        tr = load(root / rel, **kw)
+        tr = load(resolve(rel, root), **kw)
         traces[name] = tr
         fit = fit_workload(tr, seed=args.seed)
         path = plot_fitted(name, title, tr, fit, args.out, args.seed)

@@ -19,6 +19,10 @@ itself, so a race costs time, never a result.
 (`JAXSERVE_XLA_CACHE=off`), so that no test writes to the user's home. With it on, the CLIs
 that tests run use this run's folder (`jaxserve.compile_cache` keeps a folder JAX already has).
 
+The public trace files: when the trace mirror `../shared/traces` exists beside the repository,
+`JAXSERVE_TRACES_DIR` defaults to it (an explicit setting wins), so that the tests that read
+traces find them through `jaxserve.traces.path` like a user's code; without it they skip.
+
 After each test module every compiled program is released (`jax.clear_caches()` and a garbage
 collection). XLA:CPU keeps each executable's JIT code in its own memory maps, and JAX keeps
 every executable a process compiled; an xdist worker that runs half the suite then reaches
@@ -34,11 +38,18 @@ import gc
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import jax
 import pytest
 
 _MARK = "JAXSERVE_TEST_XLA_CACHE_DIR"  # set by the controller, seen by workers and children
+
+# Session default for the trace files (see the module doc); set on import, before any test
+# module computes a trace path, in the controller and every xdist worker alike.
+_MIRROR = (Path(__file__).resolve().parents[1].parent / "shared" / "traces").resolve()
+if _MIRROR.is_dir():
+    os.environ.setdefault("JAXSERVE_TRACES_DIR", str(_MIRROR))
 _created: list[str] = []
 
 

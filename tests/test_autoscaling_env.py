@@ -225,14 +225,15 @@ def test_delta_action_mode_and_action_for_target():
 
 def test_named_trace_workloads():
     from jaxserve.envs import autoscaling_workloads as W
-    from jaxserve.traces import default_traces_dir
+    from jaxserve.traces import find
 
     with pytest.raises(ValueError, match="unknown Autoscaling-v0 workload"):
         jaxserve.make("Autoscaling-v0", workload="nope")
     with pytest.raises(ValueError, match="load"):
         jaxserve.make("Autoscaling-v0", load=0.3)
-    if not (default_traces_dir() / W.TRACE_FILES["azure_code"]).exists():
-        pytest.skip("shared traces not present")
+    if find(W.TRACE_FILES["azure_code"]) is None:
+        pytest.skip("azure_llm_2023_code not available (set JAXSERVE_TRACES_DIR or run "
+                    "`jaxserve-traces fetch azure_llm_2023_code`)")
     with pytest.raises(ValueError, match="sets the arrivals"):
         jaxserve.make("Autoscaling-v0", workload="azure_code", arrival_rate=1.0)
     env, params = jaxserve.make("Autoscaling-v0", workload="azure_code", load=0.2)

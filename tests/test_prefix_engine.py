@@ -11,8 +11,6 @@ held = kv_blocks` at every boundary). All cases are padded to one trace length a
 static sizes so they share a compiled program.
 """
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +22,7 @@ from jaxserve.core import queues as Q
 from jaxserve.core.replica import ReplicaProfile, stack_replicas
 from jaxserve.core.types import Trace
 from jaxserve.evaluation.replay import replay_prefix, replay_prefix_arrays
+from jaxserve.traces import find as find_trace
 from jaxserve.traces.prefix import PrefixTrace, build_prefix_tree, kv_prefix
 from jaxserve.reference import continuous as rc
 from jaxserve.reference.prefix import simulate_prefix
@@ -305,10 +304,11 @@ def test_invalid_configuration_is_refused():
         CB.prefix_tables(np.array([-1, 0]), np.array([1, 3]), B)
 
 
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_2025"
+MOONCAKE = find_trace("mooncake_conversation")
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared Mooncake traces not present")
+@pytest.mark.skipif(MOONCAKE is None, reason="Mooncake trace not available (set "
+                    "JAXSERVE_TRACES_DIR or run `jaxserve-traces fetch mooncake_conversation`)")
 def test_real_mooncake_prefixes_equal_reference():
     """The first 40 real conversation requests (512-token hash blocks over 16-token KV
     blocks: 32 KV blocks per tree node) on one replica of 1200 blocks, as
@@ -319,7 +319,7 @@ def test_real_mooncake_prefixes_equal_reference():
     from jaxserve.traces.mooncake import load_mooncake
     from jaxserve.traces.prefix import path_nodes
 
-    mt = load_mooncake(MOONCAKE / "conversation_trace.jsonl.gz")
+    mt = load_mooncake(MOONCAKE)
     n = 40
     prof = dict(c0=0.5, alpha=2.0 ** -12, alpha2=0.0, beta=0.0, gamma=0.0, delta=2.0 ** -20,
                 kv_blocks=1200, block_size=16, max_seqs=8, max_tokens=4096,

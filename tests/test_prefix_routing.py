@@ -6,8 +6,6 @@ Tiny scenarios keep compilation and steps cheap: two replicas of 40 blocks x 16 
 blocks whose sessions overlap, so prefixes are hit, blocks evicted and requests preempted.
 """
 
-from pathlib import Path
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ from jaxserve.envs.llm_routing import (DEFAULT_SHAPING_GAMMA, PrefixRoutingParam
 from jaxserve.envs.llm_prefix_routing import make_llm_prefix_routing
 from jaxserve.policies import prefix_routing as PR
 from jaxserve.policies.llm_routing import jsq_tokens, would_drop
+from jaxserve.traces import find as find_trace
 from jaxserve.traces.prefix import PrefixTrace, PrefixTree
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 from tests.test_env_contract import assert_close_trees
@@ -545,14 +544,15 @@ def test_heuristics_in_env_never_read_output_lengths():
     assert np.all(np.isfinite(np.asarray(drive(params))))
 
 
-MOONCAKE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_2025" / "conversation_trace.jsonl.gz")
+MOONCAKE = find_trace("mooncake_conversation")
 
 
-@pytest.mark.skipif(not __import__("os").path.exists(MOONCAKE), reason="Mooncake trace absent")
+@pytest.mark.skipif(MOONCAKE is None, reason="Mooncake trace not available (set "
+                    "JAXSERVE_TRACES_DIR or run `jaxserve-traces fetch mooncake_conversation`)")
 def test_mooncake_path_builds_params():
     """`trace=` a Mooncake file: one param row and one prefix node per request, the tree's
     512-token blocks, and the request features' scale covering its longest prompt."""
-    env, params = make_llm_prefix_routing(trace=MOONCAKE)
+    env, params = make_llm_prefix_routing(trace=str(MOONCAKE))
     n = int(params.trace.length)
     assert n == 12031 and params.node.shape == (n,) and int(params.max_steps_in_episode) == n
     assert params.tables.block_tokens == 512 and params.tables.parent.shape[0] == 182_790

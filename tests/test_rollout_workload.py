@@ -301,10 +301,11 @@ def test_pareto_front():
 
 
 def test_empirical_lengths_from_a_real_trace():
-    from jaxserve.traces import default_traces_dir, load
-    path = default_traces_dir() / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-    if not path.is_file():
-        pytest.skip(f"trace not present: {path}")
+    from jaxserve.traces import find, load
+    path = find("azure_llm_2023_conv")
+    if path is None:
+        pytest.skip("azure_llm_2023_conv not available (set JAXSERVE_TRACES_DIR or run "
+                    "`jaxserve-traces fetch azure_llm_2023_conv`)")
     tr = load(path)
     k = 16
     params = W.make_params(k, gpu="mid", tokens=A.empirical_tokens(tr.prompt_tokens,

@@ -1,22 +1,23 @@
 """Tests of jaxserve.traces.loaders on the real public traces and on small synthetic files.
 
-The real files live in `<repo>/../shared/traces` (override with JAXSERVE_TRACES_DIR); tests
-that need them are skipped when the folder is absent. Expected numbers are the statistics
-table of `shared/traces/README.md`, compared with a tolerance of half a unit in the last
-printed digit.
+The real files are found with `jaxserve.traces.find` (under JAXSERVE_TRACES_DIR, which
+tests/conftest.py points at `../shared/traces` beside the repository when it exists, else in the
+user cache); tests that need them are skipped when they are absent. Expected numbers are the
+statistics table of the trace mirror's README, compared with a tolerance of half a unit in the
+last printed digit.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxserve.core.types import Trace
+from jaxserve.traces import find as find_trace
 from jaxserve.traces import (
     FORMATS,
     TraceFormatError,
@@ -33,19 +34,19 @@ from jaxserve.traces import (
     summary_table,
 )
 
-TRACES = Path(os.environ.get("JAXSERVE_TRACES_DIR")
-              or Path(__file__).resolve().parents[2] / "shared" / "traces")
-CODE = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv"
-CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-BURST = TRACES / "burstgpt" / "BurstGPT_1_first30rows_verified.csv"
-FN21 = TRACES / "azure_functions_2021" / "Azure2021_200_invitro_sample.csv"
+HOW = "set JAXSERVE_TRACES_DIR or run `jaxserve-traces fetch --all`"
+CODE = find_trace("azure_llm_2023_code")
+CONV = find_trace("azure_llm_2023_conv")
+BURST = find_trace("burstgpt_first30")
+BURST_AGG = find_trace("burstgpt_aggregates")
+FN21 = find_trace("azure_functions_2021_sample")
 
 
 @pytest.fixture(scope="module")
-def traces_dir() -> Path:
-    if not TRACES.is_dir():
-        pytest.skip(f"trace folder {TRACES} is absent")
-    return TRACES
+def traces_dir() -> None:
+    """Skips unless every public trace file these tests read is available."""
+    if None in (CODE, CONV, BURST, BURST_AGG, FN21):
+        pytest.skip(f"public trace files not available ({HOW})")
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +229,7 @@ def test_detect_format_real_files(traces_dir):
     assert detect_format(BURST) == "burstgpt"
     assert detect_format(FN21) == "azure_functions_2021"
     with pytest.raises(TraceFormatError) as e:  # JSON aggregates: no known header
-        detect_format(TRACES / "burstgpt" / "BurstGPT_1_derived_aggregates_IsabellaLiu99.json")
+        detect_format(BURST_AGG)
     assert "line 1" in str(e.value) and "unrecognized header" in str(e.value)
     # format= overrides detection; a wrong one names the missing columns.
     with pytest.raises(TraceFormatError) as e:

@@ -4,16 +4,18 @@ reference."""
 
 import gzip
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jaxserve.traces import find as find_trace
 from jaxserve.traces.loaders import TraceFormatError
 from jaxserve.traces.mooncake import (infinite_cache_reuse, kv_prefix, load_mooncake,
                                       path_nodes)
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_2025"
+REAL = {n: find_trace(f"mooncake_{n}") for n in ("conversation", "synthetic")}
+NO_REAL = ("Mooncake traces not available (set JAXSERVE_TRACES_DIR or run "
+           "`jaxserve-traces fetch --all`)")
 
 ROWS = [
     {"timestamp": 1000, "input_length": 1000, "output_length": 5, "hash_ids": [7, 8]},
@@ -137,11 +139,12 @@ def test_kv_prefix_drives_the_prefix_reference(tmp_path):
     assert out["cached_tokens"] == [[0], [512], [496], [0], [1088]]
 
 
-@pytest.mark.skipif(not REAL.exists(), reason="shared Mooncake traces not present")
 @pytest.mark.parametrize("name, rows, reuse", [("conversation", 12031, 0.366),
                                                ("synthetic", 3993, 0.640)])
 def test_real_files_reproduce_readme_reuse(name, rows, reuse):
-    mt = load_mooncake(REAL / f"{name}_trace.jsonl.gz")
+    if REAL[name] is None:
+        pytest.skip(NO_REAL)
+    mt = load_mooncake(REAL[name])
     assert len(mt) == rows
     # README rounds to 0.1%: 36.6% and 64.0%
     assert round(infinite_cache_reuse(mt), 3) == reuse
@@ -151,14 +154,14 @@ def test_real_files_reproduce_readme_reuse(name, rows, reuse):
     assert np.all(mt.full_blocks <= mt.tree.depth[mt.node])
 
 
-@pytest.mark.skipif(not REAL.exists(), reason="shared Mooncake traces not present")
+@pytest.mark.skipif(REAL["conversation"] is None, reason=NO_REAL)
 def test_real_prefixes_through_the_reference_under_pressure():
     """The first 40 conversation requests (16-token KV blocks from kv_prefix) on one replica of
     1200 blocks: the block pool's invariants hold after every change (audit), with hits,
     evictions and preemptions of requests holding shared blocks all present."""
     from jaxserve.reference.prefix import simulate_prefix
 
-    mt = load_mooncake(REAL / "conversation_trace.jsonl.gz")
+    mt = load_mooncake(REAL["conversation"])
     n = 40
     prof = dict(c0=0.5, alpha=2.0 ** -12, alpha2=0.0, beta=0.0, gamma=0.0, delta=2.0 ** -20,
                 kv_blocks=1200, block_size=16, max_seqs=8, max_tokens=4096,

@@ -1,8 +1,9 @@
 """Tests of jaxserve.traces.{shaping, fitting, synthetic}: load rescaling, windows, batched
 window replay, MMPP / token fits and the synthetic BurstGPT-shaped generator.
 
-Real trace files live in `<repo>/../shared/traces` (override with JAXSERVE_TRACES_DIR); tests
-that need them are skipped when the folder is absent.
+Real trace files are found with `jaxserve.traces.find` (under JAXSERVE_TRACES_DIR, which
+tests/conftest.py points at `../shared/traces` beside the repository when it exists, else in the
+user cache); tests that need them are skipped when they are absent.
 
 Statistical tolerances are chosen from the sampling error of each statistic (stated at each
 test) so that a fixed seed passes with several standard errors to spare.
@@ -11,8 +12,6 @@ test) so that a fixed seed passes with several standard errors to spare.
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jaxserve.core.sources import trace_arrays
 from jaxserve.envs.routing import routing_gpus
 from jaxserve.evaluation.replay import replay_windows
 from jaxserve.reference.sim import simulate
+from jaxserve.traces import find as find_trace
 from jaxserve.traces import (
     burstgpt_like,
     burstgpt_profile,
@@ -53,16 +53,16 @@ from jaxserve.traces import (
 )
 
 
-TRACES = Path(os.environ.get("JAXSERVE_TRACES_DIR")
-              or Path(__file__).resolve().parents[2] / "shared" / "traces")
-CODE = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv"
-CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-BURST_AGG = TRACES / "burstgpt" / "BurstGPT_1_derived_aggregates_IsabellaLiu99.json"
+HOW = "set JAXSERVE_TRACES_DIR or run `jaxserve-traces fetch --all`"
+CODE = find_trace("azure_llm_2023_code")
+CONV = find_trace("azure_llm_2023_conv")
+BURST_AGG = find_trace("burstgpt_aggregates")
+BURST_ROWS = find_trace("burstgpt_first30")
 
-needs_azure = pytest.mark.skipif(not (CODE.is_file() and CONV.is_file()),
-                                 reason=f"Azure LLM 2023 traces not found under {TRACES}")
-needs_burst = pytest.mark.skipif(not BURST_AGG.is_file(),
-                                 reason=f"BurstGPT aggregates not found under {TRACES}")
+needs_azure = pytest.mark.skipif(CODE is None or CONV is None,
+                                 reason=f"Azure LLM 2023 traces not available ({HOW})")
+needs_burst = pytest.mark.skipif(BURST_AGG is None,
+                                 reason=f"BurstGPT aggregates not available ({HOW})")
 
 
 def _trace(arr, prompt=None, output=None):
@@ -76,15 +76,15 @@ def _trace(arr, prompt=None, output=None):
 
 @pytest.fixture(scope="module")
 def conv():
-    if not CONV.is_file():
-        pytest.skip(f"{CONV} not found")
+    if CONV is None:
+        pytest.skip(f"azure_llm_2023_conv not available ({HOW})")
     return load(CONV)
 
 
 @pytest.fixture(scope="module")
 def code():
-    if not CODE.is_file():
-        pytest.skip(f"{CODE} not found")
+    if CODE is None:
+        pytest.skip(f"azure_llm_2023_code not available ({HOW})")
     return load(CODE)
 
 
@@ -403,9 +403,9 @@ def test_fit_workload_plugs_into_make(code):
 
 @pytest.fixture(scope="module")
 def burst_profile():
-    if not BURST_AGG.is_file():
-        pytest.skip(f"{BURST_AGG} not found")
-    return burstgpt_profile(TRACES)
+    if BURST_AGG is None or BURST_ROWS is None:
+        pytest.skip(f"BurstGPT files not available ({HOW})")
+    return burstgpt_profile()
 
 
 @needs_burst
@@ -430,7 +430,7 @@ def test_burstgpt_like_matches_hour_of_day_and_growth(burst_profile):
 
 
 @needs_burst
-def test_burstgpt_like_volume_days_and_bursts(burst_profile):
+def test_burstgpt_like_volume_days_and_bursts(burst_profile, tmp_path):
     full = burstgpt_like(1, days=61, profile=burst_profile)
     # 61 days at rate_scale 1: the published 1,429,737 requests (sd about 0.4 %)
     assert len(full) == pytest.approx(1_429_737, rel=0.03)
@@ -458,7 +458,7 @@ def test_burstgpt_like_volume_days_and_bursts(burst_profile):
     with pytest.raises(ValueError, match="day_profile"):
         burstgpt_like(0, days=1, day_profile="weekly", profile=burst_profile)
     with pytest.raises(FileNotFoundError, match="BurstGPT data file not found"):
-        burstgpt_profile(TRACES / "nowhere")
+        burstgpt_profile(tmp_path / "nowhere")
 
 
 def test_replay_windows_argument_errors():

@@ -24,9 +24,11 @@ MIX = "2fast+2slow"
 COMPARE = ("sita", "sed", "jsq", "round_robin")
 
 
-def traces_dir() -> Path:
-    """../shared/traces relative to the repository (never copied into it)."""
-    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+def traces_dir() -> Path | None:
+    """None: the trace files are found with `jaxserve.traces.path` (`$JAXSERVE_TRACES_DIR`,
+    e.g. `../shared/traces` beside the repository, then the user cache that
+    `jaxserve-traces fetch NAME` fills), hash-checked."""
+    return None
 
 
 def training_load(params) -> float:
@@ -36,16 +38,19 @@ def training_load(params) -> float:
     return rate / float(T.cluster_capacity(params.gpus, p, o).sum())
 
 
-def trace_workloads(params, budget, root: Path) -> dict:
+def trace_workloads(params, budget, root: Path | None) -> dict:
     """`{name: (trace at the training load, window length, stride, note)}`; workloads whose
-    files are missing are skipped with a note."""
+    files are missing are skipped with a note. `root`: a folder laid out like the trace mirror,
+    or None for `jaxserve.traces.path` (the scenarios' `GEN_TRACES` are mirror paths)."""
     load = training_load(params)
     out = {}
     L = budget.eval_steps
     raw = {}
     for name, rel in S.GEN_TRACES.items():
-        path = root / rel
-        raw[name] = T.load(path) if path.exists() else None
+        try:
+            raw[name] = T.load(T.resolve(rel, root))
+        except T.TraceNotFoundError:
+            raw[name] = None
     # BurstGPT-shaped: the published aggregates' volume and burstiness, enough requests for
     # the windows (0.271 req/s on average: ~23k requests a day).
     # Its volume is irrelevant (the trace is rescaled to the load): rate_scale only makes
@@ -53,9 +58,9 @@ def trace_workloads(params, budget, root: Path) -> dict:
     n_need = budget.gen_windows * L
     days = max(0.05, 1.5 * n_need / (0.271 * 86400))
     try:
-        tr = T.burstgpt_like(0, days)
+        tr = T.burstgpt_like(0, days, traces_dir=root)
         if len(tr) < 1.2 * n_need:
-            tr = T.burstgpt_like(0, days, rate_scale=1.5 * n_need / len(tr))
+            tr = T.burstgpt_like(0, days, rate_scale=1.5 * n_need / len(tr), traces_dir=root)
         raw["burstgpt_like"] = tr
     except (OSError, ValueError):
         raw["burstgpt_like"] = None
@@ -108,7 +113,8 @@ def generalisation(ctx: Context) -> Section:
                      f"{S.MMPP_BURST['mean_high_s']:g} s on average; mean {rate:.3g} req/s")
     for name, spec in trace_workloads(params, b, traces_dir()).items():
         if spec is None:
-            notes[name] = "skipped: trace file not found under ../shared/traces"
+            notes[name] = ("skipped: trace file not found (`jaxserve-traces fetch --all` "
+                           "downloads it)")
             continue
         scaled, wl, stride, note = spec
         ctx.log(f"  (d) {name}: {b.gen_windows} windows x {wl} requests")

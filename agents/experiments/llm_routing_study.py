@@ -36,7 +36,6 @@ The experiment, end to end (`run_study`):
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -53,12 +52,12 @@ from jaxserve.core.stats import paired_difference, seed_env_bootstrap
 from jaxserve.core.types import Trace
 from jaxserve.evaluation.llm_metrics import request_metrics, slo_attainment
 from jaxserve.policies.llm_routing import POLICIES, make_sita_prompt
-from jaxserve.traces import default_traces_dir, load
+from jaxserve.traces import load, resolve
 from jaxserve.traces.fitting import fit_mmpp
 
 DEFAULT_TRACE = "conv"
-TRACE_FILES = {"conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
-               "code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv"}
+TRACE_FILES = {"conv": "azure_llm_2023_conv",  # `jaxserve.traces.registry` names
+               "code": "azure_llm_2023_code"}
 # Heuristics compared: every router of `policies.llm_routing.POLICIES` but `random` (one list,
 # so a router added there is in the study; `least_marginal`, the greedy policy of the shaping
 # potential, measured strongest on LLMRouting-v0's defaults). SITA gets its threshold from
@@ -85,15 +84,14 @@ def study_replicas(max_seqs: int = 16, queue_cap: int = 16):
 
 
 def load_trace(name: str, traces_dir=None):
-    """The Azure LLM 2023 trace `name` ("conv" or "code") from `shared/traces`."""
+    """The Azure LLM 2023 trace `name` ("conv" or "code"): from `traces_dir` (a folder laid
+    out like the trace mirror) if given, else `jaxserve.traces.path` (`$JAXSERVE_TRACES_DIR`,
+    then the user cache). A missing file raises a ValueError (`TraceNotFoundError`) naming
+    `jaxserve-traces fetch NAME`."""
 
     if name not in TRACE_FILES:
         raise ValueError(f"trace must be one of {sorted(TRACE_FILES)}, got {name!r}")
-    root = default_traces_dir() if traces_dir is None else Path(traces_dir)
-    path = root / TRACE_FILES[name]
-    if not path.is_file():
-        raise ValueError(f"trace file not found: {path} (see shared/traces/README.md)")
-    return load(path)
+    return load(resolve(TRACE_FILES[name], traces_dir))
 
 
 def _scale(trace, f: float):

@@ -95,7 +95,7 @@ from jaxserve.evaluation.plots import axes_row
 from jaxserve.evaluation.replay import token_log
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import prefix_routing as PR
-from jaxserve.traces import default_traces_dir
+from jaxserve.traces import TraceNotFoundError, resolve
 from jaxserve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, load_mooncake
 from jaxserve.traces.prefix import prefix_window
 
@@ -122,7 +122,7 @@ def learned_label(algo: str) -> str:
 LEARNED = learned_label("ppo")
 
 SYNTHETIC_EVAL_SEED = 100  # first generator seed of the evaluation windows (training: 0)
-MOONCAKE_FILE = "mooncake_2025/conversation_trace.jsonl.gz"
+MOONCAKE_FILE = "mooncake_2025/conversation_trace.jsonl.gz"  # registry "mooncake_conversation"
 MOONCAKE_BLOCK_SIZE = 512  # KV block = the trace's hash block: M = 105 blocks per replica
 CALIBRATION_ITERS = 8  # bisection steps of the Mooncake capacity: 1.6% resolution
 
@@ -342,10 +342,10 @@ def build_workload(workload: str, load: float, *, window_requests: int, eval_win
                "capacity": base, "basis": "the scenario's session rate (req/s)",
                "calibration": None}
     elif workload == "mooncake":
-        root = default_traces_dir() if traces_dir is None else Path(traces_dir)
-        path = root / MOONCAKE_FILE
-        if not path.is_file():
-            raise ValueError(f"Mooncake trace not found: {path} (see shared/traces/README.md)")
+        try:
+            path = resolve(MOONCAKE_FILE, traces_dir)
+        except TraceNotFoundError as e:
+            raise TraceNotFoundError(f"Mooncake trace not found: {e}") from None
         if not 0.0 < float(fit_fraction) < 1.0:
             raise ValueError(f"fit_fraction must be in (0, 1), got {fit_fraction}")
         raw = _load_mooncake(str(path))

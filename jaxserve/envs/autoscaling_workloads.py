@@ -1,4 +1,4 @@
-"""Named workloads for Autoscaling-v0 built from the real traces in `../shared/traces`.
+"""Named workloads for Autoscaling-v0 built from the public Azure LLM 2023 traces.
 
 `jaxserve.make("Autoscaling-v0", workload=NAME, load=RHO)` accepts:
   - "diurnal" (the default): Poisson arrivals under a compressed-day sine cycle.
@@ -13,8 +13,9 @@
     by `core.sources.split_trace` into its first `TRAIN_FRACTION` of requests and the
     disjoint rest (rebased to start at 0): train on the first (e.g. from random offsets,
     `random_offset=1`), evaluate on the second.
-Trace files are read from `jaxserve.traces.default_traces_dir()` (override with the
-`JAXSERVE_TRACES` environment variable); a missing file raises a ValueError naming it.
+Trace files are found with `jaxserve.traces.path` (registry names in `TRACE_FILES`: under
+`$JAXSERVE_TRACES_DIR`, else in the user cache that `jaxserve-traces fetch NAME` fills); a
+missing file raises a ValueError (`traces.TraceNotFoundError`) naming that command.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import functools
 from jaxserve import traces as T
 from jaxserve.core.sources import split_trace
 
-TRACE_FILES = {
-    "azure_conv": "azure_llm_2023/AzureLLMInferenceTrace_conv.csv",
-    "azure_code": "azure_llm_2023/AzureLLMInferenceTrace_code.csv",
+TRACE_FILES = {  # workload -> `jaxserve.traces.registry` name
+    "azure_conv": "azure_llm_2023_conv",
+    "azure_code": "azure_llm_2023_code",
 }
 PARTS = ("train", "test")
 WORKLOADS = ("diurnal", *TRACE_FILES, *(f"{k}_{s}" for k in TRACE_FILES
@@ -37,11 +38,10 @@ TRAIN_FRACTION = 0.5  # of the requests; the conversation trace's slow rise is i
 
 @functools.lru_cache(maxsize=4)
 def _load(name: str):
-
-    path = T.default_traces_dir() / TRACE_FILES[name]
-    if not path.exists():
-        raise ValueError(f"workload {name!r} needs the trace file {path}, which does not exist "
-                         f"(set JAXSERVE_TRACES to the traces directory)")
+    try:
+        path = T.path(TRACE_FILES[name])
+    except T.TraceNotFoundError as e:
+        raise T.TraceNotFoundError(f"workload {name!r} needs a trace file: {e}") from None
     return T.load(path)
 
 

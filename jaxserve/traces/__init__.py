@@ -1,6 +1,9 @@
 """Public request traces: loaders for the real trace formats and summary statistics.
 
-See `jaxserve.traces.loaders` and docs/traces.md.
+See `jaxserve.traces.loaders` and docs/traces.md. The trace files themselves are public data
+on GitHub, listed with their upstream URL, licence and sha256 in `jaxserve.traces.registry`;
+`fetch(name)` (or `jaxserve-traces fetch NAME`) downloads one into the user cache and
+`path(name)` finds it (under `$JAXSERVE_TRACES_DIR`, then in the cache), hash-checked.
 """
 
 from jaxserve.traces.loaders import (
@@ -73,7 +76,17 @@ from jaxserve.traces.synthetic import (  # noqa: E402
     published_stats,
 )
 
+from jaxserve.traces.registry import REGISTRY, TraceFile  # noqa: E402
+from jaxserve.traces.store import (  # noqa: E402
+    TraceNotFoundError,
+    fetch,
+    find,
+    path,
+    resolve,
+)
+
 __all__ += [
+    "REGISTRY", "TraceFile", "TraceNotFoundError", "fetch", "find", "path", "resolve",
     "MMPPFit", "WorkloadFit", "count_iod", "fit_mmpp", "fit_report", "fit_table", "fit_tokens",
     "fit_workload", "mmpp_gap_moments", "mmpp_iod", "mmpp_stats", "sample_arrivals_jax",
     "sample_mmpp", "sample_tokens_np", "sample_workload",

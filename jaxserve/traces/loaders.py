@@ -76,6 +76,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from jaxserve.core.types import MAX_SECONDS, MAX_TOKENS, Trace, validate_trace
+from jaxserve.traces.store import fetch_hint
 
 __all__ = [
     "FORMATS",
@@ -165,7 +166,7 @@ def _open_checked(path: Any) -> Path:
         raise TraceFormatError(path, None, f"path must be a str or os.PathLike, got "
                                            f"{type(path).__name__}")
     if not p.exists():
-        raise TraceFormatError(p, None, "file not found")
+        raise TraceFormatError(p, None, "file not found" + fetch_hint(p))
     if not p.is_file():
         raise TraceFormatError(p, None, "not a regular file")
     if p.stat().st_size == 0:

@@ -1,6 +1,11 @@
 """Loader for the Mooncake FAST'25 traces (JSON lines) with their prefix identity.
 
-Format (`shared/traces/README.md`, section mooncake_2025): one JSON object per line with
+The files: registry entries "mooncake_conversation" and "mooncake_synthetic" of
+`jaxserve.traces.registry` (kvcache-ai/Mooncake, FAST25-release/traces, Apache-2.0), stored
+gzip-compressed; `jaxserve-traces fetch mooncake_conversation` downloads one and
+`load_mooncake(jaxserve.traces.path("mooncake_conversation"))` reads it.
+
+Format (section mooncake_2025 of the trace mirror's README): one JSON object per line with
 ``timestamp`` (ms, relative), ``input_length`` (prompt tokens), ``output_length`` (tokens) and
 ``hash_ids`` (ids of the prompt's 512-token blocks, ``ceil(input_length / 512)`` of them, the
 last one covering a partial block; equal ids mean equal prefix content). Files may be gzip
@@ -35,6 +40,7 @@ from jaxserve.core.types import MAX_SECONDS, MAX_TOKENS, Trace, validate_trace
 from jaxserve.traces.loaders import TraceFormatError
 from jaxserve.traces.prefix import (PrefixTrace, PrefixTree, build_prefix_tree,
                                     infinite_cache_reuse, kv_prefix, path_nodes)
+from jaxserve.traces.store import fetch_hint
 
 __all__ = ["MOONCAKE_BLOCK_TOKENS", "PrefixTrace", "PrefixTree", "load_mooncake",
            "infinite_cache_reuse", "path_nodes", "kv_prefix"]
@@ -49,7 +55,7 @@ def _read_lines(path: Any) -> tuple[Path, list[tuple[int, str]]]:
                                f"path must be a str or os.PathLike, got {type(path).__name__}")
     p = Path(path)
     if not p.exists():
-        raise TraceFormatError(p, None, "file not found")
+        raise TraceFormatError(p, None, "file not found" + fetch_hint(p))
     if not p.is_file():
         raise TraceFormatError(p, None, "not a regular file")
     with open(p, "rb") as f:

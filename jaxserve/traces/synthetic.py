@@ -2,7 +2,9 @@
 
 The full BurstGPT trace (`HPMLL/BurstGPT`, `BurstGPT_1.csv`, 1.43 M requests over 61 days) is
 not available here; only its first 30 real rows and a third party's published aggregates of
-the whole file are (`shared/traces/burstgpt/`, see `shared/traces/README.md`).
+the whole file are (registry entries "burstgpt_first30" and "burstgpt_aggregates" of
+`jaxserve.traces.registry`: `jaxserve-traces fetch burstgpt_first30 burstgpt_aggregates`
+downloads them; `../shared/traces/README.md` beside the repository tells how they were made).
 `burstgpt_like` generates synthetic traces whose *aggregates* follow those published numbers.
 Its requests are made up: no row of its output is a real request, and nothing beyond the
 aggregates below should be read into it.
@@ -53,6 +55,8 @@ import numpy as np
 from jaxserve.core.types import Trace
 from jaxserve.traces.fitting import _rng, fit_tokens, sample_tokens_np
 from jaxserve.traces.loaders import load_burstgpt
+from jaxserve.traces.registry import REGISTRY
+from jaxserve.traces.store import ENV_VAR, TraceNotFoundError, cache_dir, resolve
 
 __all__ = [
     "BurstProfile",
@@ -64,8 +68,8 @@ __all__ = [
     "published_stats",
 ]
 
-AGGREGATES_FILE = "burstgpt/BurstGPT_1_derived_aggregates_IsabellaLiu99.json"
-ROWS_FILE = "burstgpt/BurstGPT_1_first30rows_verified.csv"
+AGGREGATES_FILE = REGISTRY["burstgpt_aggregates"].relpath  # relative paths as in the mirror
+ROWS_FILE = REGISTRY["burstgpt_first30"].relpath
 
 #: Burst modulation `(burst_fraction, ratio, mean_burst_s)`: the rate is in its burst state a
 #: fraction `burst_fraction` of the time, `ratio` times its normal-state rate, for exponential
@@ -77,11 +81,18 @@ DEFAULT_BURST = (0.5, 10.0, 120.0)
 
 
 def default_traces_dir() -> Path:
-    """`$JAXSERVE_TRACES_DIR`, else `shared/traces` next to the repository root."""
-    env = os.environ.get("JAXSERVE_TRACES_DIR")
+    """Kept for old callers; use `jaxserve.traces.path(name)` (it checks the file's hash).
+
+    `$JAXSERVE_TRACES_DIR` if set, else the user cache folder that `jaxserve-traces fetch`
+    fills (`jaxserve.traces.store.cache_dir()`); both are laid out like the trace mirror."""
+    env = os.environ.get(ENV_VAR)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "traces"
+    root = cache_dir()
+    if root is None:
+        raise TraceNotFoundError(f"no trace folder: set {ENV_VAR} or pip install pooch and run "
+                                 "`jaxserve-traces fetch --all`")
+    return root
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +124,16 @@ class BurstProfile:
 
 
 def burstgpt_profile(traces_dir: Any = None) -> BurstProfile:
-    """Reads the BurstGPT aggregates JSON and the 30 real rows from `traces_dir`
-    (default `default_traces_dir()`); raises FileNotFoundError naming the missing file."""
-    root = Path(traces_dir) if traces_dir is not None else default_traces_dir()
-    agg_path, rows_path = root / AGGREGATES_FILE, root / ROWS_FILE
-    for p in (agg_path, rows_path):
-        if not p.is_file():
-            raise FileNotFoundError(f"BurstGPT data file not found: {p} (set JAXSERVE_TRACES_DIR "
-                                    "or pass traces_dir= / profile=)")
+    """Reads the BurstGPT aggregates JSON and the 30 real rows (registry entries
+    "burstgpt_aggregates" and "burstgpt_first30") from `traces_dir`, a folder laid out like the
+    trace mirror, or by default with `jaxserve.traces.path` (`$JAXSERVE_TRACES_DIR`, then the
+    user cache). Raises FileNotFoundError (`TraceNotFoundError`) naming the missing file and
+    `jaxserve-traces fetch NAME`."""
+    try:
+        agg_path = resolve("burstgpt_aggregates", traces_dir)
+        rows_path = resolve("burstgpt_first30", traces_dir)
+    except TraceNotFoundError as e:
+        raise TraceNotFoundError(f"BurstGPT data file not found: {e} (or pass profile=)") from None
     with open(agg_path, encoding="utf-8") as fh:
         agg = json.load(fh)
     hourly = np.zeros(24)
@@ -200,7 +213,8 @@ def burstgpt_like(key_or_seed: Any, days: float, rate_scale: float = 1.0, *,
       start_day: model day of `t = 0` (selects the day of the trend or of the observed counts).
       rebase: subtract the first arrival (first request at 0).
       profile: the aggregates to follow (default `burstgpt_profile(traces_dir)`).
-      traces_dir: where `shared/traces` is (default `default_traces_dir()`).
+      traces_dir: a folder laid out like the trace mirror (default: `jaxserve.traces.path`,
+        i.e. `$JAXSERVE_TRACES_DIR`, then the user cache).
 
     Returns:
       `Trace` with float64 `arrival_s` (seconds since 00:00 of `start_day` unless `rebase`).
