@@ -16,6 +16,8 @@ import pytest
 
 import jaxserve
 from jaxserve.core import continuous as CB
+from jaxserve.core import cpu_numerics as N
+from jaxserve.core.decode_run import decode_run
 from jaxserve.core.replica import (ReplicaProfile, kv_blocks_for, replica_profile,
                                    stack_replicas, validate_replica)
 from jaxserve.reference import continuous as ref
@@ -471,7 +473,7 @@ def _one_replica_state(prof, running, waiting, max_seqs=4):
 
 def _skipped(rep, prof, horizon=np.inf):
     zero = jnp.zeros((1,), jnp.float32)
-    out, *_ = CB._decode_run(rep, prof, jnp.asarray([True]), zero, zero,
+    out, *_ = decode_run(rep, prof, jnp.asarray([True]), zero, zero,
                              jnp.float32(horizon))
     return int(out.iterations[0])
 
@@ -540,7 +542,7 @@ def test_decode_run_kv_bound_equals_brute_force():
         reps.append(rep), profs.append(p1), want.append(k)
     stack = lambda xs: jax.tree.map(lambda *x: jnp.stack(x), *xs)  # noqa: E731
     zero = jnp.zeros((1,), jnp.float32)
-    out = jax.jit(jax.vmap(lambda r, p: CB._decode_run(r, p, jnp.asarray([True]), zero, zero,
+    out = jax.jit(jax.vmap(lambda r, p: decode_run(r, p, jnp.asarray([True]), zero, zero,
                                                        jnp.float32(np.inf))[0].iterations))(
         stack(reps), stack(profs))
     np.testing.assert_array_equal(np.asarray(out)[:, 0], want)
@@ -548,14 +550,14 @@ def test_decode_run_kv_bound_equals_brute_force():
 
 
 def test_block_arithmetic_is_exact_integer_division():
-    """`_div`, `_mod`, `_cdiv` (float32 division plus one integer correction) equal integer
+    """`div`, `mod`, `cdiv` (float32 division plus one integer correction) equal integer
     floor division for every dividend the engine can form (token counts up to 2^24 per
     request, plus a block less one) over every divisor used as a block size, at the edges where
     a float32 quotient rounds: exact multiples, one below and above them, and the top of the
     range where float32 no longer holds every integer (2^24 + 1 rounds to 2^24), up to 2^25."""
     rng = np.random.default_rng(5)
     bs = np.asarray([1, 2, 3, 4, 7, 8, 15, 16, 17, 31, 32, 64, 100, 255, 256, 4096])
-    top = 2 ** 25  # `_div`'s stated range
+    top = 2 ** 25  # `div`'s stated range
     a = np.concatenate([rng.integers(0, top, 20000), np.arange(0, 300),
                         np.arange(2 ** 24 - 300, 2 ** 24 + 4096, 7),
                         np.arange(top - 300, top)]).astype(np.int64)
@@ -563,27 +565,27 @@ def test_block_arithmetic_is_exact_integer_division():
         mult = (a // b) * b
         edge = np.clip(np.concatenate([a, mult - 1, mult + 1, mult]), 0, top).astype(np.int32)
         want_div, want_mod = edge // b, edge % b
-        got_div = np.asarray(jax.jit(CB._div)(jnp.asarray(edge), jnp.int32(b)))
-        got_mod = np.asarray(jax.jit(CB._mod)(jnp.asarray(edge), jnp.int32(b)))
+        got_div = np.asarray(jax.jit(N.div)(jnp.asarray(edge), jnp.int32(b)))
+        got_mod = np.asarray(jax.jit(N.mod)(jnp.asarray(edge), jnp.int32(b)))
         np.testing.assert_array_equal(got_div, want_div, err_msg=f"b={b}")
         np.testing.assert_array_equal(got_mod, want_mod, err_msg=f"b={b}")
         small = edge[edge <= 2 ** 24]
-        np.testing.assert_array_equal(np.asarray(jax.jit(CB._cdiv)(small, jnp.int32(b))),
+        np.testing.assert_array_equal(np.asarray(jax.jit(N.cdiv)(small, jnp.int32(b))),
                                       -(-small // b), err_msg=f"b={b}")
     # Per-row divisors, as the engine passes them (one block size per replica).
     rows = jnp.asarray(rng.integers(0, 2 ** 24, (16, 64)), jnp.int32)
     b_row = jnp.asarray(rng.choice(bs, (16, 1)), jnp.int32)
-    np.testing.assert_array_equal(np.asarray(CB._div(rows, b_row)),
+    np.testing.assert_array_equal(np.asarray(N.div(rows, b_row)),
                                   np.asarray(rows) // np.asarray(b_row))
 
 
 def test_cumsum_and_rowsum():
-    """`_cumsum` (shifted adds) is the inclusive prefix sum at every width, powers of two or
+    """`cumsum` (shifted adds) is the inclusive prefix sum at every width, powers of two or
     not; `rowsum` (a product with ones) is the row sum up to float32 rounding."""
     rng = np.random.default_rng(6)
     for n in (1, 2, 3, 5, 16, 63, 64, 65, 192):
         x = rng.integers(-1000, 1000, (3, 4, n)).astype(np.int32)
-        np.testing.assert_array_equal(np.asarray(CB._cumsum(jnp.asarray(x))), np.cumsum(x, -1))
+        np.testing.assert_array_equal(np.asarray(N.cumsum(jnp.asarray(x))), np.cumsum(x, -1))
         f = rng.standard_normal((3, n)).astype(np.float32)
         np.testing.assert_allclose(np.asarray(CB.rowsum(jnp.asarray(f))), f.sum(-1),
                                    rtol=1e-5, atol=1e-5 * n)

@@ -18,6 +18,8 @@ import pytest
 
 import jaxserve
 from jaxserve.core import continuous as CB
+from jaxserve.core import kv_blocks as KB
+from jaxserve.core import prefix_cache as PC
 from jaxserve.core import queues as Q
 from jaxserve.core.replica import ReplicaProfile, stack_replicas
 from jaxserve.core.types import Trace
@@ -349,7 +351,7 @@ def test_real_mooncake_prefixes_equal_reference():
 
 
 def test_free_queue_order_is_argsorts_stable_order():
-    """`_free_order` (vector comparisons, no sort) returns `jnp.argsort`'s stable order of the
+    """`free_order` (vector comparisons, no sort) returns `jnp.argsort`'s stable order of the
     free blocks by stamp, the rest after them by index, and its inverse, on random pools with
     tied stamps, referenced blocks and blocks beyond `kv_blocks`."""
     rng = np.random.default_rng(0)
@@ -361,8 +363,8 @@ def test_free_queue_order_is_argsorts_stable_order():
                                          jnp.int32),
                         stamp=jnp.asarray(rng.integers(-5, 6, m), jnp.int32))
         exists = jnp.arange(m) < int(rng.integers(1, m + 1))
-        order, rank = CB._free_order(pc, exists)
-        want = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, CB._BIG), stable=True)
+        order, rank = KB.free_order(pc, exists)
+        want = jnp.argsort(jnp.where((pc.ref == 0) & exists, pc.stamp, KB.I32_MAX), stable=True)
         np.testing.assert_array_equal(order, want)
         np.testing.assert_array_equal(rank[order], np.arange(m))
 
@@ -383,18 +385,18 @@ def test_lookup_equals_the_pairwise_identity_match():
     def pairwise(pc, owner, code, cap):
         match = (pc.cached[None, :] & (pc.owner[None, :] == owner[:, None])
                  & (pc.code[None, :] == code[:, None]))
-        first = jnp.argmin(jnp.where(match, pc.born[None, :], CB._BIG), -1)
+        first = jnp.argmin(jnp.where(match, pc.born[None, :], KB.I32_MAX), -1)
         hit = match.any(-1) & (jnp.arange(m) < cap)
         return int(jnp.argmin(jnp.concatenate([hit, jnp.zeros((1,), bool)]))), first
 
-    lookup = jax.jit(lambda pc, node, nsh, rid, cap: CB._lookup(pc, tables, node, nsh, rid,
+    lookup = jax.jit(lambda pc, node, nsh, rid, cap: PC.lookup(pc, tables, node, nsh, rid,
                                                                  b, cap))
     hits = 0
     for _ in range(60):
         node = int(rng.integers(-1, len(parent)))
         nsh = 0 if node < 0 else int(rng.integers(0, depth[node] * per + 1))
         rid = int(rng.integers(0, 3))
-        owner, code = CB._identities(tables, node, nsh, rid, b, m)
+        owner, code = PC.identities(tables, node, nsh, rid, b, m)
         # Pool blocks: copies of the request's own identities, shared blocks of random nodes
         # and offsets, private blocks of requests 0-2.
         pick = rng.integers(0, m, m)
@@ -458,8 +460,8 @@ def test_free_order_by_sort_equals_the_pairwise_order(monkeypatch):
     pc = pc.replace(ref=jnp.asarray(rng.integers(0, 3, m), jnp.int32),
                     stamp=jnp.asarray(rng.integers(-50, 50, m), jnp.int32))
     exists = jnp.arange(m) < m - 17
-    pairwise = CB._free_order(pc, exists)
-    monkeypatch.setattr(CB, "QUADRATIC_ORDER_MAX", 16)
-    by_sort = CB._free_order(pc, exists)
+    pairwise = KB.free_order(pc, exists)
+    monkeypatch.setattr(KB, "QUADRATIC_ORDER_MAX", 16)
+    by_sort = KB.free_order(pc, exists)
     np.testing.assert_array_equal(np.asarray(pairwise[0]), np.asarray(by_sort[0]))
     np.testing.assert_array_equal(np.asarray(pairwise[1]), np.asarray(by_sort[1]))

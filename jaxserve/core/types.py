@@ -22,7 +22,7 @@ PROFILE_INT_FIELDS = ("max_batch", "queue_cap")
 INT32_MAX = 2 ** 31 - 1
 # Token counts: a request carries its prompt and output as float32 (`queues.Request`), exact
 # for integers up to 2^24, and the continuous engine computes `ceil((p + o) / b)` and prefix
-# sums over a replica's slots in int32 (`continuous.never_fits`, `continuous._schedule`). A
+# sums over a replica's slots in int32 (`replica_state.never_fits`, `scheduler.schedule`). A
 # prompt, an output, and their sum are each at most `MAX_TOKENS`; the per-slot headroom is
 # checked where the slot count is known (`envs.common.check_token_headroom`).
 MAX_TOKENS = 2 ** 24

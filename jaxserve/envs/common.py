@@ -112,7 +112,7 @@ def check_token_headroom(params: "ServingParams", block_size, slots: int,
                          where: str = "params") -> None:
     """Raises ValueError unless the continuous engine's int32 token sums cannot overflow.
 
-    `continuous._schedule` sums the tokens of up to `slots` requests (running, or the front
+    `scheduler.schedule` sums the tokens of up to `slots` requests (running, or the front
     of the queue) and rounds up to blocks of `block_size`; the largest request this
     configuration can produce (`max_prompt + max_output`, or a trace's largest row) times
     `slots + 1`, plus a block, must fit int32.

@@ -1,0 +1,326 @@
+"""vLLM v1's FCFS scheduler at an iteration boundary (docs/contract_continuous.md), computed in
+closed form for all replicas at once.
+
+`route` puts a request into a replica's waiting queue (or drops it). `schedule` runs one
+boundary: the running pass in admission order under the token budget, recompute preemption of
+the *last* running request when KV blocks run short (the victim goes back to the *front* of the
+waiting queue with its computed tokens dropped), then, only if nothing was preempted, FCFS
+admission under `max_seqs`, the token budget (chunked prefill or not) and the watermark. Each
+decision is a prefix sum over the running slots, so a boundary costs O(max_seqs log max_seqs)
+vector work and no inner loop; `apply_schedule` carries it out and starts the iteration.
+`schedule_prefix` is the same boundary with prefix caching (`prefix_cache.prefix_decide`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.core import queues as Q
+from jaxserve.core.cpu_numerics import add_time, cdiv, cumsum, rowsum
+from jaxserve.core.lanes import batch_max
+from jaxserve.core.prefix_cache import PrefixTables, prefix_decide, shared_blocks
+from jaxserve.core.replica import ReplicaProfile, iteration_time
+from jaxserve.core.replica_state import Replicas, Running, TokenLog, never_fits, watermark_blocks
+
+
+def route(rep: Replicas, prof: ReplicaProfile, req: Q.Request, replica: jax.Array,
+          enabled: jax.Array | bool = True, node: jax.Array | None = None,
+          tables: "PrefixTables | None" = None):
+    """Queues an arriving request at `replica`, or drops it.
+
+    Dropped when the replica's queue already holds `queue_cap` fresh waiting requests, or when
+    the request could never fit (`never_fits`). An arrival wakes a stalled replica. Where
+    `enabled` is False nothing changes (see `queues.push`) and the request counts as dropped.
+    With prefix caching (`rep.pc`), the request's prefix identity is its deepest node `node`
+    of the trace's prefix tree `tables` (-1 or None: no shared block); the queue slot keeps
+    the node and the number of shared full KV blocks (`shared_blocks`).
+
+    Returns:
+      (replicas, dropped, never_fit): bool scalars; `never_fit` implies `dropped`.
+    """
+    p1 = jax.tree.map(lambda x: x[replica], prof)
+    never = never_fits(p1, req.prompt, req.output)
+    q = rep.queues
+    slot = (q.head[replica] + q.count[replica]) % q.capacity
+    limit = jnp.where(never, 0, prof.queue_cap + rep.q_preempted)
+    queues, accepted = Q.push(q, replica, req, limit, jnp.float32(0.0), enabled)
+    put = lambda a: a.at[replica, slot].set(jnp.where(accepted, 0, a[replica, slot]))  # noqa
+    rep = rep.replace(queues=queues, q_gen=put(rep.q_gen), q_pre=put(rep.q_pre),
+                      stalled=rep.stalled.at[replica].set(rep.stalled[replica] & ~accepted))
+    if rep.pc is not None:
+        node = jnp.int32(-1) if node is None else jnp.asarray(node, jnp.int32)
+        nsh = (jnp.int32(0) if tables is None
+               else shared_blocks(tables, node, req.prompt, p1.block_size))
+        pc = rep.pc
+        at = lambda a, v: a.at[replica, slot].set(  # noqa: E731
+            jnp.where(accepted, v, a[replica, slot]))
+        rep = rep.replace(pc=pc.replace(q_node=at(pc.q_node, node),
+                                        q_nshared=at(pc.q_nshared, nsh)))
+    return rep, ~accepted, never
+
+
+def front_fill(arr: jax.Array, start: jax.Array, k: jax.Array, vals: jax.Array) -> jax.Array:
+    """Ring buffer `arr` `(R, W)` with `vals[:, j]` written at slot `(start + j) mod W` for
+    `j < k[r]`: one trip per victim, each a scatter of one value per replica, for as many
+    trips as the batch's largest `k` (`lanes.batch_max`). Victims are few (mostly one); the
+    rewrite of every slot of every replica's buffer (by gathers) this replaces was ~5% of
+    LLMRouting-v0's traced steady-state step (docs/benchmarks.md, run [M])."""
+    w = arr.shape[-1]
+    rows = jnp.arange(arr.shape[0])
+
+    def put(j, a):
+        pos = jnp.where(j < k, (start + j) % w, w)  # w: out of bounds, dropped
+        v = jax.lax.dynamic_index_in_dim(vals, j, axis=1, keepdims=False)
+        return a.at[rows, pos].set(v.astype(a.dtype), mode="drop")
+
+    return jax.lax.fori_loop(0, batch_max(k.max()).astype(jnp.int32), put, arr)
+
+
+def push_front(q: Q.Queues, k: jax.Array, reqs: Q.Request) -> Q.Queues:
+    """Puts `k[r]` requests back before the head of each queue (`count + k <= capacity`).
+
+    `reqs` holds `(R, width)` arrays in queue order (`[:, 0]` becomes the new head). Arrivals
+    are stored the way `queues.push` stores them (against the queue's time offset, if any).
+    """
+    width = reqs.arrival.shape[-1]
+    head = (q.head - k) % q.capacity
+    mask = jnp.arange(width)[None, :] < k[:, None]
+    offset = getattr(q, "offset", None)
+    arrival = reqs.arrival if offset is None else reqs.arrival - offset[:, None]
+    put = lambda arr, v: front_fill(arr, head, k, v)  # noqa: E731
+    return q.replace(
+        arrival=put(q.arrival, arrival), prompt=put(q.prompt, reqs.prompt),
+        output=put(q.output, reqs.output), estimate=put(q.estimate, reqs.estimate),
+        req_id=None if q.req_id is None else put(q.req_id, reqs.req_id),
+        head=head, count=q.count + k,
+        estimate_sum=q.estimate_sum + rowsum(jnp.where(mask, reqs.estimate, 0.0)))
+
+
+def shift_queues(q: Q.Queues, dt: jax.Array) -> Q.Queues:
+    """Moves the queues' clock origin `dt` seconds forward."""
+    if hasattr(Q, "shift"):
+        return Q.shift(q, dt)
+    return q.replace(arrival=q.arrival - dt)
+
+
+def schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+              t_lo: jax.Array) -> Replicas:
+    """Runs the scheduler of every replica where `go`, starting an iteration at `t + t_lo`.
+
+    Running pass in closed form. Let `n_i = clip(K - sum_{j<i} (L_j - C_j), 0, L_i - C_i)`
+    (the budget taken in admission order), `need_i` the extra blocks `n_i` tokens take, `D_i`
+    their prefix sum, `F` the free blocks and `H(e)` the blocks held by running slots `>= e`.
+    Preempting the last requests until the free blocks cover `D_i` leaves the running prefix
+    `E_i = max{e : H(e) >= D_i - F}`; `E` only falls as `i` grows, so request `i` is scheduled
+    iff `n_i > 0` and `E_i > i` (a prefix of `s` requests), and the pass leaves `E_{s-1}`
+    requests running, or `s` when it stopped because request `s` was itself the victim.
+    Admission (only if nothing was preempted) is the longest prefix of the waiting queue that
+    fits `max_seqs`, the budget and the watermark, again by prefix sums.
+    """
+    run, q = rep.run, rep.queues
+    r_n, s_n = run.arrival.shape
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    valid = idx < run.count[:, None]
+    b = prof.block_size[:, None]
+    big_k = prof.max_tokens[:, None]
+    length = run.prompt + run.gen
+    rem = jnp.where(valid, length - run.comp, 0)
+    n = jnp.clip(big_k - (cumsum(rem) - rem), 0, rem)
+    held = jnp.where(valid, cdiv(run.comp, b), 0)
+    need = jnp.where(n > 0, cdiv(run.comp + n, b) - held, 0)
+    demand = cumsum(need)
+    free0 = prof.kv_blocks - held.sum(-1)
+
+    def search():
+        suffix = jnp.concatenate([cumsum(held[:, ::-1])[:, ::-1],
+                                  jnp.zeros((r_n, 1), jnp.int32)], -1)  # (R, S+1): H(e)
+        # H is non-increasing in e, so {e <= count : H(e) >= x} is a prefix [0, E] of the
+        # slots: E_i > i iff i + 1 <= count and H(i + 1) >= D_i - F, one compare per slot
+        # (a binary search per slot gathered ~7 times per pass).
+        e_ok = jnp.arange(s_n + 1)[None, :] <= run.count[:, None]
+        sched = ((n > 0) & (idx < run.count[:, None])
+                 & (suffix[:, 1:] >= demand - free0[:, None]))
+        s = sched.sum(-1)
+        n_at_s = jnp.take_along_axis(n, jnp.minimum(s, s_n - 1)[:, None], -1)[:, 0]
+        stop_self = (s < run.count) & (n_at_s > 0)
+        used = jnp.where(s > 0, jnp.take_along_axis(demand, jnp.maximum(s - 1, 0)[:, None],
+                                                    -1)[:, 0], 0)
+        # E_{s-1}: #{e <= count : H(e) >= D_{s-1} - F} - 1.
+        e_last = (e_ok & (suffix >= (used - free0)[:, None])).sum(-1).astype(jnp.int32) - 1
+        e_prev = jnp.where(s > 0, e_last, run.count)
+        keep = jnp.where(stop_self, s, jnp.minimum(e_prev, run.count))
+        return keep, jnp.where(sched, n, 0), used
+
+    def fits():
+        # Every budgeted request's new blocks fit (D_{S-1} <= F): the search above would find
+        # E_i = count for every i, so all of them run and nobody is preempted.
+        return run.count, n, demand[:, -1]
+
+    # The search (a log-depth scan per slot) runs only when some replica of the batch is
+    # short of blocks (`lanes.batch_max`: one conditional under vmap).
+    short = (go & (demand[:, -1] > free0)).any()
+    keep, n_run, used = jax.lax.cond(batch_max(short), search, fits)
+    npre = jnp.where(go, run.count - keep, 0)
+    preempted = npre > 0
+    k1 = prof.max_tokens - n_run.sum(-1)
+    free1 = free0 - used  # valid where nothing was preempted
+
+    # Admission from the first max_seqs waiting slots.
+    w_valid, win = Q.front(q, s_n)
+    w_slots = (q.head[:, None] + idx) % q.capacity
+    w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
+    w_prompt = win.prompt.astype(jnp.int32)
+    w_len = jnp.where(w_valid, w_prompt + w_gen, 0)
+    k_j = k1[:, None] - (cumsum(w_len) - w_len)
+    chunk = prof.chunked_prefill[:, None]
+    w_n = jnp.where(chunk, jnp.minimum(w_len, k_j), w_len)
+    w_blocks = cdiv(w_n, b)
+    free_j = free1[:, None] - (cumsum(w_blocks) - w_blocks)
+    ok = (w_valid & (idx < (prof.max_seqs - run.count)[:, None]) & (k_j > 0)
+          & (chunk | (w_len <= k_j))
+          & (free_j - w_blocks >= watermark_blocks(prof)[:, None])
+          & ~preempted[:, None] & go[:, None])
+    first_fail = jnp.where(ok, s_n, idx).min(-1)
+    admit = idx < first_fail[:, None]
+    with jax.named_scope("apply"):
+        return apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, w_n)
+
+
+def apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+                    t_lo: jax.Array, n_run: jax.Array, keep: jax.Array, admit: jax.Array,
+                    w_n: jax.Array, w_comp: jax.Array | None = None,
+                    blocks: jax.Array | None = None) -> Replicas:
+    """Carries out a scheduling decision where `go` and starts the iterations at `t + t_lo`.
+
+    The decision: `n_run` `(R, S)` tokens scheduled per running slot, `keep` `(R,)` running
+    requests left after preemption (slots `[keep, count)` are the victims), `admit` `(R, S)`
+    the admitted prefix of the waiting queue's first `S` requests with `w_n` tokens each and
+    `w_comp` tokens already computed (cache hits; 0 without prefix caching). `blocks` `(R,)`
+    overrides the KV blocks held during the iteration (distinct blocks with prefix caching).
+    Victims go back to the queue's front, admitted requests join the running slots after the
+    survivors, and the iteration time is `docs/contract_continuous.md`'s formula.
+    """
+    run, q = rep.run, rep.queues
+    r_n, s_n = run.arrival.shape
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    b = prof.block_size[:, None]
+    s = (n_run > 0).sum(-1)
+    npre = jnp.where(go, run.count - keep, 0)
+    a = admit.sum(-1).astype(jnp.int32)
+    w_valid, win = Q.front(q, s_n)
+    w_slots = (q.head[:, None] + idx) % q.capacity
+    w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
+    w_pre = jnp.take_along_axis(rep.q_pre, w_slots, -1)
+    if w_comp is None:
+        w_comp = jnp.zeros_like(w_gen)
+
+    # Victims [keep, count) back to the front of the queue, in admission order.
+    v_idx = jnp.minimum(keep[:, None] + idx, s_n - 1)
+    take = lambda x: jnp.take_along_axis(x, v_idx, -1)  # noqa: E731
+    victims = Q.Request(arrival=take(run.arrival), prompt=take(run.prompt),
+                        output=take(run.output), estimate=take(run.estimate),
+                        size_class=jnp.zeros_like(v_idx), req_id=take(run.req_id))
+
+    def push_victims():
+        new_head = (q.head - npre) % q.capacity
+        return (front_fill(rep.q_gen, new_head, npre, take(run.gen)),
+                front_fill(rep.q_pre, new_head, npre, take(run.pre) + 1),
+                push_front(q, npre, victims))
+
+    # Rewriting the waiting buffers costs O(queue slots) per replica: done only when some
+    # replica of the batch preempted (one conditional under vmap, `lanes.batch_max`).
+    q_gen, q_pre, queues = jax.lax.cond(batch_max((npre > 0).any()), push_victims,
+                                        lambda: (rep.q_gen, rep.q_pre, q))
+    adm_est = rowsum(jnp.where(admit, win.estimate, 0.0))
+    queues = Q.pop_front(queues, a, jnp.zeros((r_n,), jnp.float32), adm_est)
+
+    # Admitted requests join the running slots after the survivors.
+    count1 = jnp.where(go, keep, run.count)
+    src = jnp.clip(idx - count1[:, None], 0, s_n - 1)
+    new = (idx >= count1[:, None]) & (idx < (count1 + a)[:, None])
+
+    def put(arr, v):
+        return jnp.where(new, jnp.take_along_axis(v, src, -1).astype(arr.dtype), arr)
+
+    new_run = Running(
+        arrival=put(run.arrival, win.arrival), prompt=put(run.prompt, win.prompt),
+        output=put(run.output, win.output), estimate=put(run.estimate, win.estimate),
+        req_id=put(run.req_id, win.req_id if win.req_id is not None
+                   else jnp.zeros_like(w_gen)),
+        gen=put(run.gen, w_gen), comp=put(jnp.where(idx < count1[:, None], run.comp, 0),
+                                          w_comp),
+        pre=put(run.pre, w_pre), sched=put(jnp.where(go[:, None], n_run, run.sched), w_n),
+        count=count1 + a)
+
+    # Iteration time.
+    r2 = new_run
+    n_f = r2.sched.astype(jnp.float32)
+    on = r2.sched > 0
+    len2 = r2.prompt + r2.gen
+    decoding = on & (r2.gen >= 1) & (r2.comp == len2 - 1)
+    prefill = on & ~decoding
+    comp_f = r2.comp.astype(jnp.float32)
+    num_dec = decoding.sum(-1).astype(jnp.float32)
+    iter_time = iteration_time(
+        prof, rowsum(n_f), rowsum(jnp.where(prefill, n_f * (comp_f + n_f), 0.0)), num_dec,
+        rowsum(jnp.where(decoding, len2.astype(jnp.float32), 0.0)))
+    if blocks is None:
+        valid2 = idx < r2.count[:, None]
+        blocks = jnp.where(valid2, cdiv(r2.comp + r2.sched, b), 0).sum(-1)
+    started = go & ((s + a) > 0)
+    end_hi, end_lo = add_time(t, t_lo, iter_time)
+    sel = lambda new, old: jnp.where(go.reshape(go.shape + (1,) * (new.ndim - 1)),  # noqa
+                                     new, old)
+    return rep.replace(
+        queues=queues, q_gen=q_gen, q_pre=q_pre,  # no-ops where not `go` (npre = a = 0)
+        q_preempted=rep.q_preempted + npre - jnp.minimum(a, rep.q_preempted + npre),
+        run=jax.tree.map(sel, new_run, run),
+        in_iter=rep.in_iter | started,
+        t_start=jnp.where(started, t, rep.t_start),
+        t_end=jnp.where(started, end_hi, rep.t_end),
+        t_lo=jnp.where(started, end_lo, rep.t_lo),
+        stalled=rep.stalled | (go & ~started),
+        iter_blocks=jnp.where(started, blocks, rep.iter_blocks),
+        kv_peak=jnp.where(started, jnp.maximum(rep.kv_peak, blocks), rep.kv_peak),
+        preemptions=rep.preemptions + npre)
+
+
+def schedule_prefix(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables,
+                     go: jax.Array, t: jax.Array, t_lo: jax.Array,
+                     log: TokenLog | None, queue=None) -> tuple[Replicas, TokenLog | None]:
+    """`schedule` with prefix caching: the decision of `prefix_decide` for every replica,
+    carried out by `apply_schedule`; the waiting requests' prefix ids follow them between
+    queue and running slots, and the log records each admission's cached tokens. `queue`:
+    every replica's free queue (`free_order`, leading axis `R`) if the caller has it."""
+    pc, run, q = rep.pc, rep.run, rep.queues
+    s_n = run.arrival.shape[-1]
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    w_valid, win = Q.front(q, s_n)
+    w_slots = (q.head[:, None] + idx) % q.capacity
+    gat = lambda a: jnp.take_along_axis(a, w_slots, -1)  # noqa: E731
+    w = {"valid": w_valid, "len": win.prompt.astype(jnp.int32) + gat(rep.q_gen),
+         "node": gat(pc.q_node), "nshared": gat(pc.q_nshared), "req_id": win.req_id}
+    pc, n_run, keep, admit, w_n, w_comp = jax.vmap(
+        prefix_decide, in_axes=(0, 0, 0, 0, None, 0, 0))(pc, run, w, prof, tables, go, queue)
+    held = ((pc.ref > 0) & (jnp.arange(pc.ref.shape[-1])[None, :]
+                            < prof.kv_blocks[:, None])).sum(-1)
+    # Victims' prefix ids go to the queue's front (as `apply_schedule` moves the requests).
+    npre = jnp.where(go, run.count - keep, 0)
+    new_head = (q.head - npre) % q.capacity
+    v_idx = jnp.minimum(keep[:, None] + idx, s_n - 1)
+    pc = pc.replace(
+        q_node=front_fill(pc.q_node, new_head, npre, jnp.take_along_axis(pc.s_node, v_idx, -1)),
+        q_nshared=front_fill(pc.q_nshared, new_head, npre,
+                              jnp.take_along_axis(pc.s_nshared, v_idx, -1)))
+    rep = apply_schedule(rep.replace(pc=pc), prof, go, t, t_lo, n_run, keep, admit, w_n,
+                          w_comp, blocks=held)
+    if log is not None and log.cached_first is not None and log.ttft.shape[0] > 0:
+        size = log.ttft.shape[0]
+        ids = jnp.where(admit, win.req_id, size).ravel()
+        cur = log.cached_first[jnp.minimum(ids, size - 1)]
+        log = log.replace(
+            cached_first=log.cached_first.at[ids].set(
+                jnp.where(cur < 0, w_comp.ravel(), cur), mode="drop"),
+            cached_total=log.cached_total.at[ids].add(w_comp.ravel(), mode="drop"))
+    return rep, log
