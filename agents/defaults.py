@@ -35,7 +35,8 @@ ENV_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
                           gamma=0.99, ent_coef=0.01, hidden_sizes=(32, 32), set_mixer="mean"),
     },
     # LLMRouting-v0: Routing-v0's PPO settings (small mean-pooled set network), 16 envs as a
-    # step costs more; the issue-12 study ran with these (docs/continuous.md, item 6).
+    # step costs more; the Azure-trace study ran with these (docs/continuous.md, "PPO against
+    # the heuristics on the Azure conversation trace").
     "LLMRouting-v0": {
         "ppo": dict(total_steps=100_000, num_envs=16, num_steps=64, lr=1e-3,
                     num_minibatches=4, update_epochs=8, gamma=0.99, gae_lambda=0.95,

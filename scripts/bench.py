@@ -93,7 +93,7 @@ BREAKOUT = "Breakout-MinAtar"
 
 
 def routing_env():
-    """The issue's workload: 4 fast and 4 slow GPUs, queues of 64, 12 requests/s."""
+    """The benchmark's Routing-v0 workload: 4 fast and 4 slow GPUs, queues of 64, 12 requests/s."""
     gpus = [GPUProfile(c0=0.02, alpha=5e-5, beta=0.012, gamma=2e-4, max_batch=8, queue_cap=64,
                        name="fast")] * 4 + [
         GPUProfile(c0=0.03, alpha=1.2e-4, beta=0.025, gamma=4e-4, max_batch=8, queue_cap=64,
@@ -321,7 +321,8 @@ def _one_pass(cond_fn, body_fn, carry, consts, shared=None):
 
 
 def engine_ceiling(num_envs: int, steps: int, chunks: int) -> dict:
-    """What bounds LLMRouting-v0's speed in this engine design (docs/benchmarks.md, run [Q]):
+    """What bounds LLMRouting-v0's speed in this engine design (measured: lab/history/
+    benchmarks.md, "What bounds this design" in the section of 2026-12-06 (evening)):
     its registered load with random actions in PPO's layout (`paired_curve`: `chunks` chunks
     of `steps` steps), the engine as shipped paired with (1) the boundary loop cut to one
     pass over every replica lane per step (`_one_pass` for `continuous.lane_while`: the least
@@ -474,7 +475,7 @@ TRACE_ENVS = ("Routing-v0", "LLMRouting-v0", "LLMPrefixRouting-v0", "LLMAutoscal
 def trace_env(counts, steps, top=25, name="Routing-v0", warmup=0):
     """Per-XLA-op trace of the bench's compiled scan of `name` (`steps` steps from reset, or
     after `warmup` steps run first in calls of `steps`, e.g. at an LLM env's steady state;
-    Routing-v0: the issue's workload, `routing_env`; the LLM envs: their registered defaults).
+    Routing-v0: the benchmark's workload, `routing_env`; the LLM envs: their registered defaults).
 
     For each env count: op executions per step, traced op time (self time summed over
     threads, so CPU time) against the untraced wall time of the same call (tracing adds

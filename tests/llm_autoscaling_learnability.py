@@ -1,4 +1,5 @@
-"""Is LLMAutoscaling-v0 learnable as registered? The measurement behind issue 25, item 3.
+"""Is LLMAutoscaling-v0 learnable as registered? The measurement behind docs/continuous.md,
+"LLMAutoscaling-v0: learnable as registered?".
 
     python -m tests.llm_autoscaling_learnability [--steps N] [--seed S] [--eval-envs E]
         [--eval-steps T] [--hpa-grid 0.5,0.7,0.9] [--ppo-set KEY=V ...] [--set k=v ...]

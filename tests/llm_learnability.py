@@ -1,4 +1,5 @@
-"""Why the minimal PPO learns LLMRouting-v0 slowly: the measurements behind issue 25, item 3.
+"""Why the minimal PPO learns LLMRouting-v0 slowly: the measurements behind docs/continuous.md,
+"Why PPO learns it slowly".
 
     python -m tests.llm_learnability [--steps N] [--seed S] [--set k=v ...] [--no-eval]
 

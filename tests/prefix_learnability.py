@@ -1,4 +1,5 @@
-"""Does the minimal PureJaxRL-style PPO learn LLMPrefixRouting-v0? (issue 22, item 4)
+"""Does the minimal PureJaxRL-style PPO learn LLMPrefixRouting-v0? (its runs:
+docs/prefix_caching.md, "Learnable by a standard PPO?" and the sections after it)
 
     python -m tests.prefix_learnability [--steps 262144] [--seed 0] \
         [--scenario sessions|system_prompts] [--network mlp|set] [--no-shaping] [--ranked]

@@ -1,7 +1,7 @@
-"""Bad input (issue #24): what is accepted can neither overflow, hang nor vanish; the rest is
+"""Bad input: what is accepted can neither overflow, hang nor vanish; the rest is
 refused with a ValueError naming the field.
 
-One test (or group) per case of the issue, each failing on the code before the fix:
+One test (or group) per case, each failing on the code before its fix:
 1. token counts near 2^31 (int32 overflow in the continuous engine's never-fit check);
 2. arrival rates whose gaps float32 cannot resolve (Batching-v0's arrival loop never ends) or
    that are so small the gaps are infinite;
@@ -59,7 +59,7 @@ ALL_ENVS = ("Routing-v0", "Batching-v0", "LLMRouting-v0", "Autoscaling-v0",
 # ------------------------------------------------------------------ 1. token counts bounded
 
 def test_case1_huge_token_trace_refused_by_name():
-    # The issue's reproduction: 3e9 tokens were admitted and the request vanished.
+    # The failure as reported: 3e9 tokens were admitted and the request vanished.
     tr = jaxserve.Trace(np.array([0.0, 1.0]), np.array([3 * 10 ** 9] * 2), np.array([10, 10]))
     with pytest.raises(ValueError, match=r"Trace\.prompt_tokens\[0\] must be <= 16777216"):
         jaxserve.make("LLMRouting-v0", trace=tr)
@@ -231,7 +231,7 @@ def test_case6_out_dir_check_names_flags(tmp_path):
                          refuse_foreign=True) is False
 
 
-# ------------------------------------------------------ issue #50, 1. windows over 2,048
+# ----------------------------------------------------------- windows over 2,048 requests
 
 @pytest.mark.parametrize("name, kw", [
     ("LLMRouting-v0", {"queue_buffer": 2000}),  # 2000 + 64 running slots
@@ -247,7 +247,7 @@ def test_windows_over_2048_build_and_reset(name, kw):
     assert obs.shape == env.observation_space(params).shape
 
 
-# ---------------------------------------------------------- issue #50, 2. MAX_SLOTS bound
+# -------------------------------------------------------------------- the MAX_SLOTS bound
 
 @pytest.mark.parametrize("name, kw, field", [
     ("Routing-v0", {"queue_buffer": MAX_SLOTS + 1}, "queue_buffer"),
@@ -272,7 +272,7 @@ def test_static_sizes_checked_on_replace_and_bound_accepted():
     assert env.replace_static(log_capacity=MAX_SLOTS + 1).log_capacity == MAX_SLOTS + 1
 
 
-# ------------------------------------------------- issue #50, 3./4. PrefixTrace validation
+# ------------------------------------------------------------------ PrefixTrace validation
 
 # Two replicas of 32 blocks x 16 tokens; a prefix tree that is one chain of four 64-token
 # blocks; request 0 at its deepest node (256-token prompt: 4 full blocks), request 1 private.
@@ -339,7 +339,7 @@ def test_valid_prefix_traces_pass_as_int64():
     assert validate_prefix_trace(_pt(node=(1, 0))).full_blocks.tolist() == [4, 4]
 
 
-# ------------------------------------------------------ issue #50, 5. gpus= to an LLM env
+# -------------------------------------------------------------------- gpus= to an LLM env
 
 @pytest.mark.parametrize("name", ["LLMRouting-v0", "LLMPrefixRouting-v0", "LLMAutoscaling-v0"])
 @pytest.mark.parametrize("gpus", [[], [GPUProfile()]])
@@ -348,7 +348,7 @@ def test_llm_envs_refuse_gpus(name, gpus):
         jaxserve.make(name, gpus=gpus)
 
 
-# --------------------------------------------------- issue #50, 6. Batching-v0's accounting
+# ----------------------------------------------------------------- Batching-v0's accounting
 
 def _batching_run(env, params, steps, key=3):
     """A `step_env` rollout from `reset_env` (random actions): the reset state's pending
@@ -413,7 +413,7 @@ def test_batching_auto_reset_keeps_the_reset_queue():
                                rtol=1e-6)
 
 
-# ------------------------------------------------------ issue #50, 7. Mooncake bounds
+# -------------------------------------------------------------------- Mooncake bounds
 
 def _row(t, i=10, o=5, ids=None):
     return {"timestamp": t, "input_length": i, "output_length": o,
@@ -440,7 +440,7 @@ def test_mooncake_bounds_name_file_and_line(tmp_path, rows, line, match):
     assert e.value.line == line and str(e.value).startswith(f"{path}, line {line}: ")
 
 
-# ------------------------------------------------ issue #50, 8. --out checked before work
+# -------------------------------------------------------------- --out checked before work
 
 class _WorkStarted(Exception):
     """Raised where a CLI's work would start (not a user error: run_cli lets it through)."""
@@ -492,7 +492,7 @@ def test_out_checked_before_any_work(name, tmp_path, monkeypatch, capsys):
     assert (tmp_path / "new" / "dir").is_dir()
 
 
-# ---------------------------------------------- issue #50, 9. Ctrl-C before the first chunk
+# ------------------------------------------------------------ Ctrl-C before the first chunk
 
 def test_interrupt_before_a_checkpoint_says_so(tmp_path, monkeypatch, capsys):
     from jaxserve import agents
@@ -613,7 +613,7 @@ def _refusal_names(err: ValueError, names) -> bool:
        overrides=st.dictionaries(st.sampled_from(SERVING_FIELDS), MIXED, min_size=1,
                                  max_size=3),
        profile=st.dictionaries(st.sampled_from(PROFILE_FIELDS), MIXED, max_size=2))
-# The issue's cases first: a rate float32 cannot resolve (reset never returned), a profile
+# The reported cases first: a rate float32 cannot resolve (reset never returned), a profile
 # whose service time no float32 clock can step through at the default rate.
 @example(name="Batching-v0", overrides={"arrival_rate": 1e30}, profile={})
 @example(name="Batching-v0", overrides={"slo_s": 10.0}, profile={"c0": 1e30})
@@ -645,7 +645,7 @@ def _trace_column(values):
 @given(arrival=columns(st.floats(min_value=0.0, max_value=100.0)),
        prompt=columns(st.integers(1, 5000)), output=columns(st.integers(1, 5000)),
        name=st.sampled_from(["Routing-v0", "Batching-v0"]))
-# A gap float32 cannot hold (inf), and tokens past int32 (the issue's 3e9).
+# A gap float32 cannot hold (inf), and tokens past int32 (the reported 3e9).
 @example(arrival=[0.0, 1.0, 2.0, 1e300], prompt=[10] * 4, output=[10] * 4, name="Routing-v0")
 @example(arrival=[0.0, 1.0, 2.0, 3.0], prompt=[3 * 10 ** 9] * 4, output=[10] * 4,
          name="Batching-v0")

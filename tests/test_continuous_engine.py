@@ -355,7 +355,8 @@ def test_ttft_tpot_goodput():
 def drain_case(seed=0):
     """One replica (max_seqs 4, max_tokens 256, chunked prefill, ~30 ms iterations with
     coefficients that are not dyadic) draining 60 requests that all arrive at t = 0: one
-    decision window of > 2,000 iterations with no arrival in between (issue 21's clock case).
+    decision window of > 2,000 iterations with no arrival in between (the hard case for the
+    clock's float32 precision: thousands of iteration times added up within one window).
     No `delta`: decode iterations of a full batch all last the same, so a float32 running sum
     rounds the same way at every addition within a binade and its error grows linearly."""
     rng = np.random.default_rng(seed)

@@ -132,3 +132,33 @@ def test_reproduce_keeps_the_page_data_in_lab(monkeypatch, tmp_path):
     assert reproduce.main(["--budget", "tiny", "--only", "", "--out", str(tmp_path / "r.md")]) == 0
     assert written == [(DOCS / "results.md", ROOT / "lab" / "results.json"),
                        (tmp_path / "r.md", tmp_path / "r.json")]
+
+
+# Labels a reader of the code cannot resolve: a tracker's issue numbers ("issue 25", "issue
+# #50") and the benchmark history's run letters ("run [O]"). A comment says what is meant and,
+# for a measurement, the file and section that hold it (lab/history/benchmarks.md, ...).
+INTERNAL_LABEL = re.compile(r"\bissue[ #-]*\d+|\bruns? \[[A-Z]\]", re.IGNORECASE)
+CODE_DIRS = ("jaxserve", "agents", "scripts", "tests")
+
+
+def test_no_issue_numbers_or_run_letters_in_code():
+    this = Path(__file__).resolve()
+    hits = []
+    for top in CODE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path.resolve() == this:
+                continue
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if INTERNAL_LABEL.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}")
+    assert not hits, ("issue numbers or run letters in code (say what is meant, and where a "
+                      "measurement lives, in plain words):\n" + "\n".join(hits))
+
+
+def test_internal_label_pattern():
+    for bad in ("(issue 25)", "Issue #50, 3.", "issue-12 study", "issue 21's formula",
+                "docs/benchmarks.md, run [O]", "runs [A] to [Q]"):
+        assert INTERNAL_LABEL.search(bad), bad
+    for ok in ("docs/results.md, section (x)", "lab/history/benchmarks.md", "E[S^2]",
+               "an issue with 2 replicas", "tissue 3", "rerun [O"):
+        assert not INTERNAL_LABEL.search(ok), ok

@@ -113,7 +113,7 @@ def test_policy_kinds_are_defined_once():
 
 
 def test_each_builder_lives_beside_its_environment():
-    """The registry holds the table and `make` only (issue 23): every registered builder is
+    """The registry holds the table and `make` only: every registered builder is
     defined in an environment module that holds the class it builds (LLMPrefixRouting-v0's
     module owns its scenario and builds LLMRouting-v0's class with prefix caching on)."""
     import jaxserve

@@ -1,4 +1,4 @@
-"""The BLIS set (issue 47, deliverable 4): inference-perf's shared-prefix generator
+"""The BLIS set (docs/fidelity.md, "The BLIS H100 set"): inference-perf's shared-prefix generator
 (`traces.inference_perf`), BLIS's coefficients on our iteration form and one small replay
 (`evaluation.fidelity_blis`). Tests reading `blis_anchor/` skip only when the fidelity folder
 does not exist."""

@@ -102,7 +102,7 @@ def test_nothing_imports_the_folders_by_their_bare_names():
     assert layer_of("jaxserve.reference.sim") < layer_of("jaxserve.core.replica")
 
 
-# ---- imports at module top (issue 23, item 1)
+# ---- imports at module top (a deferred import says why, `# deferred: <why>`)
 
 DEFERRED_MARK = "# deferred:"
 

@@ -1,4 +1,5 @@
-"""The rollout workload on continuous-batching replicas (`workloads.rollout`, issue 12 item 5).
+"""The rollout workload on continuous-batching replicas (`workloads.rollout`; docs/continuous.md,
+"Rollout workload with continuous replicas").
 
 A hand-computed iteration (dyadic coefficients: exact in float32), and per-request equality
 with the event-by-event reference `jaxserve/reference/continuous.py` for every continuous rule.

@@ -1,4 +1,5 @@
-"""Routing-v0's honest default information and its registered scenarios (issue 25)."""
+"""Routing-v0's honest default information (only what a deployed router could know) and its
+registered scenarios."""
 
 import jax
 import numpy as np

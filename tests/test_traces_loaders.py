@@ -455,7 +455,7 @@ def test_formats_listed():
 
 
 # ------------------------------------------------------------------------------------------
-# Damaged files (issue #24): every format, every damage -> TraceFormatError with file + line
+# Damaged files: every format, every damage -> TraceFormatError with file + line
 # ------------------------------------------------------------------------------------------
 
 # One valid two-row file per format; every row's last field ends in "55" (or "API log").

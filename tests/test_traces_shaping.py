@@ -353,7 +353,7 @@ def test_fitted_mmpp_reproduces_rate_and_cv(name, conv, code):
     it is 0.97 % and 0.41 % (5 % is > 5 standard errors; measured over 40 seeds at n = 2e5:
     2.8 % and 1.4 %, as predicted). The sample gap CV's standard error, measured the same way,
     is 1.4 % (code) and 0.5 % (conv) at 2e5, so 0.44 % and 0.15 % at 2e6: 15 % is far outside
-    the noise (the tolerance of the issue; the fit itself is exact).
+    the noise (the tolerance required of the fit's samples; the fit itself is exact).
     """
     tr = conv if name == "conv" else code
     fit = fit_mmpp(tr)

@@ -1,5 +1,5 @@
-"""Experiment (x): what the learned router's win in (w)'s short_bursts rests on (issue 25,
-item 4: ablations of the estimate feature, the shaping and the network).
+"""Experiment (x): what the learned router's win in (w)'s short_bursts rests on (ablations of
+the estimate feature, the shaping and the network; docs/results.md, section (x)).
 
 PPO is trained with (w)'s steps and hyperparameters, with more seeds (`SEEDS`), in variants
 that each change one thing:

@@ -1,6 +1,6 @@
 """Experiment (y): the confirmatory run of (x)'s pick, on training seeds and evaluation
-streams it was not found on (issue 25, item 5: a "win" only where a CI that counts seed and
-evaluation noise excludes 0, and not on the data that chose it).
+streams it was not found on (the rule for a "win": a CI that counts seed and evaluation
+noise excludes 0, on data other than the data that chose it).
 
 (x) trains PPO variants on (w)'s short_bursts streams with seeds 0-7 and shows each one's
 paired difference with `sita_tuned`; the variant with the lowest mean there, PPO without

@@ -1,4 +1,5 @@
-"""(f) Continuous batching: PPO routing LLM requests on an Azure trace (issue 12, item 6).
+"""(f) Continuous batching: PPO routing LLM requests on an Azure trace (docs/results.md,
+section (f)).
 
 The experiment itself lives in `agents.experiments.llm_routing_study` (its module docstring
 says how the trace is split, rescaled, trained on and evaluated on disjoint windows); this
@@ -14,7 +15,8 @@ from jaxserve.agents.experiments.registry import experiment
 from jaxserve.agents.experiments import llm_routing_study as study
 
 # Training steps per seed and evaluation windows per budget. "quick" is docs/continuous.md's
-# CPU budget (40k steps, ~20 s per seed on 2 CPU cores since the engine work of issue 21);
+# CPU budget (40k steps, ~20 s per seed on 2 CPU cores since the continuous engine's speed-up
+# work, lab/history/benchmarks.md);
 # "full" gives PPO Routing-v0's budget.
 STEPS = {"full": 500_000, "quick": 40_000, "tiny": 2048}
 WINDOWS = {"full": 8, "quick": 6, "tiny": 2}

@@ -1,4 +1,4 @@
-"""PPO against the LLMRouting-v0 heuristics on an Azure LLM trace (issue 12, item 6).
+"""PPO against the LLMRouting-v0 heuristics on an Azure LLM trace (docs/results.md, section (f)).
 
 The experiment, end to end (`run_study`):
 

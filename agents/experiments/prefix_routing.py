@@ -1,5 +1,5 @@
-"""Experiment (p): the learned prefix-cache-aware router against every router (issue 22,
-item 6).
+"""Experiment (p): the learned prefix-cache-aware router against every router (the study of
+docs/prefix_caching.md).
 
 `agents.experiments.prefix_study` runs one (workload, load) configuration: PPO (the registered
 environment's settings: ranked replicas, unshaped reward, PureJaxRL's MLP PPO) trained on the

@@ -1,5 +1,6 @@
-"""Prefix-cache-aware routing: PPO against every production and load-only router (issue 22,
-item 6, "the study"; experiment (p) of `scripts/reproduce.py`, CLI `scripts/prefix_study.py`).
+"""Prefix-cache-aware routing: PPO against every production and load-only router ("the study"
+of docs/prefix_caching.md; experiment (p) of `scripts/reproduce.py`, CLI
+`scripts/prefix_study.py`).
 
 The experiment, per workload and load (`run_prefix_study`):
 

@@ -172,7 +172,8 @@ environments:
 """
 
 
-# Routers' information and the heuristic set changed at these commits (issue 25): a section
+# Routers' information and the heuristic set changed at these commits (routers were given
+# only what a deployed router could know, and stronger honest heuristics were added): a section
 # written before one of them is flagged in the preamble until it is regenerated.
 INFORMATION_CHANGES = (
     ("f3d97b3", "Routing-v0's routers see a noisy output estimate by default (`estimate_mode=1`,"

@@ -1,5 +1,5 @@
 """Experiment (w): honest information, headroom, and whether a learned router beats the best
-heuristic (issue 25, items 1, 2, 5).
+heuristic (docs/results.md, section (w)).
 
 Every router (learned or heuristic) reads the same noisy output-length prediction
 (Routing-v0's default `estimate_mode=1`, `estimate_noise=1.0`). The table of each scenario

@@ -43,7 +43,8 @@ def div(a, b):
     1 of the true one, and the remainder's sign fixes it. XLA:CPU divides int32 arrays one
     element at a time (LLVM has no vector integer division; `//` also takes a remainder for
     its sign fix): a ceiling division over `(1,024, 64)` slots measured 243 us against 67 us
-    in float32 (docs/benchmarks.md, run [O]); a boundary pass divides slot arrays by the
+    in float32 (lab/history/benchmarks.md, the micro-benchmarks of the section of 2026-12-06
+    (midday), commits df4f552-9aa3fe6); a boundary pass divides slot arrays by the
     block size 8 times (4 in the decode-run skip, 3 in the scheduler, 1 in carrying it out).
     """
     a = jnp.asarray(a, jnp.int32)
@@ -69,7 +70,8 @@ def rowsum(x: jax.Array) -> jax.Array:
     XLA:CPU hands a float `reduce` fed by elementwise work to a YNNPACK fusion, whose fixed
     cost per call dominates at the engine's sizes (a few to a few thousand rows of 16-128
     slots): in a loop over `(1,024, 64)` / `(1,024, 96)` rows the product measured 21.5 /
-    27.7 us a trip against 38.9 / 70.5 us for the reduce (docs/benchmarks.md, run [O]). Same
+    27.7 us a trip against 38.9 / 70.5 us for the reduce (lab/history/benchmarks.md, the same
+    section's micro-benchmarks as `div`'s). Same
     value up to float rounding (another summation order).
     """
     return x @ jnp.ones((x.shape[-1],), x.dtype)

@@ -35,7 +35,7 @@ def decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
     completion, the queue's head does not change, and the free blocks only fall, so
     admission keeps failing. Iteration `j` of the run lasts `T_j = A + B j` with
     `A = c0 + beta + (alpha + gamma) n + delta sum L`, `B = delta n`, so `k` of them last
-    `dur(k) = k A + B k (k - 1) / 2` (issue 21's formula). The run skipped is the longest
+    `dur(k) = k A + B k (k - 1) / 2` (an arithmetic series). The run skipped is the longest
     `k` with: no completion at any of its ends (`k < min(o - g)`), the KV blocks of its
     last iteration within the cache (`sum ceil((C + k) / b) <= M`), its last start before
     and its last end at or before `horizon`. Those iterations hold no first token (every

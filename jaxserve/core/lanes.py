@@ -120,7 +120,8 @@ def map_rows(fn: Callable[..., Any], block: int) -> Callable[..., Any]:
     blocked map over all their rows. For row-wise work whose intermediates grow faster than
     its inputs (a pairwise `(rows, m, m)` term): done for all rows at once those
     intermediates leave the CPU's caches (measured: a `(1024, 192, 192)` pairwise sum ran in
-    ~70 ms at once, ~5.5 ms in blocks of 64 rows: docs/benchmarks.md, run [L]); on GPU/TPU
+    ~70 ms at once, ~5.5 ms in blocks of 64 rows: lab/history/benchmarks.md, the section on
+    the estimates' packed window, commit dd1da4c, with its micro-benchmark); on GPU/TPU
     ("dense") and for at most `block` rows, `fn` runs unblocked. Rows are padded with zeros
     to a multiple of `block`, so `fn` must accept rows of zeros. Each row's values are `fn`'s
     on that row.

@@ -65,7 +65,8 @@ def front_fill(arr: jax.Array, start: jax.Array, k: jax.Array, vals: jax.Array) 
     `j < k[r]`: one trip per victim, each a scatter of one value per replica, for as many
     trips as the batch's largest `k` (`lanes.batch_max`). Victims are few (mostly one); the
     rewrite of every slot of every replica's buffer (by gathers) this replaces was ~5% of
-    LLMRouting-v0's traced steady-state step (docs/benchmarks.md, run [M])."""
+    LLMRouting-v0's traced steady-state step (lab/history/benchmarks.md, "Where the steady
+    state's time went first" in the section of 2026-12-06 (morning), commits 1681f58-9b2cfc1)."""
     w = arr.shape[-1]
     rows = jnp.arange(arr.shape[0])
 

@@ -53,8 +53,9 @@ DEFAULT_SIZE_EDGES = (128.0,)
 DEFAULT_SIZE_VALUES = (48.0, 512.0)
 
 
-# What Routing-v0's routers see of a request's output length by default (issue 25): a noisy
-# prediction, never the true length or its true size class. `estimate = round(output *
+# What Routing-v0's routers see of a request's output length by default: a noisy prediction,
+# what a deployed router could have, never the true length or its true size class (the
+# default until commit f3d97b3, an oracle no real router has). `estimate = round(output *
 # exp(sigma * z))`, z ~ N(0, 1): the median prediction is the truth and 68% of predictions
 # lie within a factor e^sigma of it. sigma = 1.0 (a factor 2.7) stands for a prompt-based
 # length predictor: output length given the prompt is itself heavy-tailed (the same prompt

@@ -89,7 +89,7 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
     scalars.setdefault("warmup_s", 60.0)
     # Each episode starts at a random time of day, so vmapped episodes are not in lockstep
-    # (issue 25; Autoscaling-v0's `random_phase`).
+    # and a policy sees every time of day in every batch (Autoscaling-v0's `random_phase`).
     scalars.setdefault("random_phase", 1)
     if kw.get("trace") is not None:
         scalars.setdefault("diurnal_amplitude", 0.0)

@@ -17,7 +17,7 @@ tokens + alpha2 * prefill_attention + beta * [D > 0] + gamma * D + delta * decod
 with `tokens = P + D` (a decode computes one token). So `c0 = beta0`, `beta = 0`, `alpha =
 beta1`, `gamma = beta2 - beta1` (a decode token already pays `alpha`), `alpha2 = delta = 0`
 gives `c0 + beta1 (P + D) + (beta2 - beta1) D = beta0 + beta1 P + beta2 D` exactly
-(the issue's "`c0 + beta = beta0, alpha = beta1, gamma = beta2`" counts a decode token's
+(the direct mapping "`c0 + beta = beta0, alpha = beta1, gamma = beta2`" counts a decode token's
 `alpha` twice; `gamma >= -alpha` holds as `beta2 >= 0`). BLIS truncates a step to whole us;
 we do not.
 
@@ -50,7 +50,7 @@ unbounded waiting queue (`queue_cap` = the replay's requests: nothing is dropped
 
 **Workload**: `traces.inference_perf.shared_prefix_trace` (the generator's semantics, read
 from its source, are in that module). Arrivals two ways: `even` (exactly `1/rate` apart in
-each stage, the issue's reading of the "constant" load type) and `poisson` (a Poisson process
+each stage, the literal reading of the "constant" load type) and `poisson` (a Poisson process
 of the stage's rate, as BLIS regenerates arrivals; inference-perf's own "constant" timer is a
 Poisson process conditioned on its count, statistically the same). Prompts cycle as
 inference-perf cycles them (whole prompts repeat); BLIS instead drew a fresh question per
