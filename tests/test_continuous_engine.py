@@ -37,7 +37,8 @@ def dyadic_replica(rng, chunked, watermark, kv_blocks, max_seqs=4, queue_cap=Non
         delta=float(rng.choice([0.0, 2.0 ** -9])), kv_blocks=int(kv_blocks), block_size=4,
         max_seqs=int(max_seqs), max_tokens=int(rng.choice([8, 16, 32])),
         chunked_prefill=bool(chunked), watermark=float(watermark),
-        queue_cap=int(rng.integers(2, 7)) if queue_cap is None else queue_cap)
+        queue_cap=int(rng.integers(2, 7)) if queue_cap is None else queue_cap,
+        moe=float(rng.choice([0.0, 2.0 ** -6])), moe_tokens=4)
 
 
 def env_for(profiles, queue_buffer=8, max_seqs=4):

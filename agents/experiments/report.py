@@ -53,7 +53,8 @@ or section that holds it.
 - **Fidelity against real vLLM** ([fidelity](fidelity.md), `jaxserve-validate --doc
   docs/fidelity.md`; step times from kernel profiles, nothing fitted to the runs): mean E2E
   error +0.2% and -3.6% on the two Llama-3.1-8B vLLM 0.19 runs (TTFT +0.2% / -6.0%;
-  LLMServingSim, in-sample, +0.5% / -1.8%), -29.6% on the Qwen3-30B-A3B DP2+EP run, whose
+  LLMServingSim, in-sample, +0.5% / -1.8%), -26.2% on the Qwen3-30B-A3B DP2+EP run (-29.6% before the
+  iteration form's expert term, which takes the form's fit there from rms 26.6% to 6.0%), whose
   gap two mechanisms the engine lacks explain (measured on the profile-step reference:
   expert-parallel collectives and lockstep data-parallel ranks together take its mean E2E
   error from -23.8% to +2.9%, TTFT from -91.7% to +8.2%); on BLIS's 12 moderate-load H100 runs

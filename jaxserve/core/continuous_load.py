@@ -16,7 +16,8 @@ Full-batch model for requests of `p` prompt and `o` output tokens on one replica
 
 (`alpha2 B p^2` is the attention cost of unchunked prompts; with chunking the true cost is
 between half and all of it.) Every closed form here is `core.replica.iteration_time` summed over
-a run of iterations, expanded by hand.
+a run of iterations, expanded by hand, without its mixture-of-experts term (`moe`): these are
+estimates, and the registered environments' replicas are dense.
 """
 
 from __future__ import annotations

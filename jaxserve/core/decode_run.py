@@ -104,6 +104,8 @@ def decode_run(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
     # decodes, so beta is on); kept in this float order so the skip's results stay the same.
     a_t = (prof.c0 + prof.beta + (prof.alpha + prof.gamma) * nf
            + prof.delta * jnp.where(valid, length, 0).sum(-1).astype(jnp.float32))
+    if prof.moe_tokens > 1:  # static, as in `replica.iteration_time`
+        a_t = a_t + prof.moe * jnp.minimum(nf, prof.moe_tokens)
     b_t = prof.delta * nf
 
     def dur(k):

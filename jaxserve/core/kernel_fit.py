@@ -40,7 +40,7 @@ import yaml
 from scipy.optimize import lsq_linear
 
 __all__ = ["KernelProfile", "MODEL_SHAPES", "load_kernel_profile", "composition_features",
-           "fit_iteration_form", "FORM_FIELDS"]
+           "fit_iteration_form", "FORM_FIELDS", "moe_tokens_of"]
 
 # Decoder layers, KV heads x head dim, parameters (for weight bytes) and MoE experts of the
 # models the bench profiles, from each model's Hugging Face `config.json`
@@ -372,16 +372,27 @@ def load_kernel_profile(folder, tp: int = 1, *, layers: int | None = None,
                          else (float(ep_link[0]), float(ep_link[1]), int(shape["hidden"])))
 
 
-FORM_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta")
+FORM_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "moe")
 
 
-def composition_features(prefills, decodes) -> np.ndarray:
+def moe_tokens_of(profile: KernelProfile) -> int:
+    """Tokens at which a balanced gate activates every expert of an MoE model (`ceil(E / k)`,
+    `core.replica`'s `moe_tokens`); 1 for a dense model."""
+    if profile.experts is None:
+        return 1
+    e, k = profile.experts
+    return int(np.ceil(e / k))
+
+
+def composition_features(prefills, decodes, moe_tokens: int = 1) -> np.ndarray:
     """The iteration form's regressors for one batch (`core.replica.iteration_time`):
-    `[1, prefill tokens, sum n (C + n), any decode, decodes, decode context]`."""
+    `[1, prefill tokens, sum n (C + n), any decode, decodes, decode context,
+    min(tokens, moe_tokens)]`."""
     npf = float(sum(n for n, _ in prefills))
     att = float(sum(n * (c + n) for n, c in prefills))
     d = float(len(decodes))
-    return np.array([1.0, npf, att, float(d > 0), d, float(sum(decodes))])
+    return np.array([1.0, npf, att, float(d > 0), d, float(sum(decodes)),
+                     min(npf + d, float(moe_tokens))])
 
 
 def fit_iteration_form(profile: KernelProfile, compositions, weights=None) -> dict:
@@ -389,18 +400,25 @@ def fit_iteration_form(profile: KernelProfile, compositions, weights=None) -> di
     step times over `compositions` (a list of `(prefills, decodes)` batches, e.g. every
     iteration of a simulated run).
 
-    The form is linear in `[c0, alpha, alpha2, beta, alpha + gamma, delta]`, each bounded
-    below by 0 (so `gamma >= -alpha`, as `validate_replica` requires).
+    The form is linear in `[c0, alpha, alpha2, beta, alpha + gamma, delta, moe]`, each
+    bounded below by 0 (so `gamma >= -alpha`, as `validate_replica` requires). `moe`'s term,
+    `min(tokens, moe_tokens)` with `moe_tokens = moe_tokens_of(profile)`, is fitted for an MoE
+    model only (for a dense one it would be the constant 1, `c0`'s column): the expert layer's
+    cost, which grows with the step's tokens until every expert is active and is flat beyond.
 
     Returns:
-      dict with the six coefficients (s, s/token, s/token^2, s, s, s/token), and `residuals`:
+      dict with the seven coefficients (s, s/token, s/token^2, s, s, s/token, s/token),
+      `moe_tokens`, and `residuals`:
       relative errors `(form - profile) / profile` of the batches (`rms`, `mean`, `p50_abs`,
       `p90_abs`, `max_abs`, `n`), weighted as the fit was.
     """
     comps = list(compositions)
     if not comps:
         raise ValueError("compositions is empty: nothing to fit")
-    x = np.stack([composition_features(p, d) for p, d in comps])
+    sat = moe_tokens_of(profile)
+    x = np.stack([composition_features(p, d, sat) for p, d in comps])
+    if profile.experts is None:
+        x[:, 6] = 0.0
     y = np.array([profile.step_time(p, d) for p, d in comps])
     if np.any(y <= 0):
         raise ValueError("a composition computes no token (step time 0)")
@@ -410,11 +428,12 @@ def fit_iteration_form(profile: KernelProfile, compositions, weights=None) -> di
     b = np.sqrt(w)
     scale = np.maximum(np.abs(a).max(axis=0), 1e-30)  # columns differ by ~10 orders
     sol = lsq_linear(a / scale, b, bounds=(0.0, np.inf), method="bvls", tol=1e-12)
-    c0, alpha, alpha2, beta, dec, delta = (sol.x / scale).tolist()
+    c0, alpha, alpha2, beta, dec, delta, moe = (sol.x / scale).tolist()
     pred = x @ (sol.x / scale)
     rel = (pred - y) / y
     wn = w / w.sum()
-    out = dict(c0=c0, alpha=alpha, alpha2=alpha2, beta=beta, gamma=dec - alpha, delta=delta)
+    out = dict(c0=c0, alpha=alpha, alpha2=alpha2, beta=beta, gamma=dec - alpha, delta=delta,
+               moe=moe, moe_tokens=sat)
     out["residuals"] = dict(
         rms=float(np.sqrt(np.sum(wn * rel ** 2))), mean=float(np.sum(wn * rel)),
         p50_abs=float(np.median(np.abs(rel))), p90_abs=float(np.percentile(np.abs(rel), 90)),

@@ -9,6 +9,12 @@ Iteration time of a batch that computes `n_r` tokens of each scheduled request `
 
     T = c0 + alpha * sum n + alpha2 * sum_{prefilling} n (C + n)
            + beta * [any decoding] + gamma * #decoding + delta * sum_{decoding} L
+           + moe * min(sum n, moe_tokens)
+
+The last term is a mixture-of-experts model's expert-weight cost: each step reads the weights
+of the experts its tokens activate, and under a balanced gate `n` tokens with `k` experts each
+activate `min(n k, E)` of `E`, so the cost grows with the step's tokens until
+`moe_tokens = E / k` and is flat beyond (dense models: `moe = 0`).
 
 `gamma` may be negative down to `-alpha`: a decoding sequence then costs `alpha + gamma >= 0`
 per iteration, which is what fits with a cheaper decode token than prefill token need
@@ -45,7 +51,7 @@ from flax import struct
 
 from jaxserve.core.types import INT32_MAX, MAX_SECONDS, MAX_SLOTS, check_int_array, numeric_array
 
-REPLICA_FLOAT_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "watermark")
+REPLICA_FLOAT_FIELDS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "moe", "watermark")
 REPLICA_INT_FIELDS = ("kv_blocks", "block_size", "max_seqs", "max_tokens", "queue_cap")
 REPLICA_BOOL_FIELDS = ("chunked_prefill",)
 
@@ -62,6 +68,13 @@ class ReplicaProfile:
       beta: extra cost of an iteration that holds any decode (s).
       gamma: cost per decoding sequence (s); `>= -alpha`.
       delta: decode attention, per token of context read (s/token).
+      moe: expert-weight cost per token of the step, up to `moe_tokens` tokens (s/token); 0
+        for a dense model.
+      moe_tokens: tokens at which every expert is active (`ceil(E / k)`: experts over experts
+        per token), beyond which `moe`'s term is flat. Static (not a pytree leaf), shared by a
+        stacked cluster: 1, the default, means a dense model and leaves the term out of the
+        traced program altogether, so dense profiles compute exactly what they did before
+        the term existed (a `moe * min(tokens, 1)` would only be a second `c0`).
       kv_blocks: KV-cache blocks of the replica (M).
       block_size: tokens per block (b).
       max_seqs: most sequences running at once (S, vLLM `max_num_seqs`).
@@ -78,6 +91,7 @@ class ReplicaProfile:
     beta: float = 0.0
     gamma: float = 0.0
     delta: float = 0.0
+    moe: float = 0.0
     kv_blocks: int = 2048
     block_size: int = 16
     max_seqs: int = 64
@@ -86,6 +100,7 @@ class ReplicaProfile:
     watermark: float = 0.01
     queue_cap: int = 64
     name: str = struct.field(pytree_node=False, default="custom")
+    moe_tokens: int = struct.field(pytree_node=False, default=1)
 
 
 
@@ -95,6 +110,7 @@ def iteration_time(prof: ReplicaProfile, tokens, prefill_attention, decodes, dec
 
         T = c0 + alpha * tokens + alpha2 * prefill_attention
               + beta * [decodes > 0] + gamma * decodes + delta * decode_context
+              + moe * min(tokens, moe_tokens)
 
     Args (per replica, broadcasting against `prof`'s leaves):
       tokens: tokens computed in the iteration, prefill and decode (`sum n`).
@@ -107,8 +123,11 @@ def iteration_time(prof: ReplicaProfile, tokens, prefill_attention, decodes, dec
     runs of iterations (`core.continuous`'s decode-run skip, `core.continuous_load`'s
     estimates) expand it algebraically, in another float order, and say so where they do.
     """
-    return (prof.c0 + prof.alpha * tokens + prof.alpha2 * prefill_attention
-            + prof.beta * (decodes > 0) + prof.gamma * decodes + prof.delta * decode_context)
+    t = (prof.c0 + prof.alpha * tokens + prof.alpha2 * prefill_attention
+         + prof.beta * (decodes > 0) + prof.gamma * decodes + prof.delta * decode_context)
+    if prof.moe_tokens > 1:  # static: a dense profile's program is unchanged by the term
+        t = t + prof.moe * jnp.minimum(tokens, prof.moe_tokens)
+    return t
 
 def validate_replica(profile: ReplicaProfile, where: str = "ReplicaProfile") -> None:
     """Raises ValueError naming the field if a profile (scalar or stacked) is invalid.
@@ -150,6 +169,14 @@ def validate_replica(profile: ReplicaProfile, where: str = "ReplicaProfile") -> 
     kv = np.asarray(profile.kv_blocks)
     if np.any(kv - np.floor(vals["watermark"] * kv) < 1):
         raise ValueError(f"{where}.kv_blocks leaves no block above the watermark")
+    mt = profile.moe_tokens
+    if isinstance(mt, (bool, np.bool_)) or not isinstance(mt, (int, np.integer)) or not (
+            1 <= mt <= INT32_MAX):
+        raise ValueError(f"{where}.moe_tokens must be an integer in [1, {INT32_MAX}], got {mt!r}")
+    if mt == 1 and np.any(vals["moe"] != 0):
+        raise ValueError(f"{where}.moe needs moe_tokens >= 2 (the tokens at which every expert "
+                         f"is active); with moe_tokens = 1 the term would be a constant: add it "
+                         f"to c0")
 
 
 def stack_replicas(profiles: Sequence[ReplicaProfile]) -> ReplicaProfile:
@@ -168,7 +195,12 @@ def stack_replicas(profiles: Sequence[ReplicaProfile]) -> ReplicaProfile:
                for f in REPLICA_INT_FIELDS})
     kw.update({f: jnp.asarray([bool(getattr(p, f)) for p in profiles], jnp.bool_)
                for f in REPLICA_BOOL_FIELDS})
-    return ReplicaProfile(name="+".join(p.name for p in profiles), **kw)
+    moe_tokens = {int(p.moe_tokens) for p in profiles}
+    if len(moe_tokens) > 1:
+        raise ValueError(f"replicas must share moe_tokens (a static field of the cluster's "
+                         f"program), got {sorted(moe_tokens)}")
+    return ReplicaProfile(name="+".join(p.name for p in profiles), moe_tokens=moe_tokens.pop(),
+                          **kw)
 
 
 def kv_blocks_for(num_layers: int, kv_hidden: int, gpu_mem_gb: float, weight_gb: float, *,

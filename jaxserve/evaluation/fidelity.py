@@ -392,6 +392,7 @@ def validate_run(run_dir, profiles=None, options: FidelityOptions | None = None,
     fit = fit_iteration_form(kp, ref_prof["compositions"])
     coef = {k: fit[k] for k in FORM_FIELDS}
     coef["c0"] += overhead
+    coef["moe_tokens"] = int(fit["moe_tokens"])
     prof = dict(sched, **coef)
     validate_replica(ReplicaProfile(name="fit", **prof))
     say(f"{run.name}: reference with the fitted form")
@@ -400,9 +401,10 @@ def validate_run(run_dir, profiles=None, options: FidelityOptions | None = None,
     clock["reference_form"] = time.perf_counter() - t1
     # Residuals of the fit on the batches the fitted model itself produces.
     y = np.array([kp.step_time(p, d) for p, d in ref_form["compositions"]]) + overhead
-    x = np.stack([composition_features(p, d) for p, d in ref_form["compositions"]])
+    x = np.stack([composition_features(p, d, coef["moe_tokens"])
+                  for p, d in ref_form["compositions"]])
     w = np.array([coef["c0"], coef["alpha"], coef["alpha2"], coef["beta"],
-                  coef["alpha"] + coef["gamma"], coef["delta"]])
+                  coef["alpha"] + coef["gamma"], coef["delta"], coef["moe"]])
     rel = (x @ w - y) / y
     fit_check = {"rms": float(np.sqrt(np.mean(rel ** 2))), "mean": float(rel.mean()),
                  "max_abs": float(np.abs(rel).max()), "n": int(len(rel))}

@@ -31,8 +31,9 @@ from collections import deque
 
 import numpy as np
 
-REPLICA_KEYS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "kv_blocks", "block_size",
-                "max_seqs", "max_tokens", "chunked_prefill", "watermark", "queue_cap")
+REPLICA_KEYS = ("c0", "alpha", "alpha2", "beta", "gamma", "delta", "moe", "moe_tokens",
+                "kv_blocks", "block_size", "max_seqs", "max_tokens", "chunked_prefill",
+                "watermark", "queue_cap")
 
 
 class _Req:
@@ -67,6 +68,7 @@ class _Replica:
     def __init__(self, prof, step_time=None, on_iteration=None):
         self.c0, self.alpha, self.alpha2 = prof["c0"], prof["alpha"], prof["alpha2"]
         self.beta, self.gamma, self.delta = prof["beta"], prof["gamma"], prof["delta"]
+        self.moe, self.moe_tokens = prof.get("moe", 0.0), prof.get("moe_tokens", 1)
         self.M, self.b = int(prof["kv_blocks"]), int(prof["block_size"])
         self.S, self.K = int(prof["max_seqs"]), int(prof["max_tokens"])
         self.chunked = bool(prof["chunked_prefill"])
@@ -167,7 +169,9 @@ class _Replica:
             return float(self.step_time(*split_schedule(sched)))
         T = self.c0
         n_dec = 0
+        tokens = 0
         for r, n in sched:
+            tokens += n
             T += self.alpha * n
             if r.g >= 1 and r.C == r.L - 1:
                 n_dec += 1
@@ -176,7 +180,7 @@ class _Replica:
                 T += self.alpha2 * n * (r.C + n)
         if n_dec:
             T += self.beta
-        return T
+        return T + self.moe * min(tokens, self.moe_tokens)
 
     def finish_iteration(self, t):
         for r, n in self.scheduled:
@@ -220,7 +224,7 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
 
     Args:
       arrival, prompt, output, replica: per-request arrays (arrivals non-decreasing).
-      profiles: list of dicts with `REPLICA_KEYS`.
+      profiles: list of dicts with `REPLICA_KEYS` (`moe`, `moe_tokens` may be left out: 0, 1).
       check: optional callback `check(t, arrived, completed, waiting, running, dropped)` called
         after every event instant (conservation tests).
       make_request, make_replica: optional factories `make_request(i, a, p, o)` and
