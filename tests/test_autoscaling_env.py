@@ -1,4 +1,5 @@
-"""Autoscaling-v0: gymnax contract, GPU-second accounting, warm-up, draining, diurnal load."""
+"""Autoscaling-v0: features and info, GPU-second accounting, warm-up, draining, diurnal load (the
+gymnax contract is tests/test_env_contract.py's)."""
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,10 @@ def trace_of(times, prompt, output):
                           output_tokens=np.full(n, output))
 
 
-def test_contract_jit_vmap_and_spaces():
+def test_features_actions_and_info_keys():
+    """Autoscaling-v0's own shapes and info keys; the gymnax contract (step outputs, jit,
+    vmap over environments and parameters equal to a loop, truncation after
+    max_steps_in_episode, auto-reset) is tests/test_env_contract.py's."""
     env, params = small()
     obs, state = env.reset(jax.random.key(0), params)
     assert obs.shape == (AS.NUM_FEATURES,) == (len(env.FEATURES),)
@@ -54,16 +58,6 @@ def test_contract_jit_vmap_and_spaces():
     assert reward.dtype == jnp.float32 and obs.dtype == jnp.float32
     assert {"gpu_seconds", "active", "serving", "provisioned", "slo_violations",
             "final_observation"} <= set(info)
-    # vmap over environments equals a Python loop over them (17 steps, the truncation check's
-    # length, so the loop and that check share one compiled program).
-    keys = jax.random.split(jax.random.key(2), 3)
-    _, (obs_b, r_b, *_ ) = jax.vmap(lambda k: run(env, params, k, 17))(keys)
-    for i in range(3):
-        _, (obs_i, r_i, *_) = run(env, params, keys[i], 17)
-        np.testing.assert_allclose(r_b[i], r_i, rtol=1e-6)
-    # Truncation after max_steps_in_episode intervals.
-    _, (_, _, term, trunc, _) = run(env, params, jax.random.key(3), 17)
-    assert bool(trunc[15]) and not bool(trunc[:15].any()) and not bool(term.any())
 
 
 def test_vmap_over_prices_changes_only_the_cost_term():

@@ -16,7 +16,7 @@ per-stream differences of the drop-inclusive mean latency (drops counted at
 
 Tolerance, and why it holds: everything is seeded, so the outcome is deterministic up to
 floating-point reassociation in XLA's CPU code. Since routers see a noisy output-length
-prediction by default (issue 25; before, the true size class), the budget is 196 updates
+prediction by default (before commit f3d97b3, the true size class), the budget is 196 updates
 (401,408 steps): at 98 updates (200,704 steps) this PPO had not yet learned to avoid drops
 (62.3 s with 218 drops against JSQ's 44.7 s, same keys). Measured at 401,408 steps (same
 keys, /tmp script equal to this test): PPO 28.8 s against JSQ 44.7 s drop-inclusive mean

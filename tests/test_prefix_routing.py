@@ -6,6 +6,8 @@ Tiny scenarios keep compilation and steps cheap: two replicas of 40 blocks x 16 
 blocks whose sessions overlap, so prefixes are hit, blocks evicted and requests preempted.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,6 @@ from jaxserve.policies.llm_routing import jsq_tokens, would_drop
 from jaxserve.traces import find as find_trace
 from jaxserve.traces.prefix import PrefixTrace, PrefixTree
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
-from tests.test_env_contract import assert_close_trees
 
 CFG = SharedPrefixConfig(session_rate=2.0, block_tokens=64, system_tokens=128,
                          first_user_median=200, first_user_sigma=0.8, next_user_median=40,
@@ -93,16 +94,17 @@ def test_default_scenario():
     assert plain.name == "LLMRouting-v0" and plain.policy_kind is None and plain.prefix_blocks == 0
 
 
-def test_step_contract_shapes_and_prefix_info():
+def test_prefix_info_block_conservation_and_audit_every_step():
+    """The prefix-caching specifics of one rollout (the gymnax contract itself, step outputs,
+    spaces and vmap, is tests/test_env_contract.py's): the observation's rows and the prefix
+    counters in `info`; the trace's end terminates (the step drains) and auto-resets; and
+    fresh + cached_unreferenced + held = kv_blocks after every step, the pool passing
+    `prefix_audit` (reference counts rebuilt from the block tables, etc.)."""
     env, params = small()
     obs0, _ = env.reset(jax.random.PRNGKey(0), params)
     assert obs0.shape == (3 + 2 * 9,) and env.observation_space(params).contains(obs0)
     state, (obs, rew, term, trunc, info, acc, audit) = run(env, params, jax.random.PRNGKey(0),
                                                            ACTIONS)
-    assert obs.dtype == jnp.float32 and rew.dtype == jnp.float32
-    assert term.dtype == jnp.bool_ and trunc.dtype == jnp.bool_
-    assert info["final_observation"].shape == obs.shape
-    assert all(env.observation_space(params).contains(o) for o in obs)
     # The trace ends after N decisions: terminated there (the step drains), then auto-reset.
     assert np.flatnonzero(np.asarray(term)).tolist() == [N - 1]
     assert int(state.time) == STEPS - N
@@ -115,13 +117,6 @@ def test_step_contract_shapes_and_prefix_info():
     rows = np.asarray(obs)[:, 3:].reshape(STEPS, 2, 9)
     assert rows[:, :, 7:].min() >= 0.0 and rows[:, :, 7:].max() <= 1.0
     assert rows[:, :, 7].max() > 0.0 and rows[:, :, 8].max() > 0.0
-
-
-def test_block_conservation_and_audit_every_step():
-    """fresh + cached_unreferenced + held = kv_blocks after every step, and the pool passes
-    `prefix_audit` (reference counts rebuilt from the block tables, etc.)."""
-    env, params = small()
-    _, (*_, acc, audit) = run(env, params, jax.random.PRNGKey(0), ACTIONS)
     total = acc["fresh"] + acc["cached_unreferenced"] + acc["held"]
     np.testing.assert_array_equal(total, np.broadcast_to(np.asarray(params.gpus.kv_blocks),
                                                          total.shape))
@@ -129,43 +124,48 @@ def test_block_conservation_and_audit_every_step():
     assert int(np.asarray(acc["cached_unreferenced"]).max()) > 0
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def logged_episode(env, params, keys, actions, to_idle):
+    """One episode of the trace (N decisions, no auto-reset) on `env` with a request log,
+    from `reset_env(PRNGKey(0))`, step i keyed `keys[i]`: action i is `actions[i]`, or where
+    `to_idle`, the first idle replica (i % 2 when none is). Per step, before it: the cached
+    prefix blocks of the pending prompt on each replica, which replicas are idle, the prompt
+    and the action; after it: termination and the drop. The tests of the log share this one
+    compiled program."""
+    _, state = env.reset_env(jax.random.PRNGKey(0), params)
+
+    def f(state, x):
+        i, k, a = x
+        hit = pending_cached_blocks(state, params)
+        idle = (state.cluster.queues.count + state.cluster.run.count) == 0
+        a = jnp.where(to_idle, jnp.where(idle.any(), jnp.argmax(idle), i % 2), a)
+        prompt = state.pending.prompt
+        _, state, _, term, info = env.step_env(k, state, a.astype(jnp.int32), params)
+        return state, (hit, idle, prompt, a, term, info["dropped"])
+
+    return jax.lax.scan(f, state, (jnp.arange(N), keys, actions))
+
+
 def test_observed_hit_equals_engine_lookup_at_admission():
     """The hit-fraction feature is what the engine then hits: routed to an idle replica, the
     request's cached tokens at admission (`log.cached_first`) equal the feature's
     `cached_prefix_blocks * block_size` whenever that is below the prompt (the admission
-    cap `floor((L - 1) / b)` only binds for a fully shared prompt)."""
+    cap `floor((L - 1) / b)` only binds for a fully shared prompt). Checked on the first 12
+    decisions."""
     env, params = small()
     env_l = with_static(env, log_capacity=N)
-    obs, state = env_l.reset_env(jax.random.PRNGKey(0), params)
-    step = jax.jit(env_l.step_env)
+    keys = jnp.stack([jax.random.PRNGKey(i) for i in range(N)])
+    state, (hit, idle, prompt, a, _, _) = logged_episode(env_l, params, keys, ACTIONS[:N],
+                                                         jnp.bool_(True))
+    hits = np.asarray(hit) * 16
+    idle, prompt, a = np.asarray(idle), np.asarray(prompt), np.asarray(a)
+    first = np.asarray(state.log.cached_first)
     seen = 0
     for i in range(12):
-        hits = np.asarray(pending_cached_blocks(state, params)) * 16
-        idle = np.asarray(state.cluster.queues.count + state.cluster.run.count) == 0
-        a = int(np.argmax(idle)) if idle.any() else i % 2
-        prompt = int(state.pending.prompt)
-        obs, state, *_ = step(jax.random.PRNGKey(i), state, jnp.int32(a), params)
-        if idle.any() and hits[a] < prompt:
-            assert int(state.log.cached_first[i]) == hits[a], i
-            seen += hits[a] > 0
+        if idle[i].any() and hits[i, a[i]] < prompt[i]:
+            assert first[i] == hits[i, a[i]], i
+            seen += hits[i, a[i]] > 0
     assert seen > 0
-
-
-def test_vmap_over_envs_and_params_equals_loop():
-    env, params = small()
-    scale = jnp.asarray([1.0, 0.5], jnp.float32)
-    batch = jax.vmap(lambda s: params.replace(
-        trace=params.trace.replace(gap=params.trace.gap * s),
-        latency_scale=params.latency_scale * s))(scale)
-    keys = jax.random.split(jax.random.PRNGKey(1), 2)
-    acts = jnp.stack([ACTIONS, 1 - ACTIONS])
-    state, out = jax.jit(jax.vmap(rollout, in_axes=(None, 0, 0, 0)), static_argnums=(0,))(
-        env, batch, keys, acts)
-    for i in range(2):
-        lane = jax.tree.map(lambda x: x[i], batch)
-        single = run(env, lane, keys[i], acts[i])
-        one = jax.tree.map(lambda x: x[i], (state, out))
-        assert_close_trees(one, single)
 
 
 def test_ten_times_load_finite():
@@ -231,19 +231,8 @@ def test_replayed_cached_tokens_equal_replay_prefix():
     env, params = small()
     env_l = with_static(env, log_capacity=N)
     acts = ACTIONS[:N]
-
-    @jax.jit
-    def episode(params):
-        _, state = env_l.reset_env(jax.random.PRNGKey(0), params)
-
-        def f(state, x):
-            k, a = x
-            _, state, _, term, info = env_l.step_env(k, state, a, params)
-            return state, (term, info["dropped"])
-
-        return jax.lax.scan(f, state, (jax.random.split(jax.random.PRNGKey(5), N), acts))
-
-    state, (term, dropped) = episode(params)
+    state, (*_, term, dropped) = logged_episode(
+        env_l, params, jax.random.split(jax.random.PRNGKey(5), N), acts, jnp.bool_(False))
     assert bool(term[-1]) and not bool(term[:-1].any())
     ref = jaxserve.replay_prefix(REPS, PT, np.asarray(acts), queue_buffer=4)
     np.testing.assert_array_equal(np.asarray(dropped), ref["dropped"])
@@ -473,22 +462,32 @@ def test_hand_session_affinity(hand):
 def test_heuristics_in_env_never_read_output_lengths():
     """Every registered prefix router drives the environment under jit (finite rewards) and
     picks the same replicas when the true output lengths of the pending, waiting and
-    running requests are scrambled (estimates are a router's to read; these use none)."""
+    running requests are scrambled (estimates are a router's to read; these use none).
+    Two compiled programs: the episode (fixed actions, or a router's), and every router's
+    choices in the visited states."""
     env, params = small()
+    drive = P.get("dynamo_kv")
 
-    def states(params):
-        _, state = env.reset(jax.random.PRNGKey(0), params)
+    @jax.jit
+    def episode(use_router):
+        """`STEPS` steps from a reset with `ACTIONS`, or where `use_router` dynamo_kv's
+        choices: the state before each step and the step's reward."""
+        obs, state = env.reset(jax.random.PRNGKey(0), params)
 
-        def f(state, x):
+        def f(c, x):
+            obs, state = c
             k, a = x
-            _, nxt, *_ = env.step(k, state, a, params)
-            return nxt, state
+            a = jnp.where(use_router, drive(k, obs, state, params), a)
+            obs2, nxt, r, *_ = env.step(k, state, a, params)
+            return (obs2, nxt), (state, r)
 
-        return jax.lax.scan(f, state, (jax.random.split(jax.random.PRNGKey(0), STEPS),
-                                       ACTIONS))[1]
+        return jax.lax.scan(f, (obs, state), (jax.random.split(jax.random.PRNGKey(0), STEPS),
+                                              ACTIONS))[1]
 
-    sts = jax.jit(states)(params)
+    sts, _ = episode(jnp.bool_(False))
 
+    @jax.jit
+    @jax.vmap
     def scramble(st, k):
         k1, k2, k3 = jax.random.split(k, 3)
         c = st.cluster
@@ -498,50 +497,40 @@ def test_heuristics_in_env_never_read_output_lengths():
         return st.replace(cluster=c, pending=st.pending.replace(
             output=rnd(k3, st.pending.output)))
 
-    scr = jax.vmap(scramble)(sts, jax.random.split(jax.random.PRNGKey(9), STEPS))
-    for name in P.names("prefix_routing"):
-        pol = P.get(name)
-        f = jax.jit(jax.vmap(lambda s: pol(jax.random.PRNGKey(0), None, s, params)))
-        a, b = np.asarray(f(sts)), np.asarray(f(scr))
-        np.testing.assert_array_equal(a, b, err_msg=name)
-        assert set(a.tolist()) <= {0, 1}
-    # The fitted families (prefix_study's llmd_tuned, guarded_tuned) read no more; the load
-    # guard is most_cached unless that replica holds > g x the mean tokens in flight, then
-    # jsq_tokens.
+    scr = scramble(sts, jax.random.split(jax.random.PRNGKey(9), STEPS))
+    # The registered routers, and the fitted families (prefix_study's llmd_tuned,
+    # guarded_tuned), which read no more.
+    routers = {name: P.get(name) for name in P.names("prefix_routing")}
+    routers.update({"llmd_weighted(1, 0, 2)": PR.llmd_weighted((1.0, 0.0, 2.0)),
+                    "cache_guarded(0.5)": PR.cache_guarded(0.5),
+                    "cache_guarded(1.5)": PR.cache_guarded(1.5)})
     route = lambda fn, s: fn(jax.random.PRNGKey(0), None, s, params)  # noqa: E731
-    for fn in (PR.llmd_weighted((1.0, 0.0, 2.0)), PR.cache_guarded(0.5),
-               PR.cache_guarded(1.5)):
-        f = jax.jit(jax.vmap(lambda s: route(fn, s)))
-        np.testing.assert_array_equal(np.asarray(f(sts)), np.asarray(f(scr)))
 
     @jax.jit
-    @jax.vmap
-    def by_definition(s):
-        mc = route(PR.most_cached, s)
-        load = CB.tokens_in_flight(s.cluster)
-        over = load[mc] > 0.5 * jnp.maximum(load.mean(), 1.0)
-        return jnp.where(over, route(jsq_tokens, s), mc), over
+    def choices(sts):
+        """Every router's choice in each state; and the load guard by its definition:
+        most_cached unless that replica holds > 0.5 x the mean tokens in flight, then
+        jsq_tokens (and whether the guard fired)."""
+        each = jnp.stack([jax.vmap(lambda s: route(fn, s))(sts) for fn in routers.values()])
 
-    want, over = by_definition(sts)
-    got = jax.jit(jax.vmap(lambda s: route(PR.cache_guarded(0.5), s)))(sts)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        def by_definition(s):
+            mc = route(PR.most_cached, s)
+            load = CB.tokens_in_flight(s.cluster)
+            over = load[mc] > 0.5 * jnp.maximum(load.mean(), 1.0)
+            return jnp.where(over, route(jsq_tokens, s), mc), over
+
+        return each, jax.vmap(by_definition)(sts)
+
+    (a, (want, over)), (b, _) = choices(sts), choices(scr)
+    a, b = np.asarray(a), np.asarray(b)
+    for j, name in enumerate(routers):
+        np.testing.assert_array_equal(a[j], b[j], err_msg=name)
+        assert set(a[j].tolist()) <= {0, 1}, name
+    np.testing.assert_array_equal(a[list(routers).index("cache_guarded(0.5)")],
+                                  np.asarray(want))
     assert 0 < int(np.asarray(over).sum()) < STEPS  # both branches are taken
-    # and one of them drives a whole episode
-    pol = P.get("dynamo_kv")
-
-    @jax.jit
-    def drive(params):
-        obs, state = env.reset(jax.random.PRNGKey(0), params)
-
-        def f(c, k):
-            obs, state = c
-            a = pol(k, obs, state, params)
-            obs, state, r, *_ = env.step(k, state, a, params)
-            return (obs, state), r
-
-        return jax.lax.scan(f, (obs, state), jax.random.split(jax.random.PRNGKey(1), N))[1]
-
-    assert np.all(np.isfinite(np.asarray(drive(params))))
+    # and one of them drives the episode (past the trace's end and the reset)
+    assert np.all(np.isfinite(np.asarray(episode(jnp.bool_(True))[1])))
 
 
 MOONCAKE = find_trace("mooncake_conversation")
@@ -563,17 +552,34 @@ def test_system_prompts_scenario_rewards_cache_affinity():
     """The `system_prompts` workload exists to pose the affinity trade-off: on its trace
     (512 requests, generator seed 0, one key) llm-d's prefix-aware scorers spend under 60% of
     JSQ-by-tokens' mean time in system (measured 10.9 s vs 27.5 s, hit rate 0.70 vs 0.41;
-    `scripts.prefix_routers`-style episode). Deterministic: one fixed trace and key, so the
-    margin (0.40 measured against the 0.6 bound) is the tolerance."""
-    from tests.prefix_learnability import episode_metrics
-
+    `scripts.prefix_routers`-style episode, as `tests.prefix_learnability.episode_metrics`
+    runs it: here both routers in one program, vmapped over the router). Deterministic: one
+    fixed trace and key, so the margin (0.40 measured against the 0.6 bound) is the
+    tolerance."""
     env, params = make_llm_prefix_routing(scenario="system_prompts", ranked=False,
                                           shaping_gamma=DEFAULT_SHAPING_GAMMA)
-    llmd = episode_metrics(env, params, PR.POLICIES["llmd_scorers"], 512)
-    from jaxserve.policies.llm_routing import jsq_tokens
-    jsq = episode_metrics(env, params, jsq_tokens, 512)
-    assert llmd["hit_rate"] > jsq["hit_rate"] + 0.2
-    assert llmd["time_in_system_s"] < 0.6 * jsq["time_in_system_s"]
+    routers = (PR.POLICIES["llmd_scorers"], jsq_tokens)
+    n = 512
+
+    @jax.jit
+    @jax.vmap
+    def episode(i):
+        obs, state = env.reset(jax.random.PRNGKey(0), params)
+
+        def f(c, k):
+            obs, state = c
+            a = jax.lax.switch(i, routers, k, obs, state, params)
+            obs, state, _, _, info = env.step_env(k, state, a, params)
+            return (obs, state), (info["in_system_time"], info["prefix_hit_tokens"],
+                                  info["prefix_lookup_tokens"])
+
+        keys = jax.random.split(jax.random.PRNGKey(1), n)
+        return jax.tree.map(lambda x: x.sum(), jax.lax.scan(f, (obs, state), keys)[1])
+
+    tis, hit, look = (np.asarray(x, np.float64) for x in episode(jnp.arange(2)))
+    time_in_system, hit_rate = tis / n, hit / np.maximum(look, 1.0)
+    assert hit_rate[0] > hit_rate[1] + 0.2, hit_rate
+    assert time_in_system[0] < 0.6 * time_in_system[1], time_in_system
     with pytest.raises(ValueError, match="scenario"):
         make_llm_prefix_routing(scenario="nope")
 

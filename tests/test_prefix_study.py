@@ -23,6 +23,10 @@ from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces.prefix import path_nodes, prefix_window
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
+# The tests reading the module's `result` on one pytest-xdist worker (`--dist loadgroup`),
+# so that the study runs once.
+pytestmark = pytest.mark.xdist_group("prefix_study")
+
 HEUR = ("llmd_scorers", "most_cached", "jsq_tokens", "round_robin", "sglang_cache_aware",
         "aibrix_prefix_cache")
 # llm-d weights fitted in the fixture: two off the default and the default itself.
@@ -255,12 +259,15 @@ def test_saved_networks_evaluate_again_as_they_did(result, tmp_path):
     saved.write_bytes(serialization.to_bytes(
         jax.device_get({n: p.params for n, p in seen["policies"].items()})))
     trained = serialization.msgpack_restore(saved.read_bytes())
+    # The fixture's arguments but `trained=`: the same fits and the same replay program, so
+    # that every program is one the fixture compiled (loaded from the compilation cache).
     again = P.run_prefix_study(workload="system_prompts", load=1.0, total_steps=1024,
-                               eval_windows=2, window_requests=40, heuristics=HEUR[:2],
-                               log=lambda msg: None, tune=False, trained=trained)
+                               eval_windows=2, window_requests=40, heuristics=HEUR,
+                               log=lambda msg: None, llmd_grid=GRID, guard_grid=GUARDS,
+                               sglang_grid=SGLANG, aibrix_grid=AIBRIX, trained=trained)
     assert again["config"]["seeds"] == [0, 1] and again["training"]["trained_earlier"]
     for part in ("eval", "train"):
-        for name in ("ppo_seed0", "ppo_seed1", "llmd_scorers"):
+        for name in ("ppo_seed0", "ppo_seed1", *ALL_HEUR):
             for m in P.METRICS:
                 np.testing.assert_array_equal(again["per_window"][part][name][m],
                                               res["per_window"][part][name][m])
