@@ -62,8 +62,8 @@ def baseline_policies(kind: str, env, params, requested: str | None, tuning=None
         if n not in P.names(kind):
             raise ValueError(f"unknown {kind} policy {n!r}; choose from "
                              f"{', '.join(P.names(kind))}")
-        opts = {"key": tuning} if tuning is not None and "key" in P.options(n) else {}
-        pols[n] = P.get(n, env=env, params=params, **opts)
+        opts = {"key": tuning} if tuning is not None and "key" in P.options(n, kind) else {}
+        pols[n] = P.get(n, kind=kind, env=env, params=params, **opts)
     return pols
 
 

@@ -40,8 +40,9 @@ def heuristic(env: Any, env_params: Any, name: str, seed: int):
         raise ValueError(f"cannot imitate {name!r}: "
                          + (f"{type(env).__name__} has no policy kind" if not kind else
                             f"known {kind} policies: {names}"))
-    kw = {"key": tuning_key(jax.random.PRNGKey(seed))} if "key" in policies.options(name) else {}
-    return policies.get(name, env=env, params=env_params, **kw)
+    kw = ({"key": tuning_key(jax.random.PRNGKey(seed))}
+          if "key" in policies.options(name, kind=kind) else {})
+    return policies.get(name, kind=kind, env=env, params=env_params, **kw)
 
 
 def demonstrations(runner: RunnerState, env: Any, env_params: Any, policy: Callable,

@@ -152,8 +152,9 @@ def run(args) -> int:
     for n in names:
         if n not in P.names():
             raise _CLIError(f"unknown policy {n!r}; for {args.env}: {', '.join(P.names(kind))}")
-        if P.kind_of(n) != kind:
-            raise _CLIError(f"policy {n!r} is a {P.kind_of(n)} policy; {args.env} needs one of: "
+        if kind not in P.kinds_of(n):
+            held = " or ".join(P.kinds_of(n))
+            raise _CLIError(f"policy {n!r} is a {held} policy; {args.env} needs one of: "
                             f"{', '.join(P.names(kind))}")
     loads = _floats(args.loads, "--loads") if args.loads.strip() else []
     if args.slo_p99 is not None:
@@ -184,8 +185,8 @@ def run(args) -> int:
     t0 = time.time()
     # Fitted and tuned policies get the tuning key: streams disjoint from the evaluation's.
     tkey = tuning_key(key)
-    pols = {n: P.get(n, env=env, params=fit_params,
-                     **({"key": tkey} if "key" in P.options(n) else {})) for n in names}
+    pols = {n: P.get(n, kind=kind, env=env, params=fit_params,
+                     **({"key": tkey} if "key" in P.options(n, kind) else {})) for n in names}
     results = jaxserve.evaluate_many(env, params, pols, key, args.num_envs, args.num_steps,
                                      warmup=args.warmup, trace=trace)
     src = (f"trace {args.trace} (scored window: requests {fit_window[1]}+; fitted on "

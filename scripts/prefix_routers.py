@@ -26,8 +26,7 @@ import numpy as np
 
 from jaxserve.envs.llm_prefix_routing import (PREFIX_SCENARIOS, make_llm_prefix_routing,
                                               prefix_workload)
-from jaxserve.policies import llm_routing as L
-from jaxserve.policies import prefix_routing as PR
+from jaxserve import policies as P
 
 
 def main(argv=None):
@@ -40,9 +39,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     env, params = make_llm_prefix_routing(  # index order: the routers name replicas
         trace=prefix_workload(args.requests, args.seed, scenario=args.scenario), ranked=False)
-    pols = {**PR.POLICIES, **PR.BASELINES, "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
-            "least_kv": L.least_kv, "least_marginal": L.least_marginal,
-            "round_robin": L.round_robin}
+    # Every cache-aware router (kind "prefix_routing"), then some load-only LLM routers.
+    pols = {n: P.get(n, kind="prefix_routing").fn for n in P.names("prefix_routing")}
+    pols.update({n: P.get(n, kind="llm_routing").fn for n in (
+        "jsq_requests", "jsq_tokens", "least_kv", "least_marginal", "round_robin")})
     names, fns = list(pols), list(pols.values())
     n = args.requests
 

@@ -13,7 +13,7 @@ shared-prefix trace; `--no-shaping`: `shaping_gamma=None`; `--ranked`: PPO acts 
 ranked environment, `LLMRouting`'s "Ranked replicas") for `--steps` env steps, then
 runs one episode
 (the whole trace, the routing of `scripts/prefix_routers.py`) under the greedy PPO policy,
-every production prefix router (`policies.prefix_routing.POLICIES`) and the load-only
+every production prefix router (kind "prefix_routing" but `most_cached`) and the load-only
 baselines (these on the index-ordered environment: the dynamics are the same), and prints
 each one's mean time in system per request (s), drops and token hit rate; with `--ranked`
 also the constant policy "always rank 0" (most cached prefix, then least load). One trace
@@ -33,8 +33,7 @@ from jaxserve.agents.experiments.prefix_study import SET_PPO, train_ppo
 from jaxserve.envs.llm_prefix_routing import (PREFIX_REQUESTS, PREFIX_SCENARIOS, PREFIX_SEED,
                                               make_llm_prefix_routing, prefix_workload)
 from jaxserve.envs.llm_routing import DEFAULT_SHAPING_GAMMA
-from jaxserve.policies import llm_routing as L
-from jaxserve.policies import prefix_routing as PR
+from jaxserve import policies as P
 from tests.minimal_ppo import greedy_policy, make_train
 
 
@@ -96,9 +95,11 @@ def main(argv=None):
     on_ranked = {"ppo (greedy)": learned}
     if args.ranked:
         on_ranked["always rank 0"] = lambda key, obs, state, params: jnp.int32(0)
-    pols = {**on_ranked, **PR.POLICIES,
-            "jsq_requests": L.jsq_requests, "jsq_tokens": L.jsq_tokens,
-            "round_robin": L.round_robin, "least_marginal": L.least_marginal}
+    pols = {**on_ranked,
+            **{n: P.get(n, kind="prefix_routing").fn for n in P.names("prefix_routing")
+               if n != "most_cached"},
+            **{n: P.get(n, kind="llm_routing").fn for n in (
+                "jsq_requests", "jsq_tokens", "round_robin", "least_marginal")}}
     for seed in (int(x) for x in args.eval_seeds.split(",")):
         trace = prefix_workload(PREFIX_REQUESTS, seed, scenario=args.scenario)
         env_e, params_e = make_llm_prefix_routing(

@@ -21,16 +21,19 @@ def test_policy_kind_is_an_env_attribute(name, kind):
     env, params = jaxserve.make(name)
     assert base.policy_kind(env) == kind
     # Every default baseline of that kind is built for this env without a class switch.
-    assert P.names(kind) and all(P.kind_of(n) == kind for n in P.names(kind))
+    assert P.names(kind) and all(kind in P.kinds_of(n) for n in P.names(kind))
 
 
-def test_envs_without_registered_policies_are_refused():
+def test_envs_the_evaluation_clis_do_not_handle_are_refused():
     import gymnax
     env, _ = gymnax.make("CartPole-v1")
     llm, _ = jaxserve.make("LLMRouting-v0")
+    assert llm.policy_kind == "llm_routing" and P.names("llm_routing")
     for e in (env, llm, object()):
         with pytest.raises(ValueError, match="not a jaxserve"):
             base.policy_kind(e)
+    with pytest.raises(ValueError, match="'llm_routing' policies"):
+        base.policy_kind(llm)  # compared by agents.experiments.llm_routing_study
 
 
 def test_with_static_is_cached_by_value():

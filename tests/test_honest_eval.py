@@ -64,7 +64,8 @@ def test_non_oracle_routing_policies_ignore_true_output_lengths():
     key = jax.random.PRNGKey(3)
     for n in names:
         small = {"num_envs": 2, "num_steps": 12, "warmup": 2}  # sita_tuned's simulated tuning
-        pol = P.get(n, env=env, params=params, **(small if "num_envs" in P.options(n) else {}))
+        pol = P.get(n, kind="routing", env=env, params=params,
+                    **(small if "num_envs" in P.options(n, kind="routing") else {}))
         for oa, sa, ob, sb in zip(obs_a, st_a, obs_b, st_b):
             assert int(pol(key, oa, sa, params)) == int(pol(key, ob, sb, params_b)), n
     # The oracles do read the truth (so the twin states differ in what they could use).

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxserve
+from jaxserve import policies
 from jaxserve.core import arrivals as A
-from jaxserve.policies import llm_routing as P
 
 REPLICAS = [jaxserve.replica_profile("opt13b-a100-80g", max_seqs=8, queue_cap=8),
             jaxserve.replica_profile("opt13b-a100-40g", max_seqs=8, queue_cap=8)]
-NAMES = list(P.POLICIES)
+NAMES = list(policies.names("llm_routing"))  # every registered LLMRouting-v0 router
+FNS = {n: policies.get(n, kind="llm_routing").fn for n in NAMES}
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 400
 
@@ -25,7 +26,7 @@ def episode_costs(rate, key):
     env, params = jaxserve.make("LLMRouting-v0", replicas=REPLICAS,
                                 max_steps_in_episode=100_000)
     params = params.replace(arrivals=A.poisson(rate))
-    fns = [P.POLICIES[n] for n in NAMES]
+    fns = [FNS[n] for n in NAMES]
 
     def episode(i):
         obs, state = env.reset(key, params)
@@ -78,7 +79,7 @@ def test_policy_reads_estimates_not_true_lengths():
     for i in range(6):
         obs, state, *_ = env.step(jax.random.PRNGKey(i), state, jnp.int32(i % 2), params)
     other = state.replace(pending=state.pending.replace(output=state.pending.output + 4000.0))
-    for name, fn in P.POLICIES.items():
+    for name, fn in FNS.items():
         a = jax.jit(fn)(jax.random.PRNGKey(9), obs, state, params)
         b = jax.jit(fn)(jax.random.PRNGKey(9), obs, other, params)
         assert int(a) == int(b), name

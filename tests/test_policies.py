@@ -33,6 +33,8 @@ ROUTING = ("random", "round_robin", "weighted_round_robin", "jsq", "least_work_l
 # sita_tuned's simulated tuning, small: the tests check its rule, not its choice.
 SMALL_TUNING = {"num_envs": 2, "num_steps": 64, "warmup": 8}
 BATCHING = ("static", "greedy", "tuned_static", "smdp_optimal")
+LLM_ROUTING = ("random", "round_robin", "power_of_two", "jsq_requests", "jsq_tokens", "least_kv",
+               "vllm_dp", "sita_prompt", "least_marginal")
 
 
 # ----------------------------------------------------------------------------- registry
@@ -43,7 +45,8 @@ def test_registry_names_and_kinds():
     prefix = {"llmd_scorers", "dynamo_kv", "sglang_cache_aware", "aibrix_prefix_cache",
               "session_affinity", "most_cached"}
     assert set(P.names("prefix_routing")) == prefix
-    assert set(P.names()) == (set(ROUTING) | set(BATCHING) | prefix
+    assert set(P.names("llm_routing")) == set(LLM_ROUTING)
+    assert set(P.names()) == (set(ROUTING) | set(BATCHING) | prefix | set(LLM_ROUTING)
                               | {"fixed", "hpa", "knative", "ray_serve", "scheduled"})
     assert set(P.names("autoscaling")) == {"fixed", "hpa", "knative", "ray_serve",
                                            "scheduled"}
@@ -94,8 +97,8 @@ def routing_episode():
                                 tokens=A.bimodal_tokens(long_frac=0.3, sigma=0.3),
                                 estimate_mode=A.ESTIMATE_CLASS)  # SITA's partition test
     # The oracles read true lengths by design (tests/test_honest_eval.py covers them).
-    pols = {n: P.get(n, env=env, params=params,
-                     **(SMALL_TUNING if "num_envs" in P.options(n) else {}))
+    pols = {n: P.get(n, kind="routing", env=env, params=params,
+                     **(SMALL_TUNING if "num_envs" in P.options(n, kind="routing") else {}))
             for n in ROUTING if not n.endswith("_oracle")}
     # sita_tuned's rule with a spill threshold of 0 s too (the tuning may well choose inf).
     pols["spill_0"] = P.Policy("spill_0", "routing",
@@ -335,7 +338,7 @@ def test_sita_predictor_recovers_a_planted_threshold():
     # rest of the process (PRNGKey(5) itself is an evaluation key in other test files).
     key = tuning_key(jax.random.PRNGKey(5))
     for name, uses_est in (("sita_prompt", False), ("sita_predicted", True)):
-        fit = P.get(name, env=env, params=params, key=key).info["fit"]
+        fit = P.get(name, kind="routing", env=env, params=params, key=key).info["fit"]
         assert fit.predictor.shape == (3,) and (fit.predictor[2] != 0) == uses_est
         rng = np.random.default_rng(0)
         est = np.exp(rng.normal(4.0, 3.0, 2000)).clip(1, 1e6)
@@ -374,7 +377,7 @@ def test_sita_predictor_fits_on_tuning_streams_only():
         jaxserve.evaluate(env, params, pol, tk, 2, 8)
     # A fit given a fresh key marks it, so it cannot become an evaluation key later.
     k2 = jax.random.PRNGKey(3418)
-    P.get("sita_prompt", env=env, params=params, key=k2)
+    P.get("sita_prompt", kind="routing", env=env, params=params, key=k2)
     assert is_tuning_key(k2)
 
 

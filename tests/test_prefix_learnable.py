@@ -109,7 +109,7 @@ if __name__ == "__main__":  # the figures of the module docstring
     env_r, _ = jaxserve.make("LLMPrefixRouting-v0")  # replica_policy reads static fields only
     res = train_and_evaluate({"always_rank_0": lambda key, obs, state, params: jnp.int32(0),
                               "llmd_scorers": env_r.replica_policy(
-                                  PR.POLICIES["llmd_scorers"])})
+                                  PR.llmd_scorers)})
     for name, v in res.items():
         print(f"{name:12s} per trace {np.round(v, 2).tolist()} mean {v.mean():.2f} s")
     for base in ("jsq_tokens", "round_robin", "always_rank_0", "llmd_scorers"):

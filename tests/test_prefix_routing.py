@@ -91,7 +91,8 @@ def test_default_scenario():
     depth = np.asarray(params.tables.depth)[np.maximum(np.asarray(params.node), 0)]
     assert (depth > 1).mean() > 0.5
     plain, _ = jaxserve.make("LLMRouting-v0")
-    assert plain.name == "LLMRouting-v0" and plain.policy_kind is None and plain.prefix_blocks == 0
+    assert plain.name == "LLMRouting-v0" and plain.policy_kind == "llm_routing"
+    assert plain.prefix_blocks == 0
 
 
 def test_prefix_info_block_conservation_and_audit_every_step():
@@ -558,7 +559,7 @@ def test_system_prompts_scenario_rewards_cache_affinity():
     tolerance."""
     env, params = make_llm_prefix_routing(scenario="system_prompts", ranked=False,
                                           shaping_gamma=DEFAULT_SHAPING_GAMMA)
-    routers = (PR.POLICIES["llmd_scorers"], jsq_tokens)
+    routers = (PR.llmd_scorers, jsq_tokens)
     n = 512
 
     @jax.jit
@@ -595,7 +596,7 @@ def test_ranked_replicas_reorder_actions_and_rows_only():
     env, params = small(replicas=reps)
     renv, _ = small(replicas=reps, ranked=True)
     assert renv.ranked and not env.ranked
-    router = PR.POLICIES["session_affinity"]
+    router = PR.session_affinity
     assert env.replica_policy(router) is router  # index order: the router itself
     choice = jax.random.randint(jax.random.PRNGKey(5), (STEPS,), 0, 3)
 

@@ -151,7 +151,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     key = ctx.eval_key(salt)
     tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
     heur = {heuristic: routing_heuristics(base_env, base_params, key, tune)[heuristic],
-            GREEDY: policies.get(GREEDY)}
+            GREEDY: policies.get(GREEDY, kind="routing")}
     trained, clones = _train_variants(variants, seeds, steps, ctx, scenario, heur[heuristic])
     first = variants[0][0]
     env, params, _ = trained[first]

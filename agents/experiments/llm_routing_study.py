@@ -51,18 +51,19 @@ from jaxserve.core.sources import split_trace
 from jaxserve.core.stats import paired_difference, seed_env_bootstrap
 from jaxserve.core.types import Trace
 from jaxserve.evaluation.llm_metrics import request_metrics, slo_attainment
-from jaxserve.policies.llm_routing import POLICIES, make_sita_prompt
+from jaxserve import policies as P
+from jaxserve.policies.llm_routing import make_sita_prompt
 from jaxserve.traces import load, resolve
 from jaxserve.traces.fitting import fit_mmpp
 
 DEFAULT_TRACE = "conv"
 TRACE_FILES = {"conv": "azure_llm_2023_conv",  # `jaxserve.traces.registry` names
                "code": "azure_llm_2023_code"}
-# Heuristics compared: every router of `policies.llm_routing.POLICIES` but `random` (one list,
-# so a router added there is in the study; `least_marginal`, the greedy policy of the shaping
-# potential, measured strongest on LLMRouting-v0's defaults). SITA gets its threshold from
-# the training window.
-HEURISTICS = tuple(n for n in POLICIES if n != "random")
+# Heuristics compared: every registered LLMRouting-v0 router (kind "llm_routing") but
+# `random` (read from the registry, so a router registered there is in the study;
+# `least_marginal`, the greedy policy of the shaping potential, measured strongest on
+# LLMRouting-v0's defaults). SITA gets its threshold from the training window.
+HEURISTICS = tuple(n for n in P.names("llm_routing") if n != "random")
 METRICS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
            "slo_attainment", "goodput", "dropped", "preemptions", "e2e_mean_drop_charged")
 # The measured capacity (`measured_capacity`): the reference router, the share of its
@@ -337,8 +338,8 @@ def run_study(*, trace: str = DEFAULT_TRACE, load: float = 0.8, seeds: Sequence[
         at_nominal = prepare(raw, replicas, 1.0, fit_fraction)
         env0, params0 = jaxserve.make("LLMRouting-v0", **env_overrides(at_nominal, replicas))
         calibration = measured_capacity(env0, params0, at_nominal["train"],
-                                        POLICIES[CALIBRATION_POLICY], slo_ttft=slo_ttft,
-                                        slo_tpot=slo_tpot)
+                                        P.get(CALIBRATION_POLICY, kind="llm_routing").fn,
+                                        slo_ttft=slo_ttft, slo_tpot=slo_tpot)
         calibration["policy"] = CALIBRATION_POLICY
         prep = prepare(raw, replicas, load, fit_fraction,
                        capacity_rps=calibration["capacity"])
@@ -350,7 +351,7 @@ def run_study(*, trace: str = DEFAULT_TRACE, load: float = 0.8, seeds: Sequence[
         f"{len(prep['eval'])}; rate {prep['rate']:.3f} req/s = {load:g} x {load_basis} "
         f"capacity {prep['capacity']:.3f} req/s (nominal {prep['nominal_capacity']:.3f}; "
         f"time x {prep['factor']:.3f})")
-    policies = {n: POLICIES[n] for n in HEURISTICS if n != "sita_prompt"}
+    policies = {n: P.get(n, kind="llm_routing").fn for n in HEURISTICS if n != "sita_prompt"}
     policies["sita_prompt"] = make_sita_prompt(prep["sita_threshold"])
     training = []
     learned = []

@@ -94,19 +94,21 @@ from jaxserve.evaluation import episodes
 from jaxserve.evaluation.evaluate import trace_env
 from jaxserve.evaluation.plots import axes_row
 from jaxserve.evaluation.replay import token_log
-from jaxserve.policies import llm_routing as L
+from jaxserve import policies as P
 from jaxserve.policies import prefix_routing as PR
 from jaxserve.traces import TraceNotFoundError, resolve
 from jaxserve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, load_mooncake
 from jaxserve.traces.prefix import prefix_window
 
 WORKLOADS = ("system_prompts", "mooncake")
-# Every production cache-aware router and every load-only LLM router but `random` (no
+# Every registered cache-aware router (kind "prefix_routing": the production routers and the
+# `most_cached` baseline) and every load-only LLM router (kind "llm_routing") but `random` (no
 # router's rule) and `sita_prompt` (with identical replicas its two groups are all replicas:
-# `jsq_requests` exactly, its docstring).
-HEURISTICS = (tuple(PR.POLICIES) + tuple(PR.BASELINES)
-              + tuple(n for n in L.POLICIES if n not in ("random", "sita_prompt")))
-HEURISTIC_FNS = {**PR.POLICIES, **PR.BASELINES, **L.POLICIES}
+# `jsq_requests` exactly, its docstring). No name is in both kinds.
+HEURISTIC_FNS = {n: P.get(n, kind=k).fn for k in ("prefix_routing", "llm_routing")
+                 for n in P.names(k)}
+HEURISTICS = (P.names("prefix_routing")
+              + tuple(n for n in P.names("llm_routing") if n not in ("random", "sita_prompt")))
 METRICS = study.METRICS + ("token_hit_rate",)
 HIGHER_BETTER = study.HIGHER_BETTER + ("token_hit_rate",)
 # Mean time in system per request (s), a dropped request counted at `drop_penalty_s`: the

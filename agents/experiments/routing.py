@@ -28,12 +28,12 @@ def routing_heuristics(env, params, key, budget=None) -> dict:
     for name in policies.names("routing"):
         if "oracle" in name:
             continue  # oracles read true output lengths: references, not baselines
-        opts = policies.options(name)
+        opts = policies.options(name, kind="routing")
         kw = {"key": tuning_key(key)} if "key" in opts else {}
         if budget is not None and "num_envs" in opts:
             kw.update(num_envs=budget.tune_envs, num_steps=budget.tune_steps,
                       warmup=min(budget.warmup, budget.tune_steps // 8))
-        out[name] = policies.get(name, env=env, params=params, **kw)
+        out[name] = policies.get(name, kind="routing", env=env, params=params, **kw)
     return out
 
 
@@ -72,7 +72,8 @@ def study(ctx: Context) -> Section:
     learned = {a: train_scenarios("Routing-v0", env, [params], a, b.seeds, b.routing_steps,
                                   ctx)[0][0] for a in ALGOS}
     key = ctx.eval_key(1)
-    heur = {n: policies.get(n, env=env, params=params) for n in STUDY_BASELINES}
+    heur = {n: policies.get(n, kind="routing", env=env, params=params)
+            for n in STUDY_BASELINES}
     ctx.log("  evaluating (a)")
     res = _eval(ctx, env, params, {**heur, **learned_dict(learned)}, key)
     rate = float(np.asarray(params.arrivals.rates)[0])

@@ -8,11 +8,10 @@
   Everything a user may sweep is an array leaf of the params, so `vmap` over params needs no
   recompile. The mixin also carries the lean auto-reset `step` of the serving environments.
 * `policy_kind`: each environment class names the family of registered policies that act in
-  it (one of `POLICY_KINDS`: `"routing"`, `"batching"`, `"autoscaling"`, `"prefix_routing"`;
-  None for an environment without registered heuristics, such as LLMRouting-v0, whose
-  heuristics are plain functions). The
-  harness, the CLIs and the policy registry read this attribute instead of switching on
-  classes.
+  it (one of `POLICY_KINDS`: `"routing"`, `"batching"`, `"autoscaling"`, `"prefix_routing"`
+  (LLMPrefixRouting-v0), `"llm_routing"` (LLMRouting-v0); None for an environment without
+  registered heuristics). The harness, the CLIs and the policy registry (keyed by kind and
+  name) read this attribute instead of switching on classes.
 * `with_static(env, **changes)`: `env.replace_static(...)` cached, the one place a variant of
   an environment (a replay window, a per-request log) is built, so jit, which keys its cache
   on the static `env`, compiles each variant once.
@@ -38,10 +37,11 @@ from jaxserve.envs import common
 
 # Every family of registered policies, defined here once (`policies.registry` reads it as
 # `KINDS`): an environment class's `policy_kind` is one of them or None.
-POLICY_KINDS = ("routing", "batching", "autoscaling", "prefix_routing")
-# The families the evaluation harness and CLIs handle (`policy_kind`); LLMPrefixRouting-v0's
-# "prefix_routing" routers are evaluated by `scripts/prefix_routers.py` instead.
-EVALUATED_KINDS = POLICY_KINDS[:3]
+POLICY_KINDS = ("routing", "batching", "autoscaling", "prefix_routing", "llm_routing")
+# The families the evaluation harness and CLIs handle (`policy_kind`); the LLM environments'
+# routers ("prefix_routing", "llm_routing") are compared by `scripts/prefix_routers.py` and
+# `agents.experiments.llm_routing_study` instead.
+EVALUATED_KINDS = ("routing", "batching", "autoscaling")
 FEATURE_CLIP = 1e3  # keeps time features finite and inside the observation space at any load
 
 
@@ -55,8 +55,10 @@ def policy_kind(env: Any) -> str:
     """
     kind = getattr(env, "policy_kind", None)
     if kind not in EVALUATED_KINDS:
+        why = (f" (its {kind!r} policies are compared outside the evaluation CLIs)"
+               if isinstance(kind, str) and kind in POLICY_KINDS else "")
         raise ValueError(f"not a jaxserve Routing, Batching or Autoscaling environment: "
-                         f"{type(env).__name__}")
+                         f"{type(env).__name__}{why}")
     return kind
 
 

@@ -248,12 +248,12 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         return self.prefix_blocks > 0
 
     @property
-    def policy_kind(self) -> str | None:
-        """"prefix_routing" with prefix caching (the registry kind of
-        `policies.prefix_routing`); None otherwise (LLMRouting-v0's heuristics are plain
-        functions, `policies.llm_routing`). Not in `envs.base.EVALUATED_KINDS`: the evaluation
-        CLIs (`envs.base.policy_kind`) refuse both LLM routing environments, as before."""
-        return "prefix_routing" if self.prefix else None
+    def policy_kind(self) -> str:
+        """The registry kind of the routers that act here: "prefix_routing" with prefix
+        caching (`policies.prefix_routing`), "llm_routing" without (`policies.llm_routing`).
+        Neither is in `envs.base.EVALUATED_KINDS`: the evaluation CLIs
+        (`envs.base.policy_kind`) refuse both LLM routing environments."""
+        return "prefix_routing" if self.prefix else "llm_routing"
 
     @property
     def num_replica_features(self) -> int:

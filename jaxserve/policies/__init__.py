@@ -12,10 +12,19 @@ environment's observation, `state` its state pytree (`RoutingState` / `BatchingS
 *estimates*, queue contents and running batches — never the true output lengths
 (`pending.output`, `queues.output`) and never the future (`BatchingState.upcoming`).
 
-Registry: `get(name, **options)` builds a `Policy` (a callable with that signature, plus
-`name`, `kind` and `info`); every factory accepts `env=` and `params=` (those that fit
-something to the scenario — sita, tuned_static, smdp_optimal — need them). `names(kind)`
-lists them; `register(name, kind)` adds one.
+Registry (`registry.py`): policies are registered under a (kind, name) pair, the kind being
+the environment family they act in (`KINDS`: "routing" Routing-v0, "batching",
+"autoscaling", "prefix_routing" LLMPrefixRouting-v0, "llm_routing" LLMRouting-v0). A name is
+unique within its kind; `least_marginal` and `sita_prompt` name different policies of kinds
+"routing" and "llm_routing". A rule shared by environments (random, round_robin, power_of_two,
+`generic.py`) is registered once for both routing kinds. `get(name, kind=None, **options)`
+builds a `Policy` (a callable with that signature, plus `name`, `kind` — the kind it was got
+for — and `info`); without `kind=` the name must be unambiguous (ValueError naming the kinds
+otherwise). Every factory accepts `env=` and `params=` (those that fit something to the
+scenario — sita, tuned_static, smdp_optimal — need them). `names(kind)` lists the names,
+`kinds_of(name)` the kinds holding one, `options(name, kind)` a factory's options;
+`register(name, kind)` adds a factory (`kind` a kind or a tuple of kinds),
+`register_function(name, kind, fn)` a fixed function.
 
 Routing (`routing.py`): random, round_robin, weighted_round_robin, jsq, least_work_left, sed,
 power_of_two, least_marginal (the greedy policy of the shaping potential), join_idle_queue,
@@ -32,22 +41,29 @@ Autoscaling (`autoscaling.py`, Autoscaling-v0): fixed, hpa (Kubernetes HPA on ut
 knative (Knative KPA on concurrency, stable/panic windows), ray_serve (Ray Serve's ongoing-
 requests rule with up/down delays); stateless, their windows recomputed from the env state's
 `history`.
+LLM routing (`llm_routing.py`, LLMRouting-v0, kind "llm_routing"): random, round_robin,
+power_of_two, jsq_requests, jsq_tokens, least_kv, vllm_dp (vLLM's data-parallel balancer),
+sita_prompt (a fixed prompt-length threshold, option `threshold`) and least_marginal (the
+greedy policy of LLMRouting-v0's shaping potential).
 Prefix routing (`prefix_routing.py`, LLMPrefixRouting-v0, kind "prefix_routing"): the
 production cache-aware routers of ../shared/ROUTERS.md at their published defaults:
 llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache, session_affinity; and
 the baseline most_cached (the plain cache-first rule, no production router's).
 """
 
-from jaxserve.policies.registry import KINDS, Policy, get, kind_of, names, options, register
+from jaxserve.policies.registry import (KINDS, Policy, get, kind_of, kinds_of, names, options,
+                                       register, register_function)
 from jaxserve.policies import routing  # noqa: E402  (registers the routing policies)
 from jaxserve.policies import batching  # noqa: E402  (registers the batching policies)
 from jaxserve.policies import smdp  # noqa: E402  (registers smdp_optimal)
 from jaxserve.policies import autoscaling  # noqa: E402 (registers the autoscalers)
+from jaxserve.policies import llm_routing  # noqa: E402 (registers LLMRouting-v0's routers)
 from jaxserve.policies import prefix_routing  # noqa: E402 (registers the cache-aware routers)
 from jaxserve.policies.batching import make_static
 from jaxserve.policies.routing import SitaFit, fit_sita
 from jaxserve.policies.smdp import SMDPModel, SMDPSolution, build_model, solve_smdp
 
 __all__ = ["KINDS", "Policy", "SMDPModel", "SMDPSolution", "SitaFit", "batching",
-           "build_model", "fit_sita", "get", "kind_of", "make_static", "names", "options",
-           "register", "routing", "smdp", "solve_smdp"]
+           "build_model", "fit_sita", "get", "kind_of", "kinds_of", "llm_routing",
+           "make_static", "names", "options", "register", "register_function", "routing",
+           "smdp", "solve_smdp"]

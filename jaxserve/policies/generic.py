@@ -4,12 +4,22 @@ Routing-v0 (static batches, `core.cluster.Cluster`) and the LLM environments (co
 batching, `core.continuous.Replicas`) share them: each needs only the number of servers, the
 pending request's index and the requests each server holds. Signature of every jaxserve
 policy: `policy(key, obs, state, params) -> int32 server index`.
+
+`random`, `round_robin` and `power_of_two` are registered once, for both kinds "routing"
+(Routing-v0, the primary kind) and "llm_routing" (LLMRouting-v0): `policies.get("random")`
+builds the Routing-v0 policy, `policies.get("random", kind="llm_routing")` the same rule
+labelled for LLMRouting-v0.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxserve.policies.registry import register_function
+
+# The kinds the rules here serve, the first (Routing-v0's) their primary kind.
+KINDS = ("routing", "llm_routing")
 
 
 def num_servers(state) -> int:
@@ -44,3 +54,8 @@ def power_of_two(key, obs, state, params):
     j = (i + jax.random.randint(k2, (), 1, max(n, 2), dtype=jnp.int32)) % n
     count = in_system(state)
     return jnp.where(count[j] < count[i], j, i).astype(jnp.int32)
+
+
+register_function("random", KINDS, random_policy)
+register_function("round_robin", KINDS, round_robin)
+register_function("power_of_two", KINDS, power_of_two)

@@ -7,8 +7,15 @@ estimated tokens in flight; never true output lengths.
 
 Replicas where the request would be dropped (queue holding `queue_cap` fresh requests, or the
 request can never fit its KV cache / token budget) are skipped, unless every replica would
-drop it. Ties go to the lowest index (`argmin`). Not registered in `policies.registry`, whose
-"routing" kind means Routing-v0; `POLICIES` maps names to the functions.
+drop it. Ties go to the lowest index (`argmin`).
+
+Registered with kind "llm_routing" (`policies.get(name, kind="llm_routing")`): jsq_requests,
+jsq_tokens, least_kv, vllm_dp, sita_prompt (option `threshold`), least_marginal, and the
+generic random, round_robin and power_of_two (`policies.generic`, registered once for
+Routing-v0 and LLMRouting-v0). `least_marginal` and `sita_prompt` are also names of different
+Routing-v0 policies (kind "routing"), so look them up with `kind="llm_routing"`;
+`policies.names("llm_routing")` lists them all. Each function stays importable from this
+module (`jsq_tokens`, `sita_prompt`...).
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ import jax.numpy as jnp
 from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
 from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
+from jaxserve.policies.registry import Policy, register, register_function
+
+KIND = "llm_routing"
 
 
 def would_drop(state, params) -> jax.Array:
@@ -112,7 +122,14 @@ def make_sita_prompt(threshold: float = 512.0):
 
 sita_prompt = make_sita_prompt()
 
-POLICIES = {"random": random_policy, "round_robin": round_robin, "jsq_requests": jsq_requests,
-            "jsq_tokens": jsq_tokens, "least_kv": least_kv, "vllm_dp": vllm_dp,
-            "power_of_two": power_of_two, "sita_prompt": sita_prompt,
-            "least_marginal": least_marginal}
+
+for _fn in (jsq_requests, jsq_tokens, least_kv, vllm_dp, least_marginal):
+    register_function(_fn.__name__, KIND, _fn)
+
+
+@register("sita_prompt", KIND, scenario_free=True)
+def _sita_prompt_factory(env=None, params=None, threshold: float = 512.0):
+    """SITA by prompt length (`make_sita_prompt`): prompts of at most `threshold` tokens to
+    the smaller-cache replicas, longer ones to the largest; the default is `sita_prompt`."""
+    fn = sita_prompt if float(threshold) == 512.0 else make_sita_prompt(float(threshold))
+    return Policy(name="sita_prompt", kind=KIND, fn=fn, info={"threshold": float(threshold)})

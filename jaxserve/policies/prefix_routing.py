@@ -3,9 +3,11 @@
 Same signature as every jaxserve policy: `policy(key, obs, state, params) -> int32 replica`,
 pure JAX, jit- and vmap-safe, registered with kind "prefix_routing" (`policies.get(name)`).
 They name replicas by index; the registered LLMPrefixRouting-v0 is ranked (its action is a
-rank), so act there with `env.replica_policy(router)`. `most_cached` (in `BASELINES`, not
-`POLICIES`) is no production router's rule: the plain cache-first baseline, the ranked
-environment's rank 0.
+rank), so act there with `env.replica_policy(router)`. The production routers are
+llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache and session_affinity;
+`most_cached`, registered beside them with the same kind, is no production router's rule: the
+plain cache-first baseline, the ranked environment's rank 0. `policies.names("prefix_routing")`
+lists them all; each function stays importable from this module.
 Each reads only what the real router reads (../shared/ROUTERS.md, "Cache-aware routers"):
 
 * the replicas' reported cached blocks of the pending request
@@ -39,7 +41,7 @@ import numpy as np
 from jaxserve.core import continuous as CB
 from jaxserve.envs.llm_routing import pending_cached_blocks, pending_node
 from jaxserve.policies.llm_routing import in_system, would_drop
-from jaxserve.policies.registry import Policy, register
+from jaxserve.policies.registry import register_function
 
 KIND = "prefix_routing"
 
@@ -365,19 +367,8 @@ def cache_or_shed(key, obs, state, params):
     return jnp.where(hit.max() > 0, pick, most_cached(key, obs, state, params)).astype(jnp.int32)
 
 
-POLICIES = {"llmd_scorers": llmd_scorers, "dynamo_kv": dynamo_kv,
-            "sglang_cache_aware": sglang_cache_aware,
-            "aibrix_prefix_cache": aibrix_prefix_cache, "session_affinity": session_affinity}
-# Rules of no production router, registered beside them (kind "prefix_routing") as baselines.
-BASELINES = {"most_cached": most_cached}
-
-
-def _register(name, fn):
-    def factory(env=None, params=None):
-        return Policy(name=name, kind=KIND, fn=fn)
-    factory.__doc__ = (fn.__doc__ or "").split("\n\n")[0]
-    register(name, KIND, factory, scenario_free=True)
-
-
-for _name, _fn in {**POLICIES, **BASELINES}.items():
-    _register(_name, _fn)
+# The production routers at their published defaults, then the cache-first baseline (no
+# production router's rule).
+for _fn in (llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache, session_affinity,
+            most_cached):
+    register_function(_fn.__name__, KIND, _fn)

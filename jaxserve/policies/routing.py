@@ -38,7 +38,7 @@ from jaxserve.core.service import full_batch_rate, per_request_work, single_requ
 from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
 from jaxserve.envs.routing import marginal_backlog
 from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
-from jaxserve.policies.registry import Policy, register
+from jaxserve.policies.registry import Policy, register, register_function
 
 _GOLDEN = np.uint32(2654435769)  # floor(2**32 / golden ratio): Fibonacci hashing
 
@@ -460,20 +460,16 @@ def make_sita_overflow(fit: SitaFit, overflow_s):
 
 
 # ----------------------------------------------------------------------------- registry
+# Kind "routing". `random`, `round_robin` and `power_of_two` (imported above) are registered
+# once for Routing-v0 and LLMRouting-v0 by `policies.generic`.
 
 def _simple(name, fn, doc):
-    def factory(env=None, params=None):
-        return Policy(name=name, kind="routing", fn=fn)
-    factory.__doc__ = doc
-    register(name, "routing", factory, scenario_free=True)
+    register_function(name, "routing", fn, doc)
 
 
-_simple("random", random_policy, "Uniformly random GPU.")
-_simple("round_robin", round_robin, "GPU req_id mod N.")
 _simple("jsq", jsq, "Join the shortest queue (waiting + running).")
 _simple("least_work_left", least_work_left, "Least expected work left (queued_work).")
 _simple("sed", sed, "Shortest expected delay; fastest idle GPU first.")
-_simple("power_of_two", power_of_two, "Power of two choices on queue length.")
 _simple("least_marginal", least_marginal,
         "Least expected added time-in-system: the greedy policy of the shaping potential.")
 _simple("sed_oracle", sed_oracle,
