@@ -19,11 +19,11 @@ import jaxserve
 from jaxserve import policies as P
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
+from jaxserve.core import static_load as SL
 from jaxserve.core.service import single_request_time
 from jaxserve.core.sources import tuning_key
 from jaxserve.evaluation.tuning import OVERFLOW_GRID, tune_sita, tune_static
 from jaxserve.core.types import GPUProfile
-from jaxserve.envs import routing as RE
 from jaxserve.policies import routing as R
 from jaxserve.policies import smdp
 
@@ -130,10 +130,10 @@ def routing_episode():
                 estimate=p.estimate, request=jnp.stack([p.prompt, p.output, p.estimate]),
                 # expected_backlog after routing the request to each GPU, minus before.
                 routed_backlog=jnp.stack([
-                    RE.expected_backlog(C.route(state.cluster, params.gpus, p, jnp.int32(g))[0],
+                    SL.expected_backlog(C.route(state.cluster, params.gpus, p, jnp.int32(g))[0],
                                         params.gpus) for g in range(env.num_gpus)])
-                - RE.expected_backlog(state.cluster, params.gpus),
-                marginal=RE.marginal_backlog(state.cluster, params.gpus, p.prompt, p.estimate))
+                - SL.expected_backlog(state.cluster, params.gpus),
+                marginal=SL.marginal_backlog(state.cluster, params.gpus, p.prompt, p.estimate))
             a = jax.random.randint(k_drive, (), 0, env.num_gpus)
             _, state, _, _, info = env.step_env(k_step, state, a, params)
             rec["elapsed"] = info["elapsed"]

@@ -59,7 +59,7 @@ def test_return_of_a_drained_trace_episode_is_minus_total_latency_and_drops(name
 def test_routing_shaping_is_potential_based():
     """Default Routing-v0 reward = unshaped reward + 0.99 * phi(s') - phi(s), phi = minus the
     expected backlog over latency_scale; phi is 0 for an empty cluster (reset)."""
-    from jaxserve.envs.routing import expected_backlog
+    from jaxserve.core.static_load import expected_backlog
 
     env, params = jaxserve.make("Routing-v0")
     plain = env.replace_static(shaping_gamma=None)

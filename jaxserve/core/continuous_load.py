@@ -295,7 +295,7 @@ def expected_backlog(rep: CB.Replicas, prof: ReplicaProfile) -> jax.Array:
     """Expected remaining time-in-system of every request present, summed (s); a scalar.
 
     The sum of `remaining_times`: the potential of LLMRouting-v0's reward shaping, the
-    continuous-batching counterpart of `envs.routing.expected_backlog`.
+    continuous-batching counterpart of `core.static_load.expected_backlog`.
     """
     return _windowed(rep, lambda m: _remaining_sum(rep, prof, m)[1].sum()).astype(
         jnp.float32)

@@ -379,9 +379,8 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         price = jnp.where(params.price_spread > 1.0,
                           params.gpu_price * params.price_spread ** u, params.gpu_price)
         r = self.max_replicas
-        cluster = (C.empty_cluster(r, self.queue_buffer, self.max_batch, with_ids=True)
-                   if self.log_capacity > 0 else
-                   self.ENGINE.empty(r, self.queue_buffer, self.max_batch))
+        cluster = self.ENGINE.empty(r, self.queue_buffer, self.max_batch,
+                                    with_ids=self.log_capacity > 0)
         state = AutoscalingState(
             cluster=cluster,
             upcoming=req.replace(arrival=jnp.asarray(first, jnp.float32)),
@@ -390,7 +389,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
             clock=clock, since_scale_up=jnp.float32(1e6), since_scale_down=jnp.float32(1e6),
             history=jnp.zeros((self.history_len, len(HISTORY_FIELDS)), jnp.float32),
             time=jnp.int32(0), gpu_price=jnp.asarray(price, jnp.float32),
-            log=C.empty_log(self.log_capacity))
+            log=self.ENGINE.empty_log(self.log_capacity))
         return self.get_obs(state, params), state
 
     # -------------------------------------------------------------------------------- step
@@ -522,7 +521,8 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         """The engine's `advance`, writing each dispatched request's schedule into `log` when
         the env keeps one (static batching only; checked in the constructor)."""
         if self.log_capacity > 0:
-            return C.advance_static(cl, gpus, horizon, slo_s, log)
+            cl, m, _, log = self.ENGINE.advance_logged(cl, gpus, horizon, slo_s, log)
+            return cl, m, log
         cl, m = self.ENGINE.advance(cl, gpus, horizon, slo_s)
         return cl, m, log
 

@@ -363,7 +363,7 @@ def shaped_reward(reward, backlog0, backlog1, shaping_gamma: float | None,
     and Russell, 1999), `phi = -expected backlog (s) / latency_scale`; `reward` unchanged when
     `shaping_gamma` is None. The backlogs are an environment's estimate of the remaining
     time-in-system of the requests present before and after the step (Routing-v0:
-    `routing.expected_backlog`; LLMRouting-v0: `continuous_load.expected_backlog`)."""
+    `core.static_load.expected_backlog`; LLMRouting-v0: `continuous_load.expected_backlog`)."""
     if shaping_gamma is None:
         return reward
     phi0, phi1 = -backlog0 / params.latency_scale, -backlog1 / params.latency_scale

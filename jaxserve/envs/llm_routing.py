@@ -12,7 +12,6 @@ from flax import struct
 from gymnax.environments import environment, spaces
 
 from jaxserve.core import continuous as CB
-from jaxserve.core import continuous_load as CL
 from jaxserve.core import engines, rng
 from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
@@ -280,12 +279,12 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
         _, req, phase, _ = common.next_arrival(k_req, params, phase, jnp.int32(0), jnp.int32(0))
         slots = self.static.slo_slots
         state = LLMRoutingState(
-            cluster=CB.empty_replicas(
+            cluster=self.ENGINE.empty(
                 self.num_replicas, self.queue_buffer, self.max_seqs,
                 with_ids=self.log_capacity > 0 or slots > 0 or self.prefix,
                 prefix_blocks=self.prefix_blocks if self.prefix else None),
             pending=req, phase=phase, trace_pos=jnp.int32(0), time=jnp.int32(0),
-            log=CB.empty_log(max(self.log_capacity, slots), prefix=self.prefix),
+            log=self.ENGINE.empty_log(max(self.log_capacity, slots), prefix=self.prefix),
             backlog=jnp.float32(0.0),
             horizon=episode_horizon(jax.random.fold_in(key, 3), params),
             slo_busy=jnp.zeros((slots,), jnp.bool_), slo_output=jnp.zeros((slots,), jnp.float32))
@@ -303,7 +302,7 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             hit = jnp.zeros((self.num_replicas,), jnp.int32)
         elif hit is None:
             hit = pending_cached_blocks(state, params)
-        load = CB.tokens_in_flight(state.cluster)
+        load = self.ENGINE.tokens_in_flight(state.cluster)
         # better[i, j]: replica j ranks before replica i; a replica's rank counts them.
         h_i, h_j, l_i, l_j = hit[:, None], hit[None, :], load[:, None], load[None, :]
         better = (h_j > h_i) | ((h_j == h_i) & ((l_j < l_i) | ((l_j == l_i)
@@ -368,13 +367,13 @@ class LLMRouting(StaticConfig, environment.Environment[LLMRoutingState, common.S
             reward = common.reward_from(metrics, params)
         backlog, added = jnp.float32(0.0), None
         if self.shaping_gamma is not None and slo:
-            backlog = params.slo_miss_s * CL.expected_slo_misses(
+            backlog = params.slo_miss_s * self.ENGINE.expected_slo_misses(
                 cluster, params.gpus, params.slo_ttft_s, params.slo_tpot_s)
         elif self.shaping_gamma is not None:
             # The potential and the next observation's marginal-backlog feature read the same
             # cluster: one pass of their shared pairwise term.
             with jax.named_scope("estimates"):
-                backlog, added = CL.backlog_and_marginal(cluster, params.gpus, req.prompt,
+                backlog, added = self.ENGINE.backlog_and_marginal(cluster, params.gpus, req.prompt,
                                                          jnp.maximum(req.estimate, 1.0))
         reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
         state = LLMRoutingState(cluster=cluster, pending=req, phase=st.phase,
@@ -431,8 +430,9 @@ def pending_cached_blocks(state: LLMRoutingState, params: PrefixRoutingParams) -
     """Per replica, the pending request's leading prompt blocks cached there now
     (`continuous.cached_prefix_blocks`): what a cache-aware router learns from the replicas'
     KV events. `(R,)` int32 blocks of each replica's `block_size`."""
-    return CB.cached_prefix_blocks(state.cluster, params.gpus, params.tables,
-                                   pending_node(state, params), state.pending.prompt)
+    return engines.CONTINUOUS.cached_prefix_blocks(state.cluster, params.gpus, params.tables,
+                                                   pending_node(state, params),
+                                                   state.pending.prompt)
 
 
 def prefix_features(state: LLMRoutingState, params: PrefixRoutingParams,
@@ -444,7 +444,7 @@ def prefix_features(state: LLMRoutingState, params: PrefixRoutingParams,
     if hit is None:
         hit = pending_cached_blocks(state, params)
     hit = hit * prof.block_size
-    unref = CB.block_accounting(state.cluster, prof)["cached_unreferenced"]
+    unref = engines.CONTINUOUS.block_accounting(state.cluster, prof)["cached_unreferenced"]
     rows = jnp.stack([hit / jnp.maximum(state.pending.prompt, 1.0),
                       unref / prof.kv_blocks.astype(jnp.float32)], axis=-1)
     return clip_features(jnp.minimum(rows, 1.0))
@@ -472,19 +472,19 @@ def replica_features(rep: CB.Replicas, pending: Request, params: common.ServingP
                      added: jax.Array | None = None) -> jax.Array:
     """The per-replica observation rows, `(num_replicas, 7)`; see `LLMRouting`'s docstring.
     `added`: `continuous_load.marginal_backlog` of the pending request, if already computed."""
-    prof = params.gpus
+    eng, prof = engines.CONTINUOUS, params.gpus
     kv = prof.kv_blocks.astype(jnp.float32)
     if added is None:
-        added = CL.marginal_backlog(rep, prof, pending.prompt, jnp.maximum(pending.estimate,
-                                                                           1.0))
+        added = eng.marginal_backlog(rep, prof, pending.prompt,
+                                     jnp.maximum(pending.estimate, 1.0))
     added = jnp.maximum(added, 1e-6)
     ts = params.time_scale
     rows = jnp.stack([
         rep.queues.count / jnp.maximum(prof.queue_cap, 1),
         rep.run.count / jnp.maximum(prof.max_seqs, 1),
-        CB.kv_used(rep, prof) / kv,
-        jnp.log1p(CB.tokens_in_flight(rep) / (kv * prof.block_size)),
-        jnp.log1p(CL.queued_work(rep, prof) / ts),
+        eng.kv_used(rep, prof) / kv,
+        jnp.log1p(eng.tokens_in_flight(rep) / (kv * prof.block_size)),
+        jnp.log1p(eng.work(rep, prof) / ts),
         jnp.log1p(added / ts),
         jnp.log(added / added.min()),
     ], axis=-1)

@@ -40,9 +40,9 @@ class RoutingState:
       time: decisions taken this episode (gymnax's step counter). int32.
       log: per-request schedule of the episode's first `log_capacity` requests (empty unless
         the environment was built with a log, as `replay` and `evaluate` do).
-      backlog: `expected_backlog(cluster)` (s), the shaping potential's input, kept so a step
-        reads the potential before it instead of scanning the queues again (0 without
-        shaping). float32.
+      backlog: `engines.STATIC.backlog(cluster)` (`core.static_load.expected_backlog`, s),
+        the shaping potential's input, kept so a step reads the potential before it instead
+        of scanning the queues again (0 without shaping). float32.
     """
 
     cluster: C.Cluster
@@ -114,8 +114,8 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
       latency_scale` (`common.reward_from`) plus, when `shaping_gamma` is not None (the
       default, 0.99), the potential-based shaping term `shaping_gamma * phi(s') - phi(s)`
       (Ng, Harada and Russell, 1999) with `phi = -expected_backlog / latency_scale`
-      (`expected_backlog`: the expected remaining time-in-system of the requests present,
-      from output estimates). The shaped step reward is about minus the latency the routed
+      (`core.static_load.expected_backlog`: the expected remaining time-in-system of the
+      requests present, from output estimates). The shaped step reward is about minus the latency the routed
       request will see plus the delay it adds to those queued with it, paid at the decision
       instead of over the following minute, so a standard PPO can assign credit. Shaping
       leaves the optimal policy of the `shaping_gamma`-discounted objective unchanged (so
@@ -173,11 +173,11 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
         phase = common.first_phase(key, params, salt=2)
         _, req, phase, _ = common.next_arrival(key, params, phase, jnp.int32(0), jnp.int32(0),
                                                u=u)
-        state = RoutingState(cluster=C.empty_cluster(
+        state = RoutingState(cluster=self.ENGINE.empty(
                                  self.num_gpus, self.queue_buffer, self.max_batch,
                                  with_ids=self.log_capacity > 0),
                              pending=req, phase=phase, trace_pos=jnp.int32(0),
-                             time=jnp.int32(0), log=C.empty_log(self.log_capacity),
+                             time=jnp.int32(0), log=self.ENGINE.empty_log(self.log_capacity),
                              backlog=jnp.float32(0.0))
         return self.get_obs(state, params), state
 
@@ -188,7 +188,7 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
         reward = common.reward_from(st.metrics, params)
         backlog = jnp.float32(0.0)
         if self.shaping_gamma is not None:
-            backlog = expected_backlog(st.cluster, params.gpus)
+            backlog = self.ENGINE.backlog(st.cluster, params.gpus)
         reward = common.shaped_reward(reward, state.backlog, backlog, self.shaping_gamma, params)
         state = RoutingState(cluster=st.cluster, pending=st.pending, phase=st.phase,
                              trace_pos=st.trace_pos, time=state.time + 1, log=st.log,
@@ -226,66 +226,11 @@ def gpu_features(cluster: C.Cluster, params: common.ServingParams) -> jax.Array:
         waiting / jnp.maximum(gpus.queue_cap, 1),
         running / jnp.maximum(gpus.max_batch, 1),
         jnp.log1p(jnp.where(s.run_count > 0, jnp.maximum(s.est_end, 0.0), 0.0) / ts),
-        jnp.log1p(C.queued_work(cluster, gpus) / ts),
+        jnp.log1p(engines.STATIC.work(cluster, gpus) / ts),
         ref.min() / ref,
         jnp.log1p(mean_estimate) / jnp.log1p(params.tokens.max_output),
     ], axis=-1)
     return clip_features(rows)
-
-
-def expected_backlog(cluster: C.Cluster, gpus) -> jax.Array:
-    """Expected remaining time-in-system of every request present, summed (s); a scalar.
-
-    Per GPU, from what the scheduler knows (prompts, output *estimates*, `est_end`): the
-    running batch's requests leave at its expected end `R = max(est_end, 0)`. The `n` waiting
-    requests follow in `nb = ceil(n / max_batch)` batches that together take
-    `T = nb*c0 + alpha*sum p + alpha2*sum p^2 + o_max*(nb*beta + gamma*n + delta*sum p)`
-    (`service.batch_service_time` per batch, every batch's longest output taken as `o_max`,
-    the largest estimate to have joined the queue since it was last empty), finishing at
-    `R + T/nb, R + 2T/nb, ...`, so on average at `R + T * (nb + 1) / (2 nb)`. The potential of
-    Routing-v0's reward shaping. A function of the state alone: the sums and `o_max` are the
-    per-GPU running totals of `cluster.waiting`, so it reads no queue slot.
-    """
-    per_gpu = _backlog_per_gpu(cluster, gpus)
-    # Summed GPU by GPU (a static unroll), not with `.sum()`: under `vmap`, XLA's CPU backend
-    # hands a reduction fused with this arithmetic to a YNNPACK kernel that measured ~5x
-    # slower than the plain elementwise fusion the unrolled adds give.
-    return sum(per_gpu[..., g] for g in range(per_gpu.shape[-1])).astype(jnp.float32)
-
-
-def marginal_backlog(cluster: C.Cluster, gpus, prompt, estimate) -> jax.Array:
-    """Per GPU, how much `expected_backlog` grows (s) if a request of `prompt` tokens and
-    output estimate `estimate` joins that GPU's queue, `(num_gpus,)` float32: its own expected
-    time-in-system plus the delay it adds to the requests queued there.
-
-    The step-by-step greedy policy of Routing-v0's shaping potential
-    (`policies.routing.least_marginal`) takes its argmin.
-    """
-    before = _backlog_per_gpu(cluster, gpus)
-    after = _backlog_per_gpu(cluster, gpus, (prompt, estimate))
-    return (after - before).astype(jnp.float32)
-
-
-def _backlog_per_gpu(cluster: C.Cluster, gpus, joining=None) -> jax.Array:
-    """`expected_backlog`'s per-GPU terms `(num_gpus,)` (s); with `joining = (prompt,
-    estimate)`, each GPU's term as if that request had joined its queue (alone)."""
-    q, s, w = cluster.queues, cluster.servers, cluster.waiting
-    run_left = jnp.where(s.run_count > 0, jnp.maximum(s.est_end, 0.0), 0.0)
-    # Written in expected_backlog's original order, so the potential's program is unchanged.
-    n = q.count.astype(jnp.float32)
-    if joining is not None:  # static
-        n = n + 1.0
-    b = jnp.maximum(gpus.max_batch, 1).astype(jnp.float32)
-    nb = jnp.maximum(jnp.ceil(n / b), 1.0)
-    # Clipped at 0: the running sums may round a hair below it before the queue empties.
-    sum_p, sum_p2 = jnp.maximum(w.prompt_sum, 0.0), jnp.maximum(w.prompt_sq_sum, 0.0)
-    o_max = w.estimate_max
-    if joining is not None:  # static: the potential itself never takes this branch
-        p, est = joining
-        sum_p, sum_p2, o_max = sum_p + p, sum_p2 + p * p, jnp.maximum(o_max, est)
-    t_all = (nb * gpus.c0 + gpus.alpha * sum_p + gpus.alpha2 * sum_p2
-             + o_max * (nb * gpus.beta + gpus.gamma * n + gpus.delta * sum_p))
-    return s.run_count * run_left + n * (run_left + t_all * (nb + 1.0) / (2.0 * nb))
 
 
 def routing_observation(cluster: C.Cluster, pending: Request, params) -> jax.Array:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxserve.core.engines import Engine
+from jaxserve.core.engines import Engine, route_and_run
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.queues import Request
 from jaxserve.envs import common
@@ -63,7 +63,8 @@ def route_and_advance(engine: Engine, key: jax.Array, params: common.ServingPara
                       routed: Request | None = None, u: jax.Array | None = None,
                       route_kw: dict | None = None,
                       advance_kw: dict | None = None) -> RoutedStep:
-    """One routing decision's transition: route, draw the next arrival, advance, rebase.
+    """One routing decision's transition: draw the next arrival, then route, advance, rebase
+    (`engines.route_and_run`).
 
     The pending request (arriving at time 0 of the clock, s) joins `replica`'s queue or is
     dropped (`Engine.route_flags`); the next request and the gap (s) before it are drawn
@@ -92,16 +93,12 @@ def route_and_advance(engine: Engine, key: jax.Array, params: common.ServingPara
       `RoutedStep`.
     """
     routed = pending if routed is None else routed
-    cluster, dropped, flags = engine.route_flags(cluster, params.gpus, routed, replica,
-                                                 **(route_kw or {}))
     nxt_pos = trace_pos + 1
     gap, req, phase, exhausted = common.next_arrival(
         key, params, phase, nxt_pos, pending.req_id + 1, u=u)
-    cluster, metrics, extras, log = engine.advance_logged(cluster, params.gpus, gap,
-                                                          params.slo_s, log,
-                                                          **(advance_kw or {}))
-    # A drained cluster (gap = inf) has no times left to keep precise; skip the rebase.
-    cluster = engine.rebase(cluster, jnp.where(exhausted, 0.0, gap))
+    cluster, dropped, flags, metrics, extras, log = route_and_run(
+        engine, cluster, params.gpus, routed, replica, gap, exhausted, params.slo_s, log,
+        route_kw=route_kw, advance_kw=advance_kw)
     metrics = metrics.replace(arrived=jnp.int32(1), dropped=dropped.astype(jnp.int32),
                               invalid_actions=invalid.astype(jnp.int32))
     extras = {**extras, **{k: f.astype(jnp.int32) for k, f in flags.items()}}

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.core import continuous as CB
+from jaxserve.core import engines
 from jaxserve.core import queues as Q
 from jaxserve.core.replica import stack_replicas
 from jaxserve.core.sources import TraceArrays, trace_arrays
@@ -282,8 +283,8 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
                          router=None):
     """Routes request `i` (arriving `gaps[i]` s after the previous one; the last gap `inf`
     drains) to `replica[i]` on continuous-batching replicas, with prefix caching when
-    `blocks` is set: the engine loop of LLMRouting-v0's step (route, advance to the next
-    arrival, rebase) on its own, so it can carry each request's prefix node. Pure and
+    `blocks` is set: LLMRouting-v0's engine loop (`engines.route_and_run`: route, advance to
+    the next arrival, rebase) over a given trace, carrying each request's prefix node. Pure and
     jittable; vmaps over workloads (every array argument). `decode_runs=False` turns the
     engine's closed-form decode-run skip off (a boundary per iteration: tests, benchmarks).
     `router`, a static function `router(replicas, profiles) -> int32`, chooses each request's
@@ -298,8 +299,9 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
       request was routed to, `(n,)` int32.
     """
     n = gaps.shape[0]
-    rep = CB.empty_replicas(num_replicas, queue_buffer, max_seqs, True, blocks)
-    log = CB.empty_log(n, prefix=blocks is not None)
+    rep = engines.CONTINUOUS.empty(num_replicas, queue_buffer, max_seqs, with_ids=True,
+                                   prefix_blocks=blocks)
+    log = engines.CONTINUOUS.empty_log(n, prefix=blocks is not None)
     tab = tables if blocks is not None else None
 
     keys = CB.PREFIX_EXTRAS + ("audit_failures", "boundaries")
@@ -311,13 +313,13 @@ def replay_prefix_arrays(prof, tables, gaps, prompt, output, node, replica, *,
             r = router(rep, prof)
         req = Q.Request(arrival=jnp.float32(0.0), prompt=p, output=o, estimate=o,
                         size_class=jnp.int32(0), req_id=i)
-        rep, dropped, never = CB.route(rep, prof, req, r, node=nd, tables=tab)
-        rep, _, ex, log = CB.advance(rep, prof, gap, jnp.float32(1.0), log, tables=tab,
-                                     decode_runs=decode_runs,
-                                     audit=audit and blocks is not None)
-        rep = CB.rebase(rep, jnp.where(jnp.isfinite(gap), gap, 0.0))
+        rep, dropped, flags, _, ex, log = engines.route_and_run(
+            engines.CONTINUOUS, rep, prof, req, r, gap, ~jnp.isfinite(gap), jnp.float32(1.0),
+            log, route_kw=dict(node=nd, tables=tab),
+            advance_kw=dict(tables=tab, decode_runs=decode_runs,
+                            audit=audit and blocks is not None))
         tot = {k: tot[k] + ex.get(k, jnp.int32(0)) for k in keys}
-        return (rep, log, tot), (dropped, never, r)
+        return (rep, log, tot), (dropped, flags["never_fit"], r)
 
     xs = (jnp.arange(n, dtype=jnp.int32), gaps, prompt, output, node, replica)
     tot0 = {k: jnp.int32(0) for k in keys}

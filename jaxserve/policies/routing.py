@@ -36,7 +36,7 @@ from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.service import full_batch_rate, per_request_work, single_request_time
 from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
-from jaxserve.envs.routing import marginal_backlog
+from jaxserve.core.static_load import marginal_backlog
 from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
 from jaxserve.policies.registry import Policy, register, register_function
 
@@ -124,7 +124,7 @@ def sed(key, obs, state, params):
 
 
 def least_marginal(key, obs, state, params):
-    """Least expected added time-in-system (`envs.routing.marginal_backlog`, from output
+    """Least expected added time-in-system (`core.static_load.marginal_backlog`, from output
     estimates): the request's own expected latency at the GPU plus the delay it adds to the
     requests queued there. The greedy policy of Routing-v0's reward-shaping potential: the
     GPU whose shaped step reward is largest, read off the state before the step."""

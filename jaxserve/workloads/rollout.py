@@ -62,9 +62,7 @@ import numpy as np
 from flax import struct
 
 from jaxserve.core import arrivals as A
-from jaxserve.core import cluster as C
-from jaxserve.core import continuous as CB
-from jaxserve.core.continuous_load import queued_work as continuous_work
+from jaxserve.core import engines
 from jaxserve.core.profiles import get_profile
 from jaxserve.core.queues import Request
 from jaxserve.core.replica import NAMED_REPLICAS, REPLICA_BOOL_FIELDS, REPLICA_FLOAT_FIELDS, \
@@ -336,25 +334,27 @@ def _requests(key, params: RolloutParams, num_requests: int, requests):
 
 def _simulate(key, params: RolloutParams, rule, num_requests: int, max_replicas: int,
               max_batch_bound: int | None, per_request: bool, requests=None):
-    if is_continuous(params):
-        return _simulate_continuous(key, params, rule, num_requests, max_replicas,
-                                    max_batch_bound, per_request, requests)
+    """`simulate_iteration` on the engine `params.gpu` names (`engines.STATIC` for a
+    `GPUProfile`, `engines.CONTINUOUS` for a `ReplicaProfile`): the K requests routed at time
+    0 by `rule`, in submission order or (lpt, lpt_batch) by output estimate descending, then
+    every replica drained. On continuous replicas routing happens before any iteration (the
+    engine's event order: arrivals at an instant are queued before it is scheduled), and
+    `lpt_batch`, which plans static batches, is clipped to `lpt`. `max_batch_bound` is the
+    static dispatch window (`max_batch`) or number of running slots (`max_seqs`); default K."""
+    engine = engines.CONTINUOUS if is_continuous(params) else engines.STATIC
+    plans_batches = engine is engines.STATIC  # lpt_batch plans static batches
     K, R = num_requests, max_replicas
     f32 = jnp.float32
     gpus = jax.tree.map(lambda x: jnp.broadcast_to(x, (R,)), params.gpu)
     n = jnp.clip(params.num_replicas, 1, R).astype(jnp.int32)
     active = jnp.arange(R) < n
-    rule = jnp.clip(jnp.asarray(rule, jnp.int32), 0, len(RULES) - 1)
+    last_rule = LPT_BATCH if plans_batches else LPT
+    rule = jnp.clip(jnp.asarray(rule, jnp.int32), 0, last_rule)
     prompt, output, est, cls = _requests(key, params, K, requests)
 
     sorted_rule = (rule == LPT) | (rule == LPT_BATCH)
     order = jnp.where(sorted_rule, jnp.argsort(-est, stable=True),
                       jnp.arange(K, dtype=jnp.int32)).astype(jnp.int32)
-    b = jnp.maximum(params.gpu.max_batch, 1).astype(jnp.int32)
-    # lpt_batch's chunk: the fewest batches the busiest replica can run is
-    # m = ceil(K / (r B)); chunks of ceil(K / (r m)) give every replica about m equal batches.
-    per_replica = (K + n * b - 1) // (n * b)
-    chunk = jnp.clip((K + n * per_replica - 1) // (n * per_replica), 1, b)
 
     def argmin_active(x):
         return jnp.argmin(jnp.where(active, x, jnp.inf)).astype(jnp.int32)
@@ -363,22 +363,33 @@ def _simulate(key, params: RolloutParams, rule, num_requests: int, max_replicas:
         return (j % n).astype(jnp.int32)
 
     def jsq(cl, plan, j):
-        return argmin_active((cl.queues.count + cl.servers.run_count).astype(f32))
+        return argmin_active(engine.held(cl).astype(f32))
 
     def lwl(cl, plan, j):
-        return argmin_active(C.queued_work(cl, gpus))
+        return argmin_active(engine.work(cl, gpus))
 
-    def lpt_batch(cl, plan, j):
-        open_ = active & (plan.size > 0) & (plan.size < chunk)
-        return jnp.where(open_.any(), jnp.argmax(open_).astype(jnp.int32),
-                         argmin_active(plan.closed + _open_time(plan, gpus)))
+    branches = [rr, jsq, lwl, lwl]  # lpt = least work left over the sorted order
+    plan = None
+    if plans_batches:
+        b = jnp.maximum(params.gpu.max_batch, 1).astype(jnp.int32)
+        # lpt_batch's chunk: the fewest batches the busiest replica can run is
+        # m = ceil(K / (r B)); chunks of ceil(K / (r m)) give every replica about m equal
+        # batches.
+        per_replica = (K + n * b - 1) // (n * b)
+        chunk = jnp.clip((K + n * per_replica - 1) // (n * per_replica), 1, b)
 
-    branches = [rr, jsq, lwl, lwl, lpt_batch]  # lpt = least work left over the sorted order
+        def lpt_batch(cl, plan, j):
+            open_ = active & (plan.size > 0) & (plan.size < chunk)
+            return jnp.where(open_.any(), jnp.argmax(open_).astype(jnp.int32),
+                             argmin_active(plan.closed + _open_time(plan, gpus)))
+
+        branches.append(lpt_batch)
+        zf = jnp.zeros((R,), f32)
+        plan = _Plan(closed=zf, size=jnp.zeros((R,), jnp.int32), sum_p=zf, sum_p2=zf,
+                     max_e=zf)
 
     window = K if max_batch_bound is None else max(1, min(int(max_batch_bound), K))
-    cluster = C.empty_cluster(R, K, max_batch=window, with_ids=True)
-    zf = jnp.zeros((R,), f32)
-    plan = _Plan(closed=zf, size=jnp.zeros((R,), jnp.int32), sum_p=zf, sum_p2=zf, max_e=zf)
+    cluster = engine.empty(R, K, window, with_ids=True)
 
     def step(carry, j):
         cl, plan, dropped = carry
@@ -386,79 +397,24 @@ def _simulate(key, params: RolloutParams, rule, num_requests: int, max_replicas:
         req = Request(arrival=f32(0.0), prompt=prompt[i], output=output[i], estimate=est[i],
                       size_class=cls[i], req_id=i)
         g = jax.lax.switch(rule, branches, cl, plan, j)
-        cl, d = C.route(cl, gpus, req, g)
-        plan = _plan_add(plan, gpus, g, req, chunk)
+        cl, d = engine.route(cl, gpus, req, g)
+        if plans_batches:
+            plan = _plan_add(plan, gpus, g, req, chunk)
         return (cl, plan, dropped + d.astype(jnp.int32)), g
 
     (cluster, _, dropped), routed = jax.lax.scan(
         step, (cluster, plan, jnp.int32(0)), jnp.arange(K, dtype=jnp.int32))
-    cluster, m, log = C.advance_static(cluster, gpus, jnp.float32(jnp.inf),
-                                       jnp.float32(jnp.inf), C.empty_log(K))
-
-    done = log.batch >= 0
-    latency = jnp.where(done, log.wait + log.service, jnp.nan)  # arrival 0: latency = finish
-    out = _result(params, m, n, done, latency, cluster.servers.batches.sum(), dropped)
+    inf = jnp.float32(jnp.inf)
+    cluster, m, _, log = engine.advance_logged(cluster, gpus, inf, inf, engine.empty_log(K))
+    done, latency = engine.finished(log)  # arrival 0: latency = finish
+    out = _result(params, m, n, done, latency, engine.batches_run(cluster).sum(), dropped)
+    if not plans_batches:
+        out["preemptions"] = cluster.preemptions.sum()
     if per_request:
         out["replica"] = jnp.zeros((K,), jnp.int32).at[order].set(routed)
         out["latency_s"] = jnp.where(done, latency, 0.0)
-        out["route_order"] = order
-        out["prompt"], out["output"], out["estimate"] = prompt, output, est
-    return out
-
-
-def _simulate_continuous(key, params: RolloutParams, rule, num_requests: int,
-                         max_replicas: int, max_seqs_bound: int | None, per_request: bool,
-                         requests=None):
-    """`_simulate` on continuous-batching replicas (`core.continuous`), same request draws.
-
-    Routing happens at time 0 before any iteration (the engine's event order: arrivals at an
-    instant are queued before it is scheduled), then `continuous.advance` drains every
-    replica. `max_seqs_bound` is the static number of running slots (default K).
-    """
-    K, R = num_requests, max_replicas
-    f32 = jnp.float32
-    prof = jax.tree.map(lambda x: jnp.broadcast_to(x, (R,)), params.gpu)
-    n = jnp.clip(params.num_replicas, 1, R).astype(jnp.int32)
-    active = jnp.arange(R) < n
-    rule = jnp.clip(jnp.asarray(rule, jnp.int32), 0, LPT)  # lpt_batch plans static batches
-    prompt, output, est, cls = _requests(key, params, K, requests)
-    order = jnp.where(rule == LPT, jnp.argsort(-est, stable=True),
-                      jnp.arange(K, dtype=jnp.int32)).astype(jnp.int32)
-
-    def argmin_active(x):
-        return jnp.argmin(jnp.where(active, x, jnp.inf)).astype(jnp.int32)
-
-    def rr(rep, j):
-        return (j % n).astype(jnp.int32)
-
-    def jsq(rep, j):
-        return argmin_active((rep.queues.count + rep.run.count).astype(f32))
-
-    def lwl(rep, j):
-        return argmin_active(continuous_work(rep, prof))
-
-    slots = K if max_seqs_bound is None else max(1, min(int(max_seqs_bound), K))
-    cluster = CB.empty_replicas(R, K, slots, with_ids=True)
-
-    def step(rep, j):
-        i = order[j]
-        req = Request(arrival=f32(0.0), prompt=prompt[i], output=output[i], estimate=est[i],
-                      size_class=cls[i], req_id=i)
-        g = jax.lax.switch(rule, [rr, jsq, lwl, lwl], rep, j)
-        rep, dropped, _ = CB.route(rep, prof, req, g)
-        return rep, (g, dropped)
-
-    cluster, (routed, dropped) = jax.lax.scan(step, cluster, jnp.arange(K, dtype=jnp.int32))
-    inf = jnp.float32(jnp.inf)
-    cluster, m, _, log = CB.advance(cluster, prof, inf, inf, CB.empty_log(K))
-    done = jnp.isfinite(log.e2e)
-    out = _result(params, m, n, done, log.e2e, cluster.iterations.sum(),
-                  dropped.sum().astype(jnp.int32))
-    out["preemptions"] = cluster.preemptions.sum()
-    if per_request:
-        out["replica"] = jnp.zeros((K,), jnp.int32).at[order].set(routed)
-        out["latency_s"] = jnp.where(done, log.e2e, 0.0)
-        out["ttft_s"] = jnp.where(done, log.ttft, 0.0)
+        if not plans_batches:
+            out["ttft_s"] = jnp.where(done, log.ttft, 0.0)
         out["route_order"] = order
         out["prompt"], out["output"], out["estimate"] = prompt, output, est
     return out
