@@ -13,12 +13,11 @@ from jaxserve.envs import base
 from jaxserve.policies import generic as G
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import registry
-from jaxserve.policies import routing as R
 
 LLM_ROUTERS = {"random": G.random_policy, "round_robin": G.round_robin,
                "power_of_two": G.power_of_two, "jsq_requests": L.jsq_requests,
                "jsq_tokens": L.jsq_tokens, "least_kv": L.least_kv, "vllm_dp": L.vllm_dp,
-               "sita_prompt": L.sita_prompt, "least_marginal": L.least_marginal}
+               "sita_prompt": L.sita_prompt, "least_marginal": G.least_marginal}
 REPLICAS = [jaxserve.replica_profile("opt13b-a100-80g", max_seqs=4, queue_cap=4),
             jaxserve.replica_profile("opt13b-a100-40g", max_seqs=4, queue_cap=4),
             jaxserve.replica_profile("opt13b-a100-40g", max_seqs=4, queue_cap=4)]
@@ -70,7 +69,7 @@ def test_every_llm_router_is_the_module_function_and_acts_in_range():
 
 def test_a_generic_rule_is_one_registration_for_both_routing_kinds():
     for name, fn in (("random", G.random_policy), ("round_robin", G.round_robin),
-                     ("power_of_two", G.power_of_two)):
+                     ("power_of_two", G.power_of_two), ("least_marginal", G.least_marginal)):
         assert P.kinds_of(name) == ("routing", "llm_routing")
         rt, llm = P.get(name, kind="routing"), P.get(name, kind="llm_routing")
         assert rt.fn is llm.fn is fn
@@ -82,7 +81,7 @@ def test_a_generic_rule_is_one_registration_for_both_routing_kinds():
     assert P.kind_of("jsq") == "routing" and P.kinds_of("jsq") == ("routing",)
 
 
-@pytest.mark.parametrize("name", ["least_marginal", "sita_prompt"])
+@pytest.mark.parametrize("name", ["sita_prompt"])
 def test_a_name_of_two_different_policies_needs_kind(name):
     assert P.kinds_of(name) == ("routing", "llm_routing")
     for lookup in (P.get, P.options):
@@ -91,13 +90,9 @@ def test_a_name_of_two_different_policies_needs_kind(name):
     with pytest.raises(ValueError, match="several kinds"):
         P.kind_of(name)
     assert P.get(name, kind="llm_routing").fn is getattr(L, name)
-    # Routing-v0's is another policy: a fitted SITA, or the routing module's least_marginal.
-    if name == "sita_prompt":
-        assert "fit" in P.options(name, kind="routing")
-        assert P.options(name, kind="llm_routing") == ("threshold",)
-    else:
-        assert P.get(name, kind="routing").fn is R.least_marginal
-        assert R.least_marginal is not L.least_marginal
+    # Routing-v0's is another policy: a fitted SITA.
+    assert "fit" in P.options(name, kind="routing")
+    assert P.options(name, kind="llm_routing") == ("threshold",)
 
 
 def test_llm_sita_prompt_takes_its_threshold():
@@ -144,10 +139,54 @@ def test_registration_is_unique_per_kind_not_per_name(scratch_registry):
 
 def test_imitation_finds_the_routers_of_the_env_kind():
     """`agents.imitation.heuristic` reads `env.policy_kind`: LLMRouting-v0's routers by
-    name (its `least_marginal`, not Routing-v0's), and no policy of another kind."""
+    name (`least_marginal`, labelled for it), and no policy of another kind."""
     from jaxserve.agents import imitation
     env, params = jaxserve.make("LLMRouting-v0", replicas=REPLICAS)
     pol = imitation.heuristic(env, params, "least_marginal", seed=0)
-    assert pol.kind == "llm_routing" and pol.fn is L.least_marginal
+    assert pol.kind == "llm_routing" and pol.fn is G.least_marginal
     with pytest.raises(ValueError, match="cannot imitate 'jsq'"):
         imitation.heuristic(env, params, "jsq", seed=0)
+
+
+def test_least_marginal_reads_each_engine_through_its_interface():
+    """The one `least_marginal` is, on each engine, the argmin of that engine's marginal
+    backlog over the servers that would not drop the request (all of them if every one
+    would): `static_load.marginal_backlog` and a full queue on Routing-v0,
+    `continuous_load.marginal_backlog` and `would_drop` (full queue or never fits) on
+    LLMRouting-v0, checked on the states of a short random episode of each."""
+    from jaxserve.core import continuous_load as CL
+    from jaxserve.core import static_load as SL
+
+    def by_definition_static(state, params):
+        req = state.pending
+        cost = SL.marginal_backlog(state.cluster, params.gpus, req.prompt, req.estimate)
+        full = state.cluster.queues.count >= params.gpus.queue_cap
+        return jnp.argmin(jnp.where(full & ~full.all(), jnp.inf, cost)).astype(jnp.int32)
+
+    def by_definition_llm(state, params):
+        req = state.pending
+        cost = CL.marginal_backlog(state.cluster, params.gpus, req.prompt, req.estimate)
+        bad = L.would_drop(state, params)
+        return jnp.argmin(jnp.where(bad & ~bad.all(), jnp.inf, cost)).astype(jnp.int32)
+
+    cases = [(jaxserve.make("Routing-v0"), by_definition_static),
+             (jaxserve.make("LLMRouting-v0", replicas=REPLICAS), by_definition_llm)]
+    for (env, params), by_definition in cases:
+        @jax.jit
+        def run(key):
+            obs, state = env.reset(key, params)
+
+            def step(carry, k):
+                obs, state = carry
+                k_a, k_env = jax.random.split(k)
+                got = G.least_marginal(k_a, obs, state, params)
+                want = by_definition(state, params)
+                a = env.action_space(params).sample(k_a)
+                obs, state, *_ = env.step(k_env, state, a, params)
+                return (obs, state), (got, want)
+
+            return jax.lax.scan(step, (obs, state), jax.random.split(key, STEPS))[1]
+
+        got, want = run(jax.random.PRNGKey(1))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=env.name)
+        assert len(np.unique(np.asarray(got))) > 1, env.name

@@ -15,9 +15,10 @@ environment's observation, `state` its state pytree (`RoutingState` / `BatchingS
 Registry (`registry.py`): policies are registered under a (kind, name) pair, the kind being
 the environment family they act in (`KINDS`: "routing" Routing-v0, "batching",
 "autoscaling", "prefix_routing" LLMPrefixRouting-v0, "llm_routing" LLMRouting-v0). A name is
-unique within its kind; `least_marginal` and `sita_prompt` name different policies of kinds
-"routing" and "llm_routing". A rule shared by environments (random, round_robin, power_of_two,
-`generic.py`) is registered once for both routing kinds. `get(name, kind=None, **options)`
+unique within its kind; `sita_prompt` names different policies of kinds "routing" and
+"llm_routing". A rule shared by environments (random, round_robin, power_of_two,
+least_marginal: `generic.py`, which reads each engine through `core.engines`) is registered
+once for both routing kinds. `get(name, kind=None, **options)`
 builds a `Policy` (a callable with that signature, plus `name`, `kind` — the kind it was got
 for — and `info`); without `kind=` the name must be unambiguous (ValueError naming the kinds
 otherwise). Every factory accepts `env=` and `params=` (those that fit something to the

@@ -10,10 +10,10 @@ request can never fit its KV cache / token budget) are skipped, unless every rep
 drop it. Ties go to the lowest index (`argmin`).
 
 Registered with kind "llm_routing" (`policies.get(name, kind="llm_routing")`): jsq_requests,
-jsq_tokens, least_kv, vllm_dp, sita_prompt (option `threshold`), least_marginal, and the
-generic random, round_robin and power_of_two (`policies.generic`, registered once for
-Routing-v0 and LLMRouting-v0). `least_marginal` and `sita_prompt` are also names of different
-Routing-v0 policies (kind "routing"), so look them up with `kind="llm_routing"`;
+jsq_tokens, least_kv, vllm_dp, sita_prompt (option `threshold`), and the generic random,
+round_robin, power_of_two and least_marginal (`policies.generic`, registered once for
+Routing-v0 and LLMRouting-v0). `sita_prompt` is also the name of a different Routing-v0
+policy (kind "routing": a fitted SITA), so look it up with `kind="llm_routing"`;
 `policies.names("llm_routing")` lists them all. Each function stays importable from this
 module (`jsq_tokens`, `sita_prompt`...).
 """
@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.core import continuous as CB
-from jaxserve.core import continuous_load as CL
-from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
+from jaxserve.policies.generic import in_system
 from jaxserve.policies.registry import Policy, register, register_function
 
 KIND = "llm_routing"
@@ -55,15 +54,6 @@ def jsq_tokens(key, obs, state, params):
     prof = params.gpus
     cap = (prof.kv_blocks * prof.block_size).astype(jnp.float32)
     return _argmin_open(CB.tokens_in_flight(state.cluster) / cap, state, params)
-
-
-def least_marginal(key, obs, state, params):
-    """Least estimated added time-in-system (`continuous_load.marginal_backlog`: the request's
-    own estimated latency plus the delay it causes the requests present): the greedy policy
-    of LLMRouting-v0's reward-shaping potential, from output estimates."""
-    req = state.pending
-    cost = CL.marginal_backlog(state.cluster, params.gpus, req.prompt, req.estimate)
-    return _argmin_open(cost, state, params)
 
 
 def least_kv(key, obs, state, params):
@@ -123,7 +113,7 @@ def make_sita_prompt(threshold: float = 512.0):
 sita_prompt = make_sita_prompt()
 
 
-for _fn in (jsq_requests, jsq_tokens, least_kv, vllm_dp, least_marginal):
+for _fn in (jsq_requests, jsq_tokens, least_kv, vllm_dp):
     register_function(_fn.__name__, KIND, _fn)
 
 

@@ -4,11 +4,12 @@
 A policy's kind is the environment family it acts in (`KINDS`, defined once as
 `envs.base.POLICY_KINDS`: "routing" for Routing-v0, "batching", "autoscaling",
 "prefix_routing" for LLMPrefixRouting-v0, "llm_routing" for LLMRouting-v0). A name is unique
-within a kind, not across kinds: Routing-v0's `least_marginal` and LLMRouting-v0's
-`least_marginal` are two registrations, `("routing", "least_marginal")` and
-`("llm_routing", "least_marginal")`. A rule that reads nothing engine-specific (random,
-round_robin, power_of_two, `policies.generic`) is registered ONCE for several kinds, so each
-router exists once in the registry.
+within a kind, not across kinds: Routing-v0's `sita_prompt` (a fitted SITA) and
+LLMRouting-v0's (a prompt-length threshold) are two registrations, `("routing",
+"sita_prompt")` and `("llm_routing", "sita_prompt")`. A rule written once for several
+environments (random, round_robin, power_of_two, least_marginal: `policies.generic`, reading
+the engine only through `core.engines`) is registered ONCE for several kinds, so each router
+exists once in the registry.
 
 `get(name)` without `kind=` works while the name is unambiguous: held by one kind, or by one
 registration covering several kinds; otherwise it raises ValueError naming the kinds that

@@ -36,7 +36,6 @@ from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.service import full_batch_rate, per_request_work, single_request_time
 from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
-from jaxserve.core.static_load import marginal_backlog
 from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
 from jaxserve.policies.registry import Policy, register, register_function
 
@@ -121,16 +120,6 @@ def sed(key, obs, state, params):
     fastest_idle = jnp.argmin(jnp.where(idle, own, jnp.inf)).astype(jnp.int32)
     busy_best = _argmin_open(C.queued_work(state.cluster, params.gpus) + own, state, params)
     return jnp.where(idle.any(), fastest_idle, busy_best)
-
-
-def least_marginal(key, obs, state, params):
-    """Least expected added time-in-system (`core.static_load.marginal_backlog`, from output
-    estimates): the request's own expected latency at the GPU plus the delay it adds to the
-    requests queued there. The greedy policy of Routing-v0's reward-shaping potential: the
-    GPU whose shaped step reward is largest, read off the state before the step."""
-    req = state.pending
-    cost = marginal_backlog(state.cluster, params.gpus, req.prompt, req.estimate)
-    return _argmin_open(cost, state, params)
 
 
 def _oracle_queued_work(state, params) -> jax.Array:
@@ -460,7 +449,7 @@ def make_sita_overflow(fit: SitaFit, overflow_s):
 
 
 # ----------------------------------------------------------------------------- registry
-# Kind "routing". `random`, `round_robin` and `power_of_two` (imported above) are registered
+# Kind "routing". `random`, `round_robin`, `power_of_two` and `least_marginal` are registered
 # once for Routing-v0 and LLMRouting-v0 by `policies.generic`.
 
 def _simple(name, fn, doc):
@@ -470,8 +459,6 @@ def _simple(name, fn, doc):
 _simple("jsq", jsq, "Join the shortest queue (waiting + running).")
 _simple("least_work_left", least_work_left, "Least expected work left (queued_work).")
 _simple("sed", sed, "Shortest expected delay; fastest idle GPU first.")
-_simple("least_marginal", least_marginal,
-        "Least expected added time-in-system: the greedy policy of the shaping potential.")
 _simple("sed_oracle", sed_oracle,
         "ORACLE: SED with true output lengths (a reference, not a realisable baseline).")
 _simple("least_work_left_oracle", least_work_left_oracle,
