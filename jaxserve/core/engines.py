@@ -320,11 +320,9 @@ def route_and_run(engine: Engine, state, profiles, request, replica, horizon, dr
     routed to `replica` (`route_flags`), the cluster run to `horizon` s with the per-request
     log (`advance_logged`), and the clock origin moved to `horizon` (`rebase`; by 0 where
     `drained`, the last request's `horizon = inf`, as no later event needs precise times).
-    The loop every routing environment's step and every replay runs.
-
-    Returns:
-      `(state, dropped, flags, metrics, extras, log)`: `route_flags`' `dropped` and `flags`,
-      `advance_logged`'s `StepMetrics`, extra counters and log.
+    The loop every routing environment's step and every replay runs. Returns `(state,
+    dropped, flags, metrics, extras, log)`: `route_flags`' `dropped` and `flags`, then
+    `advance_logged`'s `StepMetrics`, extra counters and log.
     """
     state, dropped, flags = engine.route_flags(state, profiles, request, replica, enabled,
                                                **(route_kw or {}))
