@@ -35,6 +35,7 @@ import numpy as np
 
 import jaxserve
 from jaxserve.core import continuous_load as CL
+from jaxserve.policies import generic as G
 from jaxserve.policies import llm_routing as P
 from tests.minimal_ppo import greedy_policy, make_train
 
@@ -117,7 +118,7 @@ def main(argv=None):
     print("1. shaped reward parts (reward units), std over steps; action spread = mean of "
           "max - min over replicas of m / L")
     for name in ("random", "least_marginal"):
-        pol = P.random_policy if name == "random" else P.least_marginal
+        pol = G.random_policy if name == "random" else G.least_marginal
         p = reward_decomposition(env, params, pol, jax.random.PRNGKey(0))
         print(f"  {name:15s} reward std {p['reward'].std():.2e} | signal std "
               f"{p['signal'].std():.2e} | leak mean {p['leak'].mean():.2e} std "
@@ -145,8 +146,8 @@ def main(argv=None):
 
     res = drained_latency(env, params, {"ppo": greedy_policy(network, net_params),
                                         "jsq_tokens": P.jsq_tokens,
-                                        "round_robin": P.round_robin,
-                                        "least_marginal": P.least_marginal},
+                                        "round_robin": G.round_robin,
+                                        "least_marginal": G.least_marginal},
                           jax.random.PRNGKey(EVAL_KEY), EVAL_STREAMS, EVAL_REQUESTS)
     print("3. drop-inclusive mean E2E (s), PPO minus each (paired 95% t-interval)")
     for name, v in res.items():

@@ -16,7 +16,7 @@ updates) both claims hold on the
 registered defaults. Measured with these keys on the 2-core VM shared with other jobs (a `/tmp`
 script running this file's training and evaluation, plus `least_marginal`): PPO 5.60 s, JSQ by
 tokens 5.67 s (paired -0.07 [-0.11, -0.02]), round robin 9.82 s (paired -4.22 [-6.77, -1.67]);
-`policies.llm_routing.least_marginal`, the greedy policy of the shaping potential, 5.22 s, is
+`policies.generic.least_marginal`, the greedy policy of the shaping potential, 5.22 s, is
 still 0.38 s [0.34, 0.42] better than PPO. At 131,072 steps PPO scored 6.36 s (loses to JSQ by
 tokens, +0.70 [+0.62, +0.77]) and at 65,536 steps 10.90 s (not better than round robin:
 +1.08 [-1.40, +3.56]), so the budget cannot shrink; why it learns this slowly is measured in
@@ -40,6 +40,7 @@ import jaxserve
 from jaxserve.core.sources import sample_stream
 from jaxserve.envs.base import with_static
 from jaxserve.evaluation.stats import paired_difference
+from jaxserve.policies import generic as G
 from jaxserve.policies import llm_routing as P
 from tests.drained import drained_latencies
 from tests.minimal_ppo import greedy_policy, make_train
@@ -94,7 +95,7 @@ def test_minimal_ppo_beats_round_robin_and_jsq_tokens_on_llm_routing():
     assert np.all(np.isfinite(np.asarray(rewards)))
     res = drained_latency(env, params, {"ppo": greedy_policy(network, net_params),
                                         "jsq_tokens": P.jsq_tokens,
-                                        "round_robin": P.round_robin},
+                                        "round_robin": G.round_robin},
                           jax.random.PRNGKey(EVAL_KEY), EVAL_STREAMS, EVAL_REQUESTS)
     checks = [_beats(res, base) for base in ("round_robin", "jsq_tokens")]
     assert all(ok for ok, _ in checks), "; ".join(msg for _, msg in checks)

@@ -42,6 +42,7 @@ import jaxserve
 from jaxserve.core.stats import paired_difference
 from jaxserve.envs.llm_prefix_routing import (PREFIX_REQUESTS, PREFIX_SEED, make_llm_prefix_routing,
                                               prefix_workload)
+from jaxserve.policies import generic as G
 from jaxserve.policies import llm_routing as L
 from jaxserve.policies import prefix_routing as PR
 from tests.drained import drained_latencies
@@ -92,7 +93,7 @@ def train_and_evaluate(extra: dict | None = None) -> dict:
     return drained_latency(env_e, params_e, {
         "ppo": greedy_policy(network, net_params),
         "jsq_tokens": env_e.replica_policy(L.jsq_tokens),
-        "round_robin": env_e.replica_policy(L.round_robin), **(extra or {})},
+        "round_robin": env_e.replica_policy(G.round_robin), **(extra or {})},
         jax.random.PRNGKey(EVAL_KEY))
 
 

@@ -41,7 +41,7 @@ def marginal_backlog(cluster: C.Cluster, gpus, prompt, estimate) -> jax.Array:
     time-in-system plus the delay it adds to the requests queued there.
 
     The step-by-step greedy policy of Routing-v0's shaping potential
-    (`policies.routing.least_marginal`) takes its argmin.
+    (`policies.generic.least_marginal`) takes its argmin.
     """
     before = backlog_per_gpu(cluster, gpus)
     after = backlog_per_gpu(cluster, gpus, (prompt, estimate))
