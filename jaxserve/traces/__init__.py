@@ -1,6 +1,6 @@
 """Public request traces: loaders for the real trace formats and summary statistics.
 
-See `jaxserve.traces.loaders` and docs/traces.md. The trace files themselves are public data
+See `jaxserve.traces.loaders`, `jaxserve.traces.trace_stats` and docs/traces.md. The trace files themselves are public data
 on GitHub, listed with their upstream URL, licence and sha256 in `jaxserve.traces.registry`;
 `fetch(name)` (or `jaxserve-traces fetch NAME`) downloads one into the user cache and
 `path(name)` finds it (under `$JAXSERVE_TRACES_DIR`, then in the cache), hash-checked.
@@ -19,9 +19,8 @@ from jaxserve.traces.loaders import (
     load_burstgpt,
     load_burstgpt_with_report,
     load_with_report,
-    summary,
-    summary_table,
 )
+from jaxserve.traces.trace_stats import summary, summary_table
 
 __all__ = [
     "FORMATS",

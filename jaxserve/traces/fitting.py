@@ -75,7 +75,7 @@ import numpy as np
 
 from jaxserve.core import arrivals as A
 from jaxserve.core.types import Trace, validate_trace
-from jaxserve.traces.loaders import summary
+from jaxserve.traces.trace_stats import summary
 
 __all__ = [
     "MMPPFit",
