@@ -96,8 +96,20 @@ class _Replica:
     def fresh_waiting(self):
         return sum(1 for r in self.waiting if r.pre == 0)
 
+    def held(self, r):
+        """KV blocks running request `r` holds: those of its computed tokens."""
+        return self.blocks(r.C)
+
+    def used(self):
+        """KV blocks in use: the running requests'."""
+        return sum(self.held(r) for r in self.running)
+
     def schedule(self, t):
-        free = self.M - sum(self.blocks(r.C) for r in self.running)
+        """One iteration boundary at `t` (s): the running pass (each running request's next
+        chunk, preempting from the back of `running` when blocks run short), then, unless it
+        preempted, admission (`admit`); starts the iteration (`end`) or marks the replica
+        stalled."""
+        free = self.M - self.used()
         k = self.K
         sched = []
         preempted = False
@@ -105,11 +117,11 @@ class _Replica:
         while i < len(self.running) and k > 0:
             r = self.running[i]
             n = min(r.L - r.C, k)
-            extra = self.blocks(r.C + n) - self.blocks(r.C)
+            extra = max(self.blocks(r.C + n) - self.held(r), 0)
             self_victim = False
             while free < extra:
                 v = self.running.pop()
-                free += self.blocks(v.C)
+                free += self.held(v)
                 self.requeue_preempted(v)
                 preempted = True
                 if v is r:
@@ -122,21 +134,7 @@ class _Replica:
             k -= n
             i += 1
         if not preempted:
-            while len(self.running) < self.S and k > 0 and self.waiting:
-                h = self.waiting[0]
-                if self.chunked:
-                    n = min(h.L, k)
-                elif h.L > k:
-                    break
-                else:
-                    n = h.L
-                if free - self.blocks(n) < self.wm:
-                    break
-                self.waiting.popleft()
-                self.running.append(h)
-                sched.append((h, n))
-                k -= n
-                free -= self.blocks(n)
+            self.admit(sched, free, k)
         if not sched:
             self.stalled = True
             return
@@ -146,12 +144,41 @@ class _Replica:
         self.scheduled = sched
         self.end = t + T
         self.iterations += 1
-        # Blocks held during the iteration: every running request's, after its new tokens.
-        n_of = {id(r): n for r, n in sched}
-        blocks = sum(self.blocks(r.C + n_of.get(id(r), 0)) for r in self.running)
+        blocks = self.blocks_in_iteration({id(r): n for r, n in sched})
         self.busy += T
         self.kv_block_s += blocks * T
         self.kv_peak = max(self.kv_peak, blocks)
+
+    def admit(self, sched, free, k):
+        """Admission from the head of `waiting` (FCFS) while a running slot, token budget
+        `k` and `free` blocks above the watermark allow; appends `(request, tokens)` to
+        `sched`."""
+        while len(self.running) < self.S and k > 0 and self.waiting:
+            admitted, free, k = self.admit_head(sched, free, k)
+            if not admitted:
+                break
+
+    def admit_head(self, sched, free, k):
+        """Admits the head of `waiting` for its prompt (a chunk of at most `k` tokens with
+        chunked prefill, else all of it or nothing): `(admitted, free, k)` after it."""
+        h = self.waiting[0]
+        if self.chunked:
+            n = min(h.L, k)
+        elif h.L > k:
+            return False, free, k
+        else:
+            n = h.L
+        if free - self.blocks(n) < self.wm:
+            return False, free, k
+        self.waiting.popleft()
+        self.running.append(h)
+        sched.append((h, n))
+        return True, free - self.blocks(n), k - n
+
+    def blocks_in_iteration(self, n_of):
+        """Blocks held during the iteration: every running request's, after its new tokens
+        (`n_of`: tokens scheduled per request id)."""
+        return sum(self.blocks(r.C + n_of.get(id(r), 0)) for r in self.running)
 
     def requeue_preempted(self, v):
         """Recompute preemption of the popped victim `v`: its computed tokens are dropped and

@@ -92,96 +92,59 @@ class _PDReplica(_Replica):
         super().requeue_preempted(v)
 
     def schedule(self, t):
-        """One iteration boundary at `t` (s): the running pass of `docs/contract_continuous.md`
-        with blocks held as `held`, then admission visiting the remote list (ready requests
-        scheduled for their one token; receiving ones skipped) before `waiting` (a pending D
-        request is allocated `ceil(p / b)` blocks and its transfer starts; any other head is
-        admitted as in the colocated engine). With no remote requests and nothing held for
-        sends this is `_Replica.schedule` exactly."""
+        """One iteration boundary at `t` (s): `_Replica.schedule` with blocks held as `held`
+        and the admission of `admit` (the transfers it starts are listed in `started`)."""
         self.started = []
-        free = self.M - self.used()
-        k = self.K
-        sched = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and k > 0:
-            r = self.running[i]
-            n = min(r.L - r.C, k)
-            extra = max(self.blocks(r.C + n) - self.held(r), 0)
-            self_victim = False
-            while free < extra:
-                v = self.running.pop()
-                free += self.held(v)
-                self.requeue_preempted(v)
-                preempted = True
-                if v is r:
-                    self_victim = True
-                    break
-            if self_victim:
+        super().schedule(t)
+
+    def admit(self, sched, free, k):
+        """Admission visiting the remote list before `waiting`: a ready request is scheduled
+        for its remaining prompt token(s) (its blocks already reserved), a receiving one is
+        skipped; at the head of `waiting`, a pending D request is allocated `ceil(p / b)`
+        blocks and its transfer starts (no token budget, no running slot), any other head is
+        admitted as in the colocated engine (`admit_head`). With no remote requests this is
+        `_Replica.admit` exactly."""
+        j = 0  # next remote request to visit in this pass
+        while k > 0 and (j < len(self.remote) or self.waiting):
+            if len(self.running) >= self.S:
                 break
-            sched.append((r, n))
-            free -= extra
-            k -= n
-            i += 1
-        if not preempted:
-            j = 0  # next remote request to visit in this pass
-            while k > 0 and (j < len(self.remote) or self.waiting):
-                if len(self.running) >= self.S:
-                    break
-                if j < len(self.remote):
-                    r = self.remote[j]
-                    if not r.ready:
-                        j += 1
-                        continue
-                    n = r.L - r.C
-                    extra = max(self.blocks(r.C + n) - r.res, 0)
-                    if free - extra < self.wm:
-                        break
-                    self.remote.pop(j)
-                    self.running.append(r)
-                    sched.append((r, n))
-                    k -= n
-                    free -= extra
+            if j < len(self.remote):
+                r = self.remote[j]
+                if not r.ready:
+                    j += 1
                     continue
-                h = self.waiting[0]
-                if h.pending:
-                    need = self.blocks(h.p)
-                    if free - need < self.wm:
-                        break
-                    self.waiting.popleft()
-                    h.pending = False
-                    h.res = need
-                    self.remote.append(h)
-                    j = len(self.remote)  # allocated in this pass: not visited again
-                    self.started.append(h)
-                    free -= need
-                    continue
-                if self.chunked:
-                    n = min(h.L, k)
-                elif h.L > k:
+                n = r.L - r.C
+                extra = max(self.blocks(r.C + n) - r.res, 0)
+                if free - extra < self.wm:
                     break
-                else:
-                    n = h.L
-                if free - self.blocks(n) < self.wm:
+                self.remote.pop(j)
+                self.running.append(r)
+                sched.append((r, n))
+                k -= n
+                free -= extra
+                continue
+            h = self.waiting[0]
+            if h.pending:
+                need = self.blocks(h.p)
+                if free - need < self.wm:
                     break
                 self.waiting.popleft()
-                self.running.append(h)
-                sched.append((h, n))
-                k -= n
-                free -= self.blocks(n)
-        if not sched:
-            self.stalled = True
-            return
-        T = self.iteration_time(sched)
-        self.scheduled = sched
-        self.end = t + T
-        self.iterations += 1
-        n_of = {id(r): n for r, n in sched}
-        blocks = (sum(max(self.blocks(r.C + n_of.get(id(r), 0)), r.res) for r in self.running)
-                  + sum(r.res for r in self.remote) + self.sending)
-        self.busy += T
-        self.kv_block_s += blocks * T
-        self.kv_peak = max(self.kv_peak, blocks)
+                h.pending = False
+                h.res = need
+                self.remote.append(h)
+                j = len(self.remote)  # allocated in this pass: not visited again
+                self.started.append(h)
+                free -= need
+                continue
+            admitted, free, k = self.admit_head(sched, free, k)
+            if not admitted:
+                break
+
+    def blocks_in_iteration(self, n_of):
+        """Blocks held during the iteration: running requests' after their new tokens (or
+        their reservation while larger), reserved for receives, held for sends."""
+        return (sum(max(self.blocks(r.C + n_of.get(id(r), 0)), r.res) for r in self.running)
+                + sum(r.res for r in self.remote) + self.sending)
 
     def finish_iteration(self, t):
         """Ends the iteration at `t` (s); returns the requests that completed, in schedule
