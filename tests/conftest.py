@@ -23,6 +23,14 @@ The public trace files: when the trace mirror `../shared/traces` exists beside t
 `JAXSERVE_TRACES_DIR` defaults to it (an explicit setting wins), so that the tests that read
 traces find them through `jaxserve.traces.path` like a user's code; without it they skip.
 
+The compiled code is optimised less: XLA_FLAGS gets `--xla_backend_optimization_level=0`
+(LLVM's -O0 for the CPU kernels). Compilation is nearly all of the suite's time (one
+LLMRouting-v0 step program under vmap: 69 s to compile, 0.08 s to run on the loaded 2-core CPU)
+and -O0 cuts its CPU time by about a quarter (that program: 28.9 -> 20.6 s user). Results are
+the same program's up to floating-point rounding (an LLVM -O0 kernel may contract or order
+operations differently in the last bit), which every tolerance in the suite states room for;
+the fingerprints (tests/test_fingerprint.py) pass at both levels.
+
 After each test module every compiled program is released (`jax.clear_caches()` and a garbage
 collection). XLA:CPU keeps each executable's JIT code in its own memory maps, and JAX keeps
 every executable a process compiled; an xdist worker that runs half the suite then reaches
@@ -44,6 +52,15 @@ import jax
 import pytest
 
 _MARK = "JAXSERVE_TEST_XLA_CACHE_DIR"  # set by the controller, seen by workers and children
+
+# XLA:CPU's LLVM backend at optimisation level 0 for the test run (see the module doc). Set on
+# import, before this process starts a JAX backend (the flag is read once, at backend start);
+# xdist workers and the CLIs tests run inherit it. An explicit level in XLA_FLAGS wins, and
+# JAXSERVE_TEST_XLA_OPT=default leaves XLA's own default.
+_OPT_FLAG = "--xla_backend_optimization_level"
+if (os.environ.get("JAXSERVE_TEST_XLA_OPT", "0") != "default"
+        and _OPT_FLAG not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OPT_FLAG}=0".strip()
 
 # Session default for the trace files (see the module doc); set on import, before any test
 # module computes a trace path, in the controller and every xdist worker alike.
