@@ -266,7 +266,8 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")
             and not line.startswith("| scenario")}
     assert set(rows) == {"win", "loss", "tie"}
-    assert "learned wins" in rows["win"] and "heuristic wins" in rows["loss"]
+    assert ("learned better than the registered rule" in rows["win"]
+            and "registered rule better" in rows["loss"])
     assert "no difference resolved" in rows["tie"]
     assert all("sita, true lengths 9 | 1k: 19, 2k: 18 |" in r for r in rows.values())
     assert headline_summary({"a": {}}) == ""
@@ -281,7 +282,7 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     text = headline_summary(data)
     row = next(line for line in text.splitlines() if "(x)" in line and line.startswith("| "))
     assert row.startswith("| short_bursts, (x): ppo, no shaping | ppo, no shaping 10.8 | "
-                          "sita_tuned 12 | -1.2 [-1.9, -0.6] | learned wins | "
+                          "sita_tuned 12 | -1.2 [-1.9, -0.6] | learned better than the registered rule | "
                           "sita, true lengths 9 |")
     assert "confirmations.md" in text and "(y) row" not in text
     # (y), the confirmation of that pick on fresh seeds and streams, gets its own row, named
@@ -293,8 +294,8 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
                               "seeds": list(range(8, 24))}}
     text = headline_summary(data)
     row = next(line for line in text.splitlines() if "(y)" in line and line.startswith("| "))
-    assert row.startswith("| short_bursts, (y): ppo, no shaping confirmed on 16 fresh seeds, "
-                          "fresh streams | ppo, no shaping 11.5 | sita_tuned 11.8 | "
+    assert row.startswith("| short_bursts, (y): ppo, no shaping confirmed on 16 seeds (x) did not "
+                          "use, fresh streams | ppo, no shaping 11.5 | sita_tuned 11.8 | "
                           "-0.3 [-0.9, +0.2] | no difference resolved |")
     assert "the (y) row re-measures that pick" in text
     assert "| not measured on these streams |" in row  # (w)'s bound is on other streams
