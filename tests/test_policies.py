@@ -22,14 +22,16 @@ from jaxserve.core import cluster as C
 from jaxserve.core import static_load as SL
 from jaxserve.core.service import single_request_time
 from jaxserve.core.sources import tuning_key
-from jaxserve.evaluation.tuning import OVERFLOW_GRID, tune_sita, tune_static
+from jaxserve.evaluation.tuning import (BURST_TOKENS_GRID, BURST_WORK_GRID, OVERFLOW_GRID,
+                                       tune_sita, tune_sita_burst, tune_static)
 from jaxserve.core.types import GPUProfile
 from jaxserve.policies import routing as R
 from jaxserve.policies import smdp
 
 ROUTING = ("random", "round_robin", "weighted_round_robin", "jsq", "least_work_left", "sed",
            "power_of_two", "least_marginal", "join_idle_queue", "sita", "sita_prompt",
-           "sita_predicted", "sita_tuned", "sed_oracle", "least_work_left_oracle")
+           "sita_predicted", "sita_tuned", "sita_burst_tuned", "sed_oracle",
+           "least_work_left_oracle")
 # sita_tuned's simulated tuning, small: the tests check its rule, not its choice.
 SMALL_TUNING = {"num_envs": 2, "num_steps": 64, "warmup": 8}
 BATCHING = ("static", "greedy", "tuned_static", "smdp_optimal")
@@ -103,6 +105,12 @@ def routing_episode():
     # sita_tuned's rule with a spill threshold of 0 s too (the tuning may well choose inf).
     pols["spill_0"] = P.Policy("spill_0", "routing",
                                R.make_sita_overflow(pols["sita_tuned"].info["fit"], 0.0))
+    # The burst rule always on (any work, any mean estimate) and at a middle setting, on
+    # sita_tuned's fit and spill threshold, so that it fires often on this episode.
+    base = pols["sita_tuned"].info
+    for name, (w, t) in (("burst_always", (np.inf, np.inf)), ("burst_mid", (0.5, 300.0))):
+        pols[name] = P.Policy(name, "routing", R.make_sita_burst(base["fit"],
+                                                                base["overflow_s"], w, t))
     names = tuple(pols)
 
     @jax.jit
@@ -133,7 +141,8 @@ def routing_episode():
                     SL.expected_backlog(C.route(state.cluster, params.gpus, p, jnp.int32(g))[0],
                                         params.gpus) for g in range(env.num_gpus)])
                 - SL.expected_backlog(state.cluster, params.gpus),
-                marginal=SL.marginal_backlog(state.cluster, params.gpus, p.prompt, p.estimate))
+                marginal=SL.marginal_backlog(state.cluster, params.gpus, p.prompt, p.estimate),
+                mean_est=SL.mean_estimate_held(state.cluster))
             a = jax.random.randint(k_drive, (), 0, env.num_gpus)
             _, state, _, _, info = env.step_env(k_step, state, a, params)
             rec["elapsed"] = info["elapsed"]
@@ -147,7 +156,7 @@ def routing_episode():
     rec["last_state"] = jax.tree.map(lambda x: x[0], last)
     rec["by_episode"] = {k: rec[k] for k in ("request", "elapsed", "acts")}
     for k in ("acts", "acts_scrambled", "req_id", "count", "full", "work", "own", "estimate",
-              "routed_backlog", "marginal"):
+              "routed_backlog", "marginal", "mean_est"):
         rec[k] = rec[k].reshape((2 * N_STEPS,) + rec[k].shape[2:])  # both episodes' states
     acts = {n: rec["acts"][:, i] for i, n in enumerate(names)}
     return env, params, pols, rec, acts
@@ -308,6 +317,49 @@ def test_sita_tuned_rule(routing_episode):
     # An infinite threshold never spills: the rule is SITA on the fit.
     want, spill = _sita_overflow_reference(fit, np.inf, rec)
     assert not spill.any()
+
+
+def _sita_burst_reference(fit, overflow_s, work_s, tokens, rec, speed):
+    """sita_burst_tuned's rule in numpy on the recorded states (`R.make_sita_burst`)."""
+    g, _ = _sita_overflow_reference(fit, overflow_s, rec)
+    prompt, est = rec["request"].reshape(-1, 3)[:, 0], rec["estimate"]
+    short = R.predict_size(fit.predictor, prompt, est) <= fit.thresholds[0]
+    fast = (speed >= speed.max() * (1 - 1e-6))[None, :] & ~rec["full"]
+    f = np.where(fast, rec["work"], np.inf).argmin(1)
+    rows = np.arange(f.shape[0])
+    fire = (short & fast.any(1) & (rec["work"][rows, f] < work_s)
+            & (rec["mean_est"][rows, f] < tokens))
+    return np.where(fire, f, g), fire
+
+
+def test_sita_burst_tuned_rule(routing_episode):
+    _, params, pols, rec, acts = routing_episode
+    info, base = pols["sita_burst_tuned"].info, pols["sita_tuned"].info
+    # Stage one is sita_tuned's own tuning: the same fit and spill threshold.
+    assert info["orientation"] == base["orientation"]
+    assert info["overflow_s"] == base["overflow_s"]
+    table = info["table"]
+    assert len(table) == len(BURST_WORK_GRID) * len(BURST_TOKENS_GRID)
+    assert [r["mean_latency_incl_drops"] for r in table] == sorted(
+        r["mean_latency_incl_drops"] for r in table)
+    # The candidates with the rule off are sita_tuned on the same tuning streams.
+    off = [r for r in table if r["burst_work_s"] == 0.0]
+    assert len(off) == len(BURST_TOKENS_GRID)
+    # Same streams and actions in another program: equal up to float rounding.
+    assert all(r["mean_latency_incl_drops"] == pytest.approx(
+        base["table"][0]["mean_latency_incl_drops"], rel=1e-5) for r in off)
+    assert table[0]["mean_latency_incl_drops"] <= off[0]["mean_latency_incl_drops"]
+    speed = np.asarray(R.gpu_speeds(params))
+    for name, (w, t) in (("sita_burst_tuned", (info["burst_work_s"], info["burst_tokens"])),
+                         ("burst_always", (np.inf, np.inf)), ("burst_mid", (0.5, 300.0))):
+        want, fire = _sita_burst_reference(base["fit"], base["overflow_s"], w, t, rec, speed)
+        np.testing.assert_array_equal(acts[name], want, err_msg=name)
+        if name != "sita_burst_tuned":
+            assert fire.any() and not fire.all(), name  # the rule decides some states only
+    with pytest.raises(ValueError, match="tokens_grid"):
+        tune_sita_burst(*jaxserve.make("Routing-v0"), tokens_grid=[], **SMALL_TUNING)
+    with pytest.raises(ValueError, match="needs env"):
+        P.get("sita_burst_tuned", params=params)
 
 
 def test_sita_orientations():

@@ -131,13 +131,15 @@ def _agreement_cell(agree: dict, names, ref: str, phase: int) -> str:
 
 def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = None,
                  key_salt: int | None = None, scenario: str = SCENARIO,
-                 heuristic: str = HEURISTIC, experiment_key: str = "x") -> tuple[str, dict]:
+                 heuristic: str = HEURISTIC, experiment_key: str = "x",
+                 also: Sequence[str] = ()) -> tuple[str, dict]:
     """Trains `variants` (`ALL_VARIANTS`' rows; the first is the baseline of the paired
     column) with `seeds` (default `SEEDS[budget]`), evaluates them beside `heuristic`
     (fitted on tuning streams of the evaluation key) and `least_marginal` on `scenario`, on
     the streams of `ctx.eval_key(key_salt)` ((w)'s for the scenario by default), and returns
     the markdown body and the numbers; `experiment_key` names the experiment in the
-    provenance line."""
+    provenance line; `also` names more registered routing heuristics (fitted alike) shown
+    beside `heuristic`, each with its paired difference from it."""
     b = ctx.budget
     seeds = SEEDS[b.name] if seeds is None else tuple(int(x) for x in seeds)
     steps = WIN_BUDGETS[b.name][1]
@@ -150,8 +152,9 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     salt = 70 + list(ROUTING_SCENARIOS).index(scenario) if key_salt is None else key_salt
     key = ctx.eval_key(salt)
     tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
-    heur = {heuristic: routing_heuristics(base_env, base_params, key, tune)[heuristic],
-            GREEDY: policies.get(GREEDY, kind="routing")}
+    fitted = routing_heuristics(base_env, base_params, key, tune)
+    heur = {h: fitted[h] for h in (heuristic, *also)}
+    heur[GREEDY] = policies.get(GREEDY, kind="routing")
     trained, clones = _train_variants(variants, seeds, steps, ctx, scenario, heur[heuristic])
     first = variants[0][0]
     env, params, _ = trained[first]
@@ -203,6 +206,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
                                                       for n in names])) for ph in (0, 1)]
                                    for r in (GREEDY, heuristic)}}
     for h, what in ((heuristic, "fitted on tuning streams"),
+                    *((a, "fitted on tuning streams") for a in also if a != heuristic),
                     (GREEDY, "the greedy policy of the shaping potential")):
         hm = seed_env_bootstrap(res[h]["per_env"][LATENCY][None])
         d = seed_env_bootstrap(res[h]["per_env"][LATENCY][None] - heur_lat[None])
@@ -286,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--heuristic", default=HEURISTIC,
                     help=f"the heuristic compared with and imitated (default {HEURISTIC}); a "
                          "registered routing policy")
+    ap.add_argument("--also", default="",
+                    help="comma-separated registered routing heuristics shown beside "
+                         "--heuristic (fitted the same way), each paired against it")
     ap.add_argument("--out", default=None, help="write the markdown section to this file")
     args = ap.parse_args(argv)
     labels = [x.strip() for x in args.variants.split(",") if x.strip()]
@@ -299,16 +306,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     heuristics = [n for n in policies.names("routing") if "oracle" not in n]
-    if args.heuristic not in heuristics:
-        print(f"error: unknown heuristic {args.heuristic!r}; known: {heuristics}",
-              file=sys.stderr)
+    also = tuple(x.strip() for x in args.also.split(",") if x.strip())
+    unknown = [h for h in (args.heuristic, *also) if h not in heuristics]
+    if unknown:
+        print(f"error: unknown heuristic(s) {unknown}; known: {heuristics}", file=sys.stderr)
         return 2
     command = "python -m jaxserve.scripts.ablate " + " ".join(
         a if " " not in a else repr(a) for a in (argv if argv is not None else sys.argv[1:]))
     ctx = Context(budget=BUDGETS[args.budget], command=command, eval_seed=args.eval_seed)
     t0 = time.perf_counter()
     body, _ = run_ablation(ctx, [known[x] for x in labels], seeds, scenario=args.scenario,
-                           heuristic=args.heuristic)
+                           heuristic=args.heuristic, also=also)
     text = f"{body}\n\n*Wall time: {time.perf_counter() - t0:.0f} s.*\n"
     print(text)
     if args.out:

@@ -68,3 +68,13 @@ def backlog_per_gpu(cluster: C.Cluster, gpus, joining=None) -> jax.Array:
     t_all = (nb * gpus.c0 + gpus.alpha * sum_p + gpus.alpha2 * sum_p2
              + o_max * (nb * gpus.beta + gpus.gamma * n + gpus.delta * sum_p))
     return s.run_count * run_left + n * (run_left + t_all * (nb + 1.0) / (2.0 * nb))
+
+
+def mean_estimate_held(cluster: C.Cluster) -> jax.Array:
+    """Per GPU, the mean output *estimate* (tokens) of the requests it holds, waiting and
+    running, `(num_gpus,)` float32; 0 for an empty GPU. What a router can know of how long the
+    requests already there will run."""
+    q, s = cluster.queues, cluster.servers
+    held = q.count.astype(jnp.float32) + s.run_count.astype(jnp.float32)
+    return (q.estimate_sum + s.run_estimate) / jnp.maximum(held, 1.0)
+

@@ -14,6 +14,7 @@ from jaxserve.core import cluster as C
 from jaxserve.core import engines
 from jaxserve.core.queues import Request
 from jaxserve.core.service import single_request_time
+from jaxserve.core.static_load import mean_estimate_held
 from jaxserve.core import arrivals as A
 from jaxserve.core.profiles import get_profile
 from jaxserve.core.types import GPUProfile
@@ -221,7 +222,7 @@ def gpu_features(cluster: C.Cluster, params: common.ServingParams) -> jax.Array:
     ref = single_request_time(gpus, 512.0, 128.0)
     waiting = q.count.astype(jnp.float32)
     running = s.run_count.astype(jnp.float32)
-    mean_estimate = (q.estimate_sum + s.run_estimate) / jnp.maximum(waiting + running, 1.0)
+    mean_estimate = mean_estimate_held(cluster)
     rows = jnp.stack([
         waiting / jnp.maximum(gpus.queue_cap, 1),
         running / jnp.maximum(gpus.max_batch, 1),

@@ -21,7 +21,8 @@ from jaxserve.evaluation.evaluate import (_check_args, is_routing, make_streams,
 from jaxserve.core.service import single_request_time
 from jaxserve.policies.batching import default_grid, make_static
 from jaxserve.policies.registry import Policy, register
-from jaxserve.policies.routing import SitaFit, fit_sita, make_sita_overflow, workload_means
+from jaxserve.policies.routing import (SitaFit, fit_sita, make_sita_burst, make_sita_overflow,
+                                      workload_means)
 
 
 def make_batcher(max_batch, timeout, table):
@@ -252,4 +253,92 @@ def _sita_tuned_factory(env=None, params=None, key=None, fits=None, grid=None,
     if env is None or params is None:
         raise ValueError("policy 'sita_tuned' needs env= and params= (it simulates a grid)")
     pol, _ = tune_sita(env, params, key, fits, grid, num_envs, num_steps, warmup)
+    return pol
+
+
+# `tune_sita_burst`'s grids: the fast GPU's queued work in multiples of the mean request's
+# service time alone on a mean-speed GPU (0: never, which is `sita_tuned`), and the mean
+# output estimate of its requests in multiples of the workload's mean output (inf: any).
+BURST_WORK_GRID = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+BURST_TOKENS_GRID = (0.25, 0.5, 1.0, 2.0, float("inf"))
+
+
+def tune_sita_burst(env, params, key=None, work_grid=None, tokens_grid=None,
+                    num_envs: int = 8, num_steps: int = 1024, warmup: int = 64):
+    """SITA with overflow and a burst rule (`policies.routing.make_sita_burst`), fitted on
+    tuning streams in two stages: `tune_sita` chooses the fit and spill threshold, then one
+    vmapped program evaluates every (work, tokens) pair of the burst rule with them fixed and
+    keeps the lowest drop-inclusive mean latency (s; ties to the rule off, then the smaller
+    work and token thresholds). The pair with work 0 is `sita_tuned` itself, so on the tuning
+    streams the result is never worse than it.
+
+    Args:
+      env (Environment): a Routing-v0 environment.
+      params (ServingParams): its parameters.
+      key (jax.Array | None): as in `tune_sita` (default `tuning_key()`).
+      work_grid (sequence of float | None): queued-work thresholds in seconds (default
+        `BURST_WORK_GRID` times the mean request's `single_request_time`, averaged over GPUs).
+      tokens_grid (sequence of float | None): mean-estimate thresholds in tokens (default
+        `BURST_TOKENS_GRID` times the workload's mean output).
+      num_envs, num_steps, warmup (int): as in `jaxserve.evaluate`.
+
+    Returns:
+      (`Policy` "sita_burst_tuned", table): one dict per candidate (`burst_work_s`,
+        `burst_tokens`, `mean_latency_incl_drops`, `mean_latency`, `dropped`), best first;
+        `info` holds `sita_tuned`'s choice too.
+    """
+    key = tuning_key() if key is None else mark_tuning_key(key)
+    base, _ = tune_sita(env, params, key, None, None, num_envs, num_steps, warmup)
+    fit, overflow = base.info["fit"], base.info["overflow_s"]
+    p_mean, o_mean = workload_means(params)
+    if work_grid is None:
+        unit = float(np.mean(np.asarray(single_request_time(params.gpus, p_mean, o_mean))))
+        work_grid = [g * unit for g in BURST_WORK_GRID]
+    if tokens_grid is None:
+        tokens_grid = [g * float(o_mean) for g in BURST_TOKENS_GRID]
+    works = np.asarray([float(w) for w in work_grid], np.float32)
+    toks = np.asarray([float(t) for t in tokens_grid], np.float32)
+    for name, g in (("work_grid", works), ("tokens_grid", toks)):
+        if g.ndim != 1 or g.size == 0 or np.any(np.isnan(g)) or np.any(g < 0):
+            raise ValueError(f"tune_sita_burst: {name} must be a non-empty list of "
+                             "thresholds >= 0 (inf allowed)")
+    cand_w, cand_t = (a.ravel() for a in np.meshgrid(works, toks, indexing="ij"))
+    streams, keys = make_streams(key, params, int(num_envs), int(num_steps), None)
+    env_t = trace_env(env, streams.gap.shape[1])
+
+    @jax.jit
+    def run(params, streams, keys, w, t):
+        return jax.vmap(lambda w, t: rollout_envs(
+            env_t, make_sita_burst(fit, overflow, w, t), params, streams, keys, True))(w, t)
+
+    out = jax.device_get(run(params, streams, keys, cand_w, cand_t))
+    rows = []
+    for i in range(cand_w.shape[0]):
+        s = summarise(jax.tree.map(lambda x, i=i: x[i], out), streams, params, warmup)
+        rows.append({"burst_work_s": float(cand_w[i]), "burst_tokens": float(cand_t[i]),
+                     "mean_latency_incl_drops": s["mean_latency_incl_drops"],
+                     "mean_latency": s["mean_latency"], "dropped": s["dropped"]})
+    rows.sort(key=lambda r: (r["mean_latency_incl_drops"], r["burst_work_s"] > 0,
+                             r["burst_work_s"], r["burst_tokens"]))
+    best = rows[0]
+    pol = Policy(name="sita_burst_tuned", kind="routing",
+                 fn=make_sita_burst(fit, overflow, best["burst_work_s"], best["burst_tokens"]),
+                 info={"fit": fit, "orientation": base.info["orientation"],
+                       "overflow_s": overflow, "burst_work_s": best["burst_work_s"],
+                       "burst_tokens": best["burst_tokens"], "table": rows})
+    return pol, rows
+
+
+@register("sita_burst_tuned", "routing")
+def _sita_burst_tuned_factory(env=None, params=None, key=None, work_grid=None,
+                              tokens_grid=None, num_envs: int = 8, num_steps: int = 1024,
+                              warmup: int = 64):
+    """`sita_tuned` that sends a short request to the least-loaded fast GPU while that GPU
+    holds little work of short requests (a burst rule); all thresholds fitted on tuning
+    streams (`tune_sita_burst`, the candidates in `info["table"]`)."""
+    if env is None or params is None:
+        raise ValueError("policy 'sita_burst_tuned' needs env= and params= (it simulates "
+                         "a grid)")
+    pol, _ = tune_sita_burst(env, params, key, work_grid, tokens_grid, num_envs, num_steps,
+                             warmup)
     return pol

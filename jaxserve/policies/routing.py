@@ -36,6 +36,7 @@ from jaxserve.core import cluster as C
 from jaxserve.core import queues as Q
 from jaxserve.core.service import full_batch_rate, per_request_work, single_request_time
 from jaxserve.core.sources import mark_tuning_key, sample_tokens_n, tuning_key
+from jaxserve.core.static_load import mean_estimate_held
 from jaxserve.policies.generic import in_system, power_of_two, random_policy, round_robin
 from jaxserve.policies.registry import Policy, register, register_function
 
@@ -446,6 +447,40 @@ def make_sita_overflow(fit: SitaFit, overflow_s):
         return jnp.where(spill, best, g).astype(jnp.int32)
 
     return sita_overflow
+
+
+def make_sita_burst(fit: SitaFit, overflow_s, burst_work_s, burst_tokens):
+    """`make_sita_overflow(fit, overflow_s)` that may send a short request to a fast GPU.
+
+    A request in SITA's shortest size interval goes to the fastest GPU with the least queued
+    work (`cluster.queued_work`, s, from estimates; full queues skipped) when that GPU holds
+    less than `burst_work_s` seconds of work and its requests' mean output estimate
+    (`static_load.mean_estimate_held`, tokens) is below `burst_tokens`: in a burst of short
+    requests the fast GPUs hold only short work, and sending more short requests there beats
+    SITA's partition, which is fitted to the average mix (docs/results.md, what the learned
+    router does in short_bursts). Otherwise SITA with overflow decides. `burst_work_s <= 0`
+    is `make_sita_overflow` itself. All three thresholds may be traced (one program evaluates
+    a grid, `evaluation.tuning.tune_sita_burst`). Reads only estimates, as `sita` does.
+    """
+    base = make_sita_overflow(fit, overflow_s)
+    first = jnp.asarray(fit.thresholds, jnp.float32)[:1]
+    coef = fit.predictor
+
+    def sita_burst(key, obs, state, params):
+        g = base(key, obs, state, params)
+        size = state.pending.estimate
+        if coef is not None:
+            size = predict_size(coef, state.pending.prompt, size)
+        short = jnp.all(size <= first)  # no threshold: a single interval, every size short
+        speed = gpu_speeds(params)
+        fast = (speed >= speed.max() * (1 - 1e-6)) & ~_full(state, params)
+        work = C.queued_work(state.cluster, params.gpus)
+        f = jnp.argmin(jnp.where(fast, work, jnp.inf)).astype(jnp.int32)
+        light = ((work[f] < burst_work_s)
+                 & (mean_estimate_held(state.cluster)[f] < burst_tokens))
+        return jnp.where(short & fast.any() & light, f, g).astype(jnp.int32)
+
+    return sita_burst
 
 
 # ----------------------------------------------------------------------------- registry
