@@ -31,6 +31,14 @@ the same program's up to floating-point rounding (an LLVM -O0 kernel may contrac
 operations differently in the last bit), which every tolerance in the suite states room for;
 the fingerprints (tests/test_fingerprint.py) pass at both levels.
 
+The README's test command distributes whole files (`pytest -n 2 --dist loadfile`): a
+module's tests run on one worker, one after another, so a module-scoped fixture (a study, a
+recorded episode) is computed once and the module's tests share its compiled programs until
+the release below. `--dist loadgroup` does not group under pytest 9.2 with pytest-xdist 3.8
+(xdist appends the group to `Node._nodeid`, which pytest 9 no longer reads; checked: the
+tests of a module marked `xdist_group` ran on both workers, and tests/test_prefix_study.py's
+94-s study fixture ran twice in one CI run).
+
 After each test module every compiled program is released (`jax.clear_caches()` and a garbage
 collection). XLA:CPU keeps each executable's JIT code in its own memory maps, and JAX keeps
 every executable a process compiled; an xdist worker that runs half the suite then reaches

@@ -32,10 +32,6 @@ from gymnax.wrappers.compat import LegacyStepAPIWrapper
 import jaxserve
 
 ENVS = tuple(jaxserve.registered_envs())
-# Each environment's tests on one pytest-xdist worker (`--dist loadgroup`): they share its
-# compiled programs.
-BY_ENV = [pytest.param(name, marks=pytest.mark.xdist_group(f"contract-{name}"))
-          for name in ENVS]
 EPISODE = 5
 STEPS = 16
 
@@ -124,7 +120,7 @@ def assert_close_trees(a, b):
             np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("name", BY_ENV)
+@pytest.mark.parametrize("name", ENVS)
 def test_step_contract_truncation_and_auto_reset(name):
     env, params = build(name)
     single, *_ = programs(name)
@@ -155,7 +151,7 @@ def test_step_contract_truncation_and_auto_reset(name):
         assert np.all(np.isfinite(np.asarray(leaf, np.float64))), name
 
 
-@pytest.mark.parametrize("name", BY_ENV)
+@pytest.mark.parametrize("name", ENVS)
 def test_legacy_wrapper_returns_five_values(name):
     """Five outputs (the rollout asserts it as it traces), `done = terminated or truncated`
     at every step, the flags kept in `info`; the same compiled program as the first test."""
@@ -168,7 +164,7 @@ def test_legacy_wrapper_returns_five_values(name):
     assert TRACES[name] == 1
 
 
-@pytest.mark.parametrize("name", BY_ENV)
+@pytest.mark.parametrize("name", ENVS)
 def test_one_trace_and_vmap_over_envs_and_params_equals_loop(name):
     _, params = build(name)
     single, lanes = programs(name)
@@ -199,7 +195,7 @@ def test_one_trace_and_vmap_over_envs_and_params_equals_loop(name):
     assert TRACES[name] == 1
 
 
-@pytest.mark.parametrize("name", BY_ENV)
+@pytest.mark.parametrize("name", ENVS)
 def test_out_of_range_actions_are_clipped_and_counted(name):
     _, params = build(name)
     single, *_ = programs(name)

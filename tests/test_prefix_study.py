@@ -23,9 +23,6 @@ from jaxserve.evaluation.serialize import to_jsonable
 from jaxserve.traces.prefix import path_nodes, prefix_window
 from jaxserve.traces.prefix_synthetic import SharedPrefixConfig, generate_shared_prefix
 
-# The tests reading the module's `result` on one pytest-xdist worker (`--dist loadgroup`),
-# so that the study runs once.
-pytestmark = pytest.mark.xdist_group("prefix_study")
 
 HEUR = ("llmd_scorers", "most_cached", "jsq_tokens", "round_robin", "sglang_cache_aware",
         "aibrix_prefix_cache")

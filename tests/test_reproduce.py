@@ -32,9 +32,6 @@ def _finite_numbers(x):
     return True
 
 
-# The tests that read `page` run on one pytest-xdist worker (`--dist loadgroup`), so that
-# experiment (a) runs once.
-PAGE = pytest.mark.xdist_group("reproduce_page")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +43,6 @@ def page(tmp_path_factory):
     return md, sections
 
 
-@PAGE
 def test_page_has_sections_and_tables(page):
     md, sections = page
     text = md.read_text()
@@ -104,7 +100,6 @@ def test_batching_experiment_writes_its_table_and_figure(tmp_path):
     assert not re.search(r"\bnan\b", text)
 
 
-@PAGE
 def test_page_numbers_are_finite(page):
     md, sections = page
     text = md.read_text()
