@@ -152,7 +152,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     salt = 70 + list(ROUTING_SCENARIOS).index(scenario) if key_salt is None else key_salt
     key = ctx.eval_key(salt)
     tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
-    fitted = routing_heuristics(base_env, base_params, key, tune)
+    fitted = routing_heuristics(base_env, base_params, key, tune, names=(heuristic, *also))
     heur = {h: fitted[h] for h in (heuristic, *also)}
     heur[GREEDY] = policies.get(GREEDY, kind="routing")
     trained, clones = _train_variants(variants, seeds, steps, ctx, scenario, heur[heuristic])

@@ -20,12 +20,12 @@ from jaxserve.evaluation.capacity import service_capacity
 STUDY_BASELINES = ("round_robin", "jsq", "random")
 
 
-def routing_heuristics(env, params, key, budget=None) -> dict:
-    """Every registered non-oracle routing policy, SITA fitted (and `sita_tuned` simulated) on
-    `tuning_key(key)`; the simulation runs `budget.tune_envs` x `budget.tune_steps` requests
-    (default: the policy's own)."""
+def routing_heuristics(env, params, key, budget=None, names=None) -> dict:
+    """Every registered non-oracle routing policy (or those of `names`), SITA fitted (and
+    the tuned ones simulated) on `tuning_key(key)`; the simulation runs `budget.tune_envs` x
+    `budget.tune_steps` requests (default: the policy's own)."""
     out = {}
-    for name in policies.names("routing"):
+    for name in policies.names("routing") if names is None else names:
         if "oracle" in name:
             continue  # oracles read true output lengths: references, not baselines
         opts = policies.options(name, kind="routing")

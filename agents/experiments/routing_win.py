@@ -54,8 +54,8 @@ WIN_TUNE = {"quick": (8, 1024, 64), "full": (16, 2048, 128), "tiny": (2, 64, 8)}
 # chunks and the policy after each is evaluated on the table's streams (the last point is the
 # table's policy).
 WIN_CHECKPOINTS = {"quick": 4, "full": 8, "tiny": 2}
-HEURISTICS = ("sita_tuned", "sita", "sita_predicted", "sita_prompt", "sed", "least_work_left", "jsq",
-              "power_of_two", "round_robin")
+HEURISTICS = ("sita_tuned", "sita_burst_tuned", "sita", "sita_predicted", "sita_prompt", "sed",
+              "least_work_left", "jsq", "power_of_two", "round_robin")
 ORACLES = {"sita, true lengths": "sita", "sed, true lengths": "sed_oracle",
            "least_work_left, true lengths": "least_work_left_oracle"}
 
@@ -196,8 +196,7 @@ def routing_win(ctx: Context) -> Section:
         key = ctx.eval_key(70 + i)
         t_envs, t_steps, t_warm = WIN_TUNE[b.name]
         tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
-        heur = {n: p for n, p in routing_heuristics(env, params, key, tune).items()
-                if n in HEURISTICS}
+        heur = routing_heuristics(env, params, key, tune, names=HEURISTICS)
         learned = learned_dict({ALGO: trained[name]})
         # Earlier checkpoints of each seed, named "ppo@c/K-s<seed>" (not "ppo-s...": they are
         # not the table's policy); the last checkpoint is the table's policy itself.
