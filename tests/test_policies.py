@@ -335,29 +335,36 @@ def _sita_burst_reference(fit, overflow_s, work_s, tokens, rec, speed):
 def test_sita_burst_tuned_rule(routing_episode):
     _, params, pols, rec, acts = routing_episode
     info, base = pols["sita_burst_tuned"].info, pols["sita_tuned"].info
-    # Stage one is sita_tuned's own tuning: the same fit and spill threshold.
-    assert info["orientation"] == base["orientation"]
-    assert info["overflow_s"] == base["overflow_s"]
+    # Stage one is sita_tuned's own tuning on the same streams: its table.
+    assert info["spill_table"] == base["table"]
     table = info["table"]
-    assert len(table) == len(BURST_WORK_GRID) * len(BURST_TOKENS_GRID)
+    assert len(table) == 2 * len(BURST_WORK_GRID) * len(BURST_TOKENS_GRID)
     assert [r["mean_latency_incl_drops"] for r in table] == sorted(
         r["mean_latency_incl_drops"] for r in table)
-    # The candidates with the rule off are sita_tuned on the same tuning streams.
-    off = [r for r in table if r["burst_work_s"] == 0.0]
-    assert len(off) == len(BURST_TOKENS_GRID)
-    # Same streams and actions in another program: equal up to float rounding.
-    assert all(r["mean_latency_incl_drops"] == pytest.approx(
-        base["table"][0]["mean_latency_incl_drops"], rel=1e-5) for r in off)
-    assert table[0]["mean_latency_incl_drops"] <= off[0]["mean_latency_incl_drops"]
+    assert (table[0]["fit"], table[0]["overflow_s"]) == (info["orientation"], info["overflow_s"])
+    # The candidates with the rule off are SITA with each orientation's best spill threshold:
+    # the same latency as in sita_tuned's table (same streams and actions, another program).
+    for orient in ("slow_first", "fast_first"):
+        spill = next(r for r in base["table"] if r["fit"] == orient)
+        off = [r for r in table if r["burst_work_s"] == 0.0 and r["fit"] == orient]
+        assert len(off) == len(BURST_TOKENS_GRID)
+        assert all(r["overflow_s"] == spill["overflow_s"] for r in off)
+        assert all(r["mean_latency_incl_drops"] == pytest.approx(
+            spill["mean_latency_incl_drops"], rel=1e-5) for r in off)
+    assert table[0]["mean_latency_incl_drops"] <= base["table"][0][
+        "mean_latency_incl_drops"] * (1 + 1e-5)
     speed = np.asarray(R.gpu_speeds(params))
-    for name, (w, t) in (("sita_burst_tuned", (info["burst_work_s"], info["burst_tokens"])),
-                         ("burst_always", (np.inf, np.inf)), ("burst_mid", (0.5, 300.0))):
+    want, _ = _sita_burst_reference(info["fit"], info["overflow_s"], info["burst_work_s"],
+                                    info["burst_tokens"], rec, speed)
+    np.testing.assert_array_equal(acts["sita_burst_tuned"], want)
+    for name, (w, t) in (("burst_always", (np.inf, np.inf)), ("burst_mid", (0.5, 300.0))):
         want, fire = _sita_burst_reference(base["fit"], base["overflow_s"], w, t, rec, speed)
         np.testing.assert_array_equal(acts[name], want, err_msg=name)
-        if name != "sita_burst_tuned":
-            assert fire.any() and not fire.all(), name  # the rule decides some states only
+        assert fire.any() and not fire.all(), name  # the rule decides some states only
     with pytest.raises(ValueError, match="tokens_grid"):
         tune_sita_burst(*jaxserve.make("Routing-v0"), tokens_grid=[], **SMALL_TUNING)
+    with pytest.raises(ValueError, match="Routing-v0"):
+        tune_sita_burst(*jaxserve.make("Batching-v0"), **SMALL_TUNING)
     with pytest.raises(ValueError, match="needs env"):
         P.get("sita_burst_tuned", params=params)
 

@@ -266,11 +266,15 @@ BURST_TOKENS_GRID = (0.25, 0.5, 1.0, 2.0, float("inf"))
 def tune_sita_burst(env, params, key=None, work_grid=None, tokens_grid=None,
                     num_envs: int = 8, num_steps: int = 1024, warmup: int = 64):
     """SITA with overflow and a burst rule (`policies.routing.make_sita_burst`), fitted on
-    tuning streams in two stages: `tune_sita` chooses the fit and spill threshold, then one
-    vmapped program evaluates every (work, tokens) pair of the burst rule with them fixed and
-    keeps the lowest drop-inclusive mean latency (s; ties to the rule off, then the smaller
-    work and token thresholds). The pair with work 0 is `sita_tuned` itself, so on the tuning
-    streams the result is never worse than it.
+    tuning streams in two stages: `tune_sita` gives each orientation's best spill threshold,
+    then one vmapped program evaluates every (orientation, work, tokens) triple of the burst
+    rule with that threshold and keeps the lowest drop-inclusive mean latency (s; ties to the
+    rule off, then the first orientation, then the smaller thresholds). The triples with
+    work 0 are SITA with overflow alone, `sita_tuned`'s best among them, so on the tuning
+    streams the result is never worse than `sita_tuned`. The orientation is chosen again
+    here because the burst rule changes which is better (with short requests on the slow
+    GPUs the rule can send them to a fast one in a burst; with short requests on the fast
+    GPUs it has nothing to add).
 
     Args:
       env (Environment): a Routing-v0 environment.
@@ -283,13 +287,13 @@ def tune_sita_burst(env, params, key=None, work_grid=None, tokens_grid=None,
       num_envs, num_steps, warmup (int): as in `jaxserve.evaluate`.
 
     Returns:
-      (`Policy` "sita_burst_tuned", table): one dict per candidate (`burst_work_s`,
-        `burst_tokens`, `mean_latency_incl_drops`, `mean_latency`, `dropped`), best first;
-        `info` holds `sita_tuned`'s choice too.
+      (`Policy` "sita_burst_tuned", table): one dict per candidate (`fit`, `overflow_s`,
+        `burst_work_s`, `burst_tokens`, `mean_latency_incl_drops`, `mean_latency`,
+        `dropped`), best first.
     """
+    if not is_routing(env):
+        raise ValueError("tune_sita_burst needs a Routing-v0 environment")
     key = tuning_key() if key is None else mark_tuning_key(key)
-    base, _ = tune_sita(env, params, key, None, None, num_envs, num_steps, warmup)
-    fit, overflow = base.info["fit"], base.info["overflow_s"]
     p_mean, o_mean = workload_means(params)
     if work_grid is None:
         unit = float(np.mean(np.asarray(single_request_time(params.gpus, p_mean, o_mean))))
@@ -302,30 +306,47 @@ def tune_sita_burst(env, params, key=None, work_grid=None, tokens_grid=None,
         if g.ndim != 1 or g.size == 0 or np.any(np.isnan(g)) or np.any(g < 0):
             raise ValueError(f"tune_sita_burst: {name} must be a non-empty list of "
                              "thresholds >= 0 (inf allowed)")
-    cand_w, cand_t = (a.ravel() for a in np.meshgrid(works, toks, indexing="ij"))
+    fits = {o: fit_sita(params, key=key, predictor="predicted", order=o)
+            for o in ("slow_first", "fast_first")}
+    _, spill_table = tune_sita(env, params, key, fits, None, num_envs, num_steps, warmup)
+    names = list(fits)
+    overflow = {n: next(r["overflow_s"] for r in spill_table if r["fit"] == n) for n in names}
+    th, mask, coef = _stack_fits([fits[n] for n in names])
+    cand_f, cand_w, cand_t = (a.ravel() for a in np.meshgrid(np.arange(len(names)), works, toks,
+                                                             indexing="ij"))
+    cand_o = np.asarray([overflow[names[i]] for i in cand_f], np.float32)
     streams, keys = make_streams(key, params, int(num_envs), int(num_steps), None)
     env_t = trace_env(env, streams.gap.shape[1])
 
     @jax.jit
-    def run(params, streams, keys, w, t):
-        return jax.vmap(lambda w, t: rollout_envs(
-            env_t, make_sita_burst(fit, overflow, w, t), params, streams, keys, True))(w, t)
+    def run(params, streams, keys, th, mask, coef, o, w, t):
+        def one(th, mask, coef, o, w, t):
+            fit = SitaFit(thresholds=th, mask=mask, utilisation=None, max_rho_per_rate=None,
+                          predictor=coef)
+            return rollout_envs(env_t, make_sita_burst(fit, o, w, t), params, streams, keys,
+                                True)
+        return jax.vmap(one)(th, mask, coef, o, w, t)
 
-    out = jax.device_get(run(params, streams, keys, cand_w, cand_t))
+    out = jax.device_get(run(params, streams, keys, th[cand_f], mask[cand_f], coef[cand_f],
+                             cand_o, cand_w, cand_t))
     rows = []
-    for i in range(cand_w.shape[0]):
+    for i in range(cand_f.shape[0]):
         s = summarise(jax.tree.map(lambda x, i=i: x[i], out), streams, params, warmup)
-        rows.append({"burst_work_s": float(cand_w[i]), "burst_tokens": float(cand_t[i]),
+        rows.append({"fit": names[cand_f[i]], "overflow_s": float(cand_o[i]),
+                     "burst_work_s": float(cand_w[i]), "burst_tokens": float(cand_t[i]),
                      "mean_latency_incl_drops": s["mean_latency_incl_drops"],
                      "mean_latency": s["mean_latency"], "dropped": s["dropped"]})
     rows.sort(key=lambda r: (r["mean_latency_incl_drops"], r["burst_work_s"] > 0,
-                             r["burst_work_s"], r["burst_tokens"]))
+                             names.index(r["fit"]), r["burst_work_s"], r["burst_tokens"]))
     best = rows[0]
+    fit = fits[best["fit"]]
     pol = Policy(name="sita_burst_tuned", kind="routing",
-                 fn=make_sita_burst(fit, overflow, best["burst_work_s"], best["burst_tokens"]),
-                 info={"fit": fit, "orientation": base.info["orientation"],
-                       "overflow_s": overflow, "burst_work_s": best["burst_work_s"],
-                       "burst_tokens": best["burst_tokens"], "table": rows})
+                 fn=make_sita_burst(fit, best["overflow_s"], best["burst_work_s"],
+                                    best["burst_tokens"]),
+                 info={"fit": fit, "orientation": best["fit"], "overflow_s": best["overflow_s"],
+                       "burst_work_s": best["burst_work_s"],
+                       "burst_tokens": best["burst_tokens"], "table": rows,
+                       "spill_table": spill_table})
     return pol, rows
 
 
