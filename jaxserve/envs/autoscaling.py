@@ -329,7 +329,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
 
     def __init__(self, *args, default: AutoscalingParams | None = None, **fields):
         super().__init__(*args, default=default, **fields)
-        if self.log_capacity > 0 and self.ENGINE is not engines.STATIC:
+        if self.log_capacity > 0 and not isinstance(self.ENGINE, engines.StaticEngine):
             raise ValueError(f"{self.ENGINE.name} replicas keep no request log (log_capacity "
                              f"must be 0)")
 
