@@ -28,8 +28,8 @@ from jaxserve.envs import autoscaling as AS
 from jaxserve.envs import common
 from jaxserve.envs.autoscaling import scaling_params
 from jaxserve.envs.base import as_size
-from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, refuse_gpus,
-                                    replica_sizes, set_reward_scales)
+from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, fill_defaults,
+                                    refuse_gpus, replica_sizes)
 from jaxserve.envs.routing import routing_tokens
 
 
@@ -67,7 +67,24 @@ class LLMAutoscaling(AS.Autoscaling):
 
 # ---- LLMAutoscaling-v0's scenario and builder (registered in `envs.registry`)
 
-def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_seqs=None,
+# LLMAutoscaling-v0's defaults over `ServingParams`' and `AutoscalingParams`' field defaults,
+# under the caller's keywords; a callable is called per build.
+LLM_AUTOSCALING_DEFAULTS = dict(
+    # every replica slot's profile (`max_replicas` of them)
+    replica=lambda: replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16),
+    max_replicas=4,
+    arrival_rate=6.0,  # req/s, mean of the diurnal cycle, when no arrivals are given
+    tokens=routing_tokens,
+    slo_s=20.0,
+    max_steps_in_episode=480,  # TRACE_EPISODE_STEPS with a trace
+    warmup_s=60.0,
+    # Each episode starts at a random time of day, so vmapped episodes are not in lockstep
+    # and a policy sees every time of day in every batch (Autoscaling-v0's `random_phase`).
+    random_phase=1,
+)
+
+
+def make_llm_autoscaling(replicas=None, max_replicas=None, queue_buffer=None, max_seqs=None,
                          arrival_rate=None, arrivals=None, history_len=64, **kw):
     """LLMAutoscaling-v0: Autoscaling-v0 over continuous-batching LLM replicas.
 
@@ -76,33 +93,29 @@ def make_llm_autoscaling(replicas=None, max_replicas=4, queue_buffer=None, max_s
     token mix by `core.continuous_load`). Diurnal Poisson arrivals, mean 6 req/s (peak 9.6:
     three replicas at the mean, all four near the peak), each episode from a random time of
     day (`random_phase=1`); warm-up 60 s; `latency_scale=1000` s and `drop_penalty_s=600` s
-    as the other environments. Other keywords as
+    as the other environments (`LLM_AUTOSCALING_DEFAULTS`). Other keywords as
     Autoscaling-v0's scaling and serving parameters (`envs/llm_autoscaling.py`).
     """
 
     refuse_gpus("LLMAutoscaling-v0", kw)
+    d = LLM_AUTOSCALING_DEFAULTS
     if replicas is None:
-        replicas = [replica_profile("opt13b-a100-80g", max_seqs=16, queue_cap=16)] * as_size(
-            "max_replicas", max_replicas)
+        n = d["max_replicas"] if max_replicas is None else max_replicas
+        replicas = [d["replica"]()] * as_size("max_replicas", n)
     replicas = list(replicas)
     prof = stack_replicas(replicas)
     scalars = {k: kw.pop(k) for k in list(kw) if k in AS.SCALING_FIELDS}
-    scalars.setdefault("warmup_s", 60.0)
-    # Each episode starts at a random time of day, so vmapped episodes are not in lockstep
-    # and a policy sees every time of day in every batch (Autoscaling-v0's `random_phase`).
-    scalars.setdefault("random_phase", 1)
+    fill_defaults(scalars, {k: v for k, v in d.items() if k in AS.SCALING_FIELDS})
     if kw.get("trace") is not None:
         scalars.setdefault("diurnal_amplitude", 0.0)
     if arrivals is None and arrival_rate is None:
-        arrival_rate = 6.0
-    kw.setdefault("tokens", routing_tokens())
-    kw.setdefault("slo_s", 20.0)
-    set_reward_scales(kw)
+        arrival_rate = d["arrival_rate"]
     # A replayed trace runs to its end (termination), not to the synthetic episode's 480
     # intervals: the trace's default must be set first, or the synthetic one wins.
     if kw.get("trace") is not None:
         kw.setdefault("max_steps_in_episode", TRACE_EPISODE_STEPS)
-    kw.setdefault("max_steps_in_episode", 480)
+    fill_defaults(kw, {k: v for k, v in d.items() if k not in AS.SCALING_FIELDS},
+                  exclude=("replica", "max_replicas", "arrival_rate"))
     serving = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, ms = replica_sizes(prof, queue_buffer, max_seqs)
     params = scaling_params(serving, **scalars)
