@@ -330,6 +330,11 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
                 "slo_violation_frac", "drop_frac", "day_sin", "day_cos", "price",
                 "warmup_left")
 
+    def _running_slots(self) -> int:
+        """The static batch bound per replica (`Engine.empty`'s `slots`): `max_batch` here,
+        `max_seqs` in LLMAutoscaling-v0 (each named as its profile field)."""
+        return self.max_batch
+
     def __init__(self, *args, default: AutoscalingParams | None = None, **fields):
         super().__init__(*args, default=default, **fields)
         if self.log_capacity > 0 and not isinstance(self.ENGINE, engines.StaticEngine):
@@ -382,7 +387,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         price = jnp.where(params.price_spread > 1.0,
                           params.gpu_price * params.price_spread ** u, params.gpu_price)
         r = self.max_replicas
-        cluster = self.ENGINE.empty(r, self.queue_buffer, self.max_batch,
+        cluster = self.ENGINE.empty(r, self.queue_buffer, self._running_slots(),
                                     with_ids=self.log_capacity > 0)
         state = AutoscalingState(
             cluster=cluster,

@@ -8,7 +8,7 @@ episode length) is an array leaf of `ServingParams`, so `vmap` over params needs
 `ServingParams`' fields carry the defaults every environment shares (gymnax's `EnvParams()`
 pattern); an environment's own defaults are a dict of overrides beside its builder (e.g.
 `envs.routing.ROUTING_DEFAULTS`), and `envs.defaults.build_params` assembles the two with
-the caller's keywords (docs/envs/index.md, "Where defaults live").
+the caller's keywords (docs/index.md, "Where defaults live").
 """
 
 from __future__ import annotations

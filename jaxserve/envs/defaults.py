@@ -15,7 +15,7 @@ gpu_price, latency_weight, slo_penalty_s, diurnal_amplitude, diurnal_period_s,
 diurnal_phase_s, initial_replicas, action_mode, random_phase, random_initial,
 invalid_penalty_s).
 
-Where defaults live (docs/envs/index.md): the defaults every environment shares are
+Where defaults live (docs/index.md): the defaults every environment shares are
 `ServingParams`' field defaults (`envs.common`); each environment's own (cluster, workload,
 SLO, what routers see) are its `*_DEFAULTS` dict beside its builder (`envs.routing.
 ROUTING_DEFAULTS`, ...), applied with `fill_defaults` under the caller's keywords; named

@@ -11,7 +11,9 @@ Engine-specific readings:
   - the balancer's and the drain choice's "queued work" is `core.continuous_load.queued_work`
     (estimated seconds, from output estimates); the observation's offered load uses
     `continuous_load.request_work` per arrival.
-  - "requests in system per serving replica / max_batch" divides by `max_seqs`.
+  - the static running slots per replica are `max_seqs` (`LLMAutoscalingStatic`, named as
+    the profile field they bound; Autoscaling-v0's are `max_batch`), and "requests in system
+    per serving replica / max_batch" divides by the profiles' `max_seqs`.
   - a draining replica is released at the end of its last iteration (its last completion).
   - requests that can never fit a replica's KV cache are dropped (`StepMetrics.dropped`).
 
@@ -21,29 +23,68 @@ the default scenario differ, and a registered id puts it under the shared contra
 
 from __future__ import annotations
 
+import dataclasses
 
 from jaxserve.core import engines
 from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.envs import autoscaling as AS
 from jaxserve.envs import common
 from jaxserve.envs.autoscaling import scaling_params
-from jaxserve.envs.base import as_size
+from jaxserve.envs.base import as_size, check_sizes
 from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, fill_defaults,
                                     refuse_gpus, replica_sizes)
 from jaxserve.envs.routing import routing_tokens
 
 
+@dataclasses.dataclass(frozen=True)
+class LLMAutoscalingStatic:
+    """Static configuration of LLMAutoscaling-v0 (`envs.base.StaticConfig`): Autoscaling-v0's
+    (`autoscaling.AutoscalingStatic`) with the running slots named as the profile field they
+    bound.
+
+    Attributes:
+      max_replicas: replica slots (the action space's size), >= 1.
+      queue_buffer: queue slots per replica (>= every `queue_cap`), >= 1.
+      max_seqs: static running slots per replica (>= every replica's `max_seqs`), >= 1. Was
+        `max_batch` (renamed: one name per quantity, as LLMRouting-v0's).
+      trace_len: rows of a replayed trace (0: synthetic arrivals).
+      history_len: per-interval records kept in the state, >= 1.
+      log_capacity: 0 (continuous-batching replicas keep no request log).
+    """
+
+    max_replicas: int
+    queue_buffer: int = 64
+    max_seqs: int = 64
+    trace_len: int = 0
+    history_len: int = 64
+    log_capacity: int = 0
+
+    def __post_init__(self):
+        check_sizes(self, positive=("max_replicas", "history_len"),
+                    nonnegative=("trace_len", "log_capacity"),
+                    slots=("queue_buffer", "max_seqs"))
+
+
 class LLMAutoscaling(AS.Autoscaling):
     """Autoscaling-v0 over continuous-batching replicas (module docstring).
 
-    `max_batch` (a static size of the parent) is the number of running slots per replica:
-    at least the largest `max_seqs` of the slots. Actions as Autoscaling-v0's: one that is not
+    `max_seqs` (static) is the number of running slots per replica: at least the largest
+    `max_seqs` of the slots. Actions as Autoscaling-v0's: one that is not
     an integer in `[0, max_replicas)` (out of range, non-integral or non-finite) is counted in
     `info["invalid_actions"]` and mapped by `common.discrete_action` (clipped, floored, NaN
     to 0).
     """
 
+    Static = LLMAutoscalingStatic
     ENGINE = engines.CONTINUOUS
+
+    @property
+    def max_batch(self):
+        raise AttributeError("LLMAutoscaling-v0's static running slots are max_seqs (renamed "
+                             "from max_batch, as LLMRouting-v0's)")
+
+    def _running_slots(self) -> int:
+        return self.max_seqs
 
     @property
     def name(self) -> str:
@@ -59,9 +100,9 @@ class LLMAutoscaling(AS.Autoscaling):
             raise ValueError(f"params.serving.gpus must be a stacked ReplicaProfile (core."
                              f"replica.stack_replicas), got {type(prof).__name__}")
         # `validate_params` checks the replicas as ReplicaProfiles (max_seqs within the
-        # static running slots `max_batch`).
-        AS.validate_scaling_params(params, self.queue_buffer, self.max_batch, self.max_replicas)
-        common.check_token_headroom(params.serving, prof.block_size, self.max_batch,
+        # static running slots `max_seqs`).
+        AS.validate_scaling_params(params, self.queue_buffer, self.max_seqs, self.max_replicas)
+        common.check_token_headroom(params.serving, prof.block_size, self.max_seqs,
                                     "params.serving")
 
 
@@ -119,7 +160,7 @@ def make_llm_autoscaling(replicas=None, max_replicas=None, queue_buffer=None, ma
     serving = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, ms = replica_sizes(prof, queue_buffer, max_seqs)
     params = scaling_params(serving, **scalars)
-    env = LLMAutoscaling(max_replicas=len(replicas), queue_buffer=qb, max_batch=ms,
+    env = LLMAutoscaling(max_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,
                          trace_len=serving.trace.gap.shape[0], history_len=history_len,
                          default=params)
     env.check_params(params)
