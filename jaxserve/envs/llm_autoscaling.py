@@ -78,10 +78,11 @@ class LLMAutoscaling(AS.Autoscaling):
     Static = LLMAutoscalingStatic
     ENGINE = engines.CONTINUOUS
 
-    @property
-    def max_batch(self):
-        raise AttributeError("LLMAutoscaling-v0's static running slots are max_seqs (renamed "
-                             "from max_batch, as LLMRouting-v0's)")
+    def __getattr__(self, name):
+        if name == "max_batch":  # the old name of the static running slots
+            raise AttributeError("LLMAutoscaling-v0's static running slots are max_seqs "
+                                 "(renamed from max_batch, as LLMRouting-v0's)")
+        return super().__getattr__(name)
 
     def _running_slots(self) -> int:
         return self.max_seqs
