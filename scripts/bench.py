@@ -36,9 +36,10 @@ Usage (from the repository root; docs/benchmarks.md has the figures):
       # continuous engine with/without prefix caching (evaluation.replay_prefix_arrays)
   python -m jaxserve.scripts.bench --prefix-env --num-envs 256 --num-steps 16 --repeats 2
       # LLMPrefixRouting-v0's default scenario, caching on and off (same process)
-  python -m jaxserve.scripts.bench --ab jaxserve.core.lanes.DENSE_FRACTION=4,2 --curve 12 \
+  python -m jaxserve.scripts.bench --ab decode_runs=True,False --curve 12 \
       --only "LLMRouting-v0 (4" --num-envs 256 --num-steps 128
-      # a paired A/B of a module constant: both programs in one process, chunks alternated
+      # a paired A/B of an engine field (core/engines.py): both programs in one process,
+      # chunks alternated
   python -m jaxserve.scripts.bench --ceiling --curve 12 --num-envs 256 --num-steps 128
       # LLMRouting-v0's engine against one boundary pass per step and against no engine
   python -m jaxserve.scripts.bench --slots 32,16 --curve 12 --num-envs 256 --num-steps 128
@@ -50,7 +51,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib
 import json
 import os
 import platform
@@ -72,8 +72,8 @@ from jaxserve.agents.defaults import ENV_DEFAULTS
 from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core import continuous as CB
+from jaxserve.core import engines
 from jaxserve.core import lanes
-from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.core.sources import sample_tokens_n
 from jaxserve.core.types import GPUProfile
@@ -207,44 +207,44 @@ def environments():
     ]
 
 
+class ZeroObservationRouting(R.Routing):
+    """Routing-v0 whose observation is zeros: `profile_routing`'s "no observation" rows (a
+    subclass overriding `get_obs`, the environment's own seam)."""
+
+    def get_obs(self, state, params=None, key=None):
+        return jnp.zeros(R.NUM_REQUEST_FEATURES + self.num_gpus * R.NUM_GPU_FEATURES)
+
+
 def profile_routing(counts, steps, repeats):
     """What a vmapped Routing-v0 step spends its time on, by timing variants of the same step
-    (same run, from reset): each batched engine path, the step with the engine replaced by
-    nothing (`advance_static` returning its input: the cost of everything else), the same
-    without reward shaping, then without the observation (zeros) and without the auto-reset
-    (`step_env`), Breakout-MinAtar for scale, and the harness alone (`NoOpEnv`).
-    Microseconds per env-step, wall-clock and CPU (all threads)."""
-
-    real_advance, real_obs = C.advance_static, R.routing_observation
-
-    def no_engine(cluster, gpus, horizon, slo_s, log=None):
-        return cluster, StepMetrics.zeros(), log
-
-    def no_obs(cluster, pending, params):
-        return jnp.zeros(R.NUM_REQUEST_FEATURES + cluster.num_gpus * R.NUM_GPU_FEATURES)
+    (same run, from reset): each batched engine path (`lanes.engine_path`), the step with the
+    engine replaced by nothing (`engines.StaticEngine(mode="off")`: the cost of everything
+    else), the same without reward shaping, then without the observation (zeros,
+    `ZeroObservationRouting`) and without the auto-reset (`step_env`), Breakout-MinAtar for
+    scale, and the harness alone (`NoOpEnv`). Microseconds per env-step, wall-clock and CPU
+    (all threads)."""
 
     routing, params = routing_env()
     plain = routing.replace_static(shaping_gamma=None)
-    # name: (engine path, advance_static, observation, env or None for Breakout, auto-reset)
-    variants = {"engine: compact": ("compact", real_advance, real_obs, routing, True),
-                "engine: dense (2 unrolled + loop)": ("dense", real_advance, real_obs, routing,
-                                                      True),
-                "engine: loop (before compaction)": ("loop", real_advance, real_obs, routing,
-                                                     True),
-                "compact, no shaping": ("compact", real_advance, real_obs, plain, True),
-                "compact, no auto-reset (step_env)": ("compact", real_advance, real_obs,
-                                                      routing, False),
-                "no engine": (None, no_engine, real_obs, routing, True),
-                "no engine, no shaping": (None, no_engine, real_obs, plain, True),
-                "no engine, no shaping, no observation": (None, no_engine, no_obs, plain, True),
-                BREAKOUT: (None, real_advance, real_obs, None, True),
-                "harness only (a no-op environment)": (None, real_advance, real_obs, NoOpEnv(),
-                                                       True)}
+    off = engines.StaticEngine(mode="off")
+    zero_obs = ZeroObservationRouting(default=params, **dataclasses.asdict(plain.static))
+    # name: (engine path, env or None for Breakout, auto-reset)
+    variants = {"engine: compact": ("compact", routing, True),
+                "engine: dense (2 unrolled + loop)": ("dense", routing, True),
+                "engine: loop (before compaction)": ("loop", routing, True),
+                "compact, no shaping": ("compact", plain, True),
+                "compact, no auto-reset (step_env)": ("compact", routing, False),
+                "no engine": (None, routing.with_engine(off), True),
+                "no engine, no shaping": (None, plain.with_engine(off), True),
+                "no engine, no shaping, no observation": (None, zero_obs.with_engine(off),
+                                                          True),
+                BREAKOUT: (None, None, True),
+                "harness only (a no-op environment)": (None, NoOpEnv(), True)}
     out = {}
     try:
         for n in counts:
-            for name, (path, advance, obs, env, auto_reset) in variants.items():
-                lanes.engine_path, C.advance_static, R.routing_observation = path, advance, obs
+            for name, (path, env, auto_reset) in variants.items():
+                lanes.engine_path = path  # the batched path's documented override
                 jax.clear_caches()
                 if env is None:
                     env, p = gymnax.make("Breakout-MinAtar")
@@ -257,7 +257,7 @@ def profile_routing(counts, steps, repeats):
                 print(f"profile {name:38s} envs={n:6d} compile {r['compile_s']:6.1f}s "
                       f"{us:7.2f} us/env-step ({us_cpu:6.2f} CPU us)", flush=True)
     finally:
-        lanes.engine_path, C.advance_static, R.routing_observation = None, real_advance, real_obs
+        lanes.engine_path = None
         jax.clear_caches()
     return out
 
@@ -305,38 +305,23 @@ def llm_step_counts(env, params, num_envs, num_steps, warmup_steps):
             "preemptions_per_step": float(pre.mean())}
 
 
-def _no_engine(rep, prof, horizon, slo_s, log=None, decode_runs=True, tables=None,
-               audit=False):
-    """`continuous.advance` replaced by nothing: the replicas as they were, zero metrics (the
-    cost of everything in a step but the engine)."""
-    return rep, StepMetrics.zeros(), CB.zero_extras(), log
-
-
-def _one_pass(cond_fn, body_fn, carry, consts, shared=None):
-    """`lanes.lane_while`'s signature and gating, but one trip: every lane's body once,
-    active where `cond_fn` holds (under `vmap`, one dense pass over every lane)."""
-    def lane(c, k):
-        return body_fn(c, (k, shared), cond_fn(c, (k, shared)))
-    return jax.vmap(lane)(carry, consts)
-
-
 def engine_ceiling(num_envs: int, steps: int, chunks: int) -> dict:
     """What bounds LLMRouting-v0's speed in this engine design (measured: lab/history/
     benchmarks.md, "What bounds this design" in the section of 2026-12-06 (evening)):
     its registered load with random actions in PPO's layout (`paired_curve`: `chunks` chunks
     of `steps` steps), the engine as shipped paired with (1) the boundary loop cut to one
-    pass over every replica lane per step (`_one_pass` for `continuous.lane_while`: the least
-    that any engine doing a masked pass per step pays; not exact, replicas fall behind) and
-    (2) no engine at all (`_no_engine`: the step's other work). Microseconds per env-step
-    at the steady state (median of the second half) and the paired ratios, shipped / variant.
+    pass over every replica lane per step (`engines.ContinuousEngine(mode="one_pass")`:
+    the least that any engine doing a masked pass per step pays; not exact, replicas fall
+    behind) and (2) no engine at all (`mode="off"`: the step's other work), each the same
+    environment on that engine (`env.with_engine`). Microseconds per env-step at the steady
+    state (median of the second half) and the paired ratios, shipped / variant.
     """
     env, params = jaxserve.make("LLMRouting-v0")
-    real = CB.advance, CB.lane_while
-    variants = {"engine": real, "one pass per step": (CB.advance, _one_pass),
-                "no engine": (_no_engine, CB.lane_while)}
+    variants = {"one pass per step": env.with_engine(engines.ContinuousEngine(mode="one_pass")),
+                "no engine": env.with_engine(engines.ContinuousEngine(mode="off"))}
 
     def set_variant(name):
-        CB.advance, CB.lane_while = variants[name]
+        return None if name == "engine" else (variants[name], params)
 
     out = {}
     try:
@@ -351,7 +336,6 @@ def engine_ceiling(num_envs: int, steps: int, chunks: int) -> dict:
                   f"{r['median_ratio']:.2f} (min {r['min_ratio']:.2f}, max "
                   f"{r['max_ratio']:.2f})", flush=True)
     finally:
-        CB.advance, CB.lane_while = real
         jax.clear_caches()
     return out
 
@@ -419,28 +403,25 @@ def slot_widths(num_envs: int, steps: int, chunks: int, widths) -> dict:
 def profile_llm(counts, steps, repeats, warmup):
     """Where a vmapped LLMRouting-v0 step spends its time, at the registered load and KV-bound
     (`llm_kv_bound_env`): the step as shipped (closed-form decode runs), the same running
-    every iteration's boundary (`advance(decode_runs=False)`), and with the engine replaced by
-    nothing (`advance` returning its input: everything else), each from reset and after
-    `warmup` steps, with boundary passes, iterations and preemptions per step
-    (`llm_step_counts`). Microseconds per env-step, wall-clock and CPU."""
-
-    real_advance = CB.advance
-
-    def every_boundary(*a, **kw):
-        return real_advance(*a, **{**kw, "decode_runs": False})
+    every iteration's boundary (`engines.ContinuousEngine(decode_runs=False)`), and with the
+    engine replaced by nothing (`mode="off"`: everything else), each the same environment on
+    that engine (`env.with_engine`), from reset and after `warmup` steps, with boundary
+    passes, iterations and preemptions per step (`llm_step_counts`). Microseconds per
+    env-step, wall-clock and CPU."""
 
     loads = {"registered load": jaxserve.make("LLMRouting-v0"), "KV-bound": llm_kv_bound_env()}
-    variants = {"decode runs (default)": real_advance, "every boundary": every_boundary,
-                "no engine": _no_engine}
+    variants = {"decode runs (default)": engines.CONTINUOUS,
+                "every boundary": engines.ContinuousEngine(decode_runs=False),
+                "no engine": engines.ContinuousEngine(mode="off")}
     out = {}
     try:
         for n in counts:
-            for load, (env, params) in loads.items():
-                for name, advance in variants.items():
-                    CB.advance = advance
+            for load, (base, params) in loads.items():
+                for name, engine in variants.items():
+                    env = base.with_engine(engine)
                     jax.clear_caches()
                     r = time_env(env, params, n, steps, warmup, repeats)
-                    if advance is not _no_engine:
+                    if engine.mode != "off":
                         r.update(llm_step_counts(env, params, n, steps, warmup))
                     key = f"LLMRouting-v0 {load}, {name} @ {n}"
                     out[key] = {**r, "us_per_env_step_reset": 1e6 / r["reset_steps_per_s"],
@@ -454,7 +435,6 @@ def profile_llm(counts, steps, repeats, warmup):
                           f"{1e6 / r['reset_steps_per_s']:8.1f} us/env-step from reset, "
                           f"{1e6 / r['warm_steps_per_s']:8.1f} warmed{extra}", flush=True)
     finally:
-        CB.advance = real_advance
         jax.clear_caches()
     return out
 
@@ -676,9 +656,9 @@ def _main(argv=None):
                     help="only time CHUNKS consecutive --num-steps-step rollouts from reset "
                          "in PPO's layout (scan of vmap) for the --only environments (default "
                          "the LLM ones): the cost as queues fill, up to the steady state")
-    ap.add_argument("--ab", default=None, metavar="MODULE.NAME=A,B",
-                    help="only a paired A/B of a module constant read when programs are "
-                         "traced (e.g. jaxserve.core.lanes.DENSE_FRACTION=4,2; values are "
+    ap.add_argument("--ab", default=None, metavar="FIELD=A,B",
+                    help="only a paired A/B of a field of the environment's serving engine "
+                         "(core/engines.py; e.g. decode_runs=True,False; values are "
                          "Python literals): --curve chunks (default 12) of the first --only "
                          "environment (default LLMRouting-v0's registered load) at the first "
                          "--num-envs count, A and B compiled in one process and run in "
@@ -828,32 +808,44 @@ def curves(counts, steps, chunks, only):
     return out
 
 
-def parse_ab(spec: str) -> tuple[Any, str, tuple[Any, Any]]:
-    """`"package.module.NAME=A,B"` -> (the module, NAME, (A, B)); ValueError naming what is
-    wrong (the form, the module, the constant, a value that is not a Python literal)."""
+def parse_ab(spec: str) -> tuple[str, tuple[Any, Any]]:
+    """`"FIELD=A,B"` -> (FIELD, (A, B)): an A/B of one field of the environment's serving
+    engine (`core.engines`, e.g. `decode_runs=True,False` or `mode='exact','one_pass'`;
+    values are Python literals). ValueError naming what is wrong (the form, a dotted
+    module constant, a value that is not a Python literal)."""
     target, sep, vals = spec.partition("=")
-    mod_name, dot, attr = target.strip().rpartition(".")
+    field = target.strip()
     parts = vals.split(",")
-    if not sep or not dot or not mod_name or not attr or len(parts) != 2:
-        raise ValueError(f"--ab expects MODULE.NAME=A,B, got {spec!r}")
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ValueError(f"--ab: cannot import {mod_name!r} ({e})") from e
-    if not hasattr(module, attr):
-        raise ValueError(f"--ab: module {mod_name!r} has no {attr!r}")
+    if "." in field:
+        raise ValueError(f"--ab pairs two values of an engine field (FIELD=A,B, e.g. "
+                         f"decode_runs=True,False), got {spec!r}: module constants are no "
+                         f"longer patched; to compare one, make it a field of its engine "
+                         f"(core/engines.py)")
+    if not sep or not field.isidentifier() or len(parts) != 2:
+        raise ValueError(f"--ab expects FIELD=A,B (a field of the environment's engine), got "
+                         f"{spec!r}")
     try:
         values = tuple(ast.literal_eval(p.strip()) for p in parts)
     except (ValueError, SyntaxError) as e:
         raise ValueError(f"--ab: values must be Python literals, got {vals!r}") from e
-    return module, attr, values
+    return field, values
+
+
+def engine_variant(engine, field: str, value):
+    """`engine` with `field` set to `value` (validated by the engine's class); ValueError
+    for a field it does not have (its name is not variable) or an invalid value."""
+    names = [f.name for f in dataclasses.fields(engine) if f.name != "name"]
+    if field not in names:
+        raise ValueError(f"--ab: {type(engine).__name__} has no field {field!r}; its fields: "
+                         f"{names}")
+    return dataclasses.replace(engine, **{field: value})
 
 
 def ab_curve(spec: str, num_envs: int, steps: int, chunks: int, only: str) -> dict:
     """`benchmark.paired_curve` of the first `environments()` entry whose name starts with one
-    of `only`'s prefixes, with the module constant `spec` names set to each value in turn
-    (`parse_ab`); the constant's own value is restored afterwards."""
-    module, attr, values = parse_ab(spec)
+    of `only`'s prefixes, on its engine with the field `spec` names set to each value in turn
+    (`parse_ab`, `engine_variant`; each the environment on that engine, `env.with_engine`)."""
+    field, values = parse_ab(spec)
     entry = next((e for e in environments()
                   if any(e[0].startswith(p) for p in only.split(","))), None)
     if entry is None:
@@ -861,15 +853,16 @@ def ab_curve(spec: str, num_envs: int, steps: int, chunks: int, only: str) -> di
     if chunks < 2:
         raise ValueError("--ab needs --curve >= 2 (pairs are taken over the second half)")
     name, env, params = entry[:3]
-    before = getattr(module, attr)
+    if getattr(type(env), "ENGINE", None) is None:
+        raise ValueError(f"--ab: {name} has no serving engine")
+    envs = {v: env.with_engine(engine_variant(env.ENGINE, field, v)) for v in values}
     try:
         r = paired_curve(env, params, num_envs, steps, chunks,
-                         lambda v: setattr(module, attr, v), values)
+                         lambda v: (envs[v], params), values)
     finally:
-        setattr(module, attr, before)
         jax.clear_caches()
     med = [float(np.median(u[chunks // 2:])) for u in r["us_per_env_step"]]
-    print(f"ab {name} envs={num_envs}: {spec.partition('=')[0]} A={values[0]!r} "
+    print(f"ab {name} envs={num_envs}: engine {field} A={values[0]!r} "
           f"B={values[1]!r}; compile {r['compile_s'][0]:.1f} / {r['compile_s'][1]:.1f} s; "
           f"us/env-step (median of chunks {chunks // 2 + 1}-{chunks}) A {med[0]:.1f} B "
           f"{med[1]:.1f}; paired A/B median {r['median_ratio']:.3f} (min {r['min_ratio']:.3f}, "

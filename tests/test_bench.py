@@ -149,21 +149,30 @@ def test_paired_curve_compiles_each_variant_and_alternates_chunks():
 
 def test_bench_ab_parses_and_rejects_bad_specs():
     import jaxserve.scripts.bench as sb
-    from jaxserve.core import lanes
+    from jaxserve.core import engines
 
-    module, attr, values = sb.parse_ab("jaxserve.core.lanes.DENSE_FRACTION=4, 2")
-    assert module is lanes and attr == "DENSE_FRACTION" and values == (4, 2)
-    for spec, match in (("DENSE_FRACTION=4,2", "MODULE.NAME=A,B"),
-                        ("jaxserve.core.lanes.DENSE_FRACTION=4", "MODULE.NAME=A,B"),
-                        ("jaxserve.nope.X=1,2", "cannot import"),
-                        ("jaxserve.core.lanes.NOPE=1,2", "has no 'NOPE'"),
-                        ("jaxserve.core.lanes.DENSE_FRACTION=four,2", "Python literals")):
+    assert sb.parse_ab("decode_runs=True, False") == ("decode_runs", (True, False))
+    assert sb.parse_ab("mode='exact','one_pass'") == ("mode", ("exact", "one_pass"))
+    for spec, match in (("decode_runs=True", "FIELD=A,B"),
+                        ("=1,2", "FIELD=A,B"),
+                        ("jaxserve.core.lanes.DENSE_FRACTION=4,2", "no longer patched"),
+                        ("decode_runs=yes,no", "Python literals")):
         with pytest.raises(ValueError, match=match):
             sb.parse_ab(spec)
+    # Each value becomes an engine of the environment's class, validated by it.
+    assert sb.engine_variant(engines.CONTINUOUS, "decode_runs", False) == \
+        engines.ContinuousEngine(decode_runs=False)
+    with pytest.raises(ValueError, match="no field 'nope'"):
+        sb.engine_variant(engines.CONTINUOUS, "nope", 1)
+    with pytest.raises(ValueError, match="no field 'name'"):
+        sb.engine_variant(engines.CONTINUOUS, "name", "x")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        sb.engine_variant(engines.STATIC, "mode", "one_pass")
+    with pytest.raises(ValueError, match="decode_runs must be a bool"):
+        sb.engine_variant(engines.CONTINUOUS, "decode_runs", 0)
 
 
-def test_ceiling_one_pass_runs_each_lane_body_once_where_due():
-    import jaxserve.scripts.bench as sb
+def test_one_pass_runs_each_lane_body_once_where_due():
     from jaxserve.core import lanes
 
     def cond(c, consts):  # consts: (this lane's (limit,), the shared step)
@@ -174,12 +183,48 @@ def test_ceiling_one_pass_runs_each_lane_body_once_where_due():
 
     start, limit, shared = jnp.array([0, 3, 5, 9]), jnp.array([4, 4, 5, 20]), jnp.int32(2)
     full = lanes.lane_while(cond, body, (start,), (limit,), shared)[0]
-    once = sb._one_pass(cond, body, (start,), (limit,), shared)[0]
+    once = lanes.one_pass(cond, body, (start,), (limit,), shared)[0]
     assert full.tolist() == [4, 5, 5, 21]  # the loop runs each lane until its test fails
     assert once.tolist() == [2, 5, 5, 11]  # one gated trip: lane 2 (not due) unchanged
-    batched = jax.vmap(lambda s: sb._one_pass(cond, body, (s,), (limit,), shared)[0])(
+    batched = jax.vmap(lambda s: lanes.one_pass(cond, body, (s,), (limit,), shared)[0])(
         jnp.stack([start, start + 1]))
     assert batched.tolist() == [[2, 5, 5, 11], [3, 4, 6, 12]]
+
+
+def test_env_with_engine_is_the_seam_for_engine_variants():
+    """`env.with_engine(engine)`: the same environment on another configuration of its engine
+    (what bench's --ceiling, --profile and --ab time), part of the environment's identity;
+    `mode="off"` leaves the cluster as routed, `"one_pass"` runs at most one boundary pass
+    per step, and an engine of the other class is refused."""
+    import jaxserve
+    from jaxserve.core import engines
+
+    env, params = jaxserve.make("LLMRouting-v0")
+    off = env.with_engine(engines.ContinuousEngine(mode="off"))
+    one = env.with_engine(engines.ContinuousEngine(mode="one_pass"))
+    assert off.ENGINE.mode == "off" and env.ENGINE is engines.CONTINUOUS
+    assert off != env and hash(off) != hash(env) and off.static == env.static
+    assert env.with_engine(engines.ContinuousEngine()) == env  # equal engines, one program
+    assert off.replace_static(log_capacity=4).ENGINE == off.ENGINE
+    with pytest.raises(ValueError, match="runs a ContinuousEngine"):
+        env.with_engine(engines.STATIC)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        engines.ContinuousEngine(mode="fast")
+
+    def roll(e, n=12):
+        _, state = e.reset(jax.random.PRNGKey(0), params)
+        boundaries = []
+        for i in range(n):
+            _, state, _, _, _, info = e.step(jax.random.PRNGKey(i + 1), state, i % 4, params)
+            boundaries.append(int(info["boundaries"]))
+        return state, boundaries
+
+    s_off, b_off = roll(off)
+    assert int(s_off.cluster.iterations.sum()) == 0 and b_off == [0] * 12
+    assert int(s_off.cluster.queues.count.sum()) == 12  # routed, never served
+    _, b_one = roll(one)
+    _, b_exact = roll(env)
+    assert max(b_one) == 1 and max(b_exact) > 1
 
 
 def test_bench_ceiling_rejects_a_single_chunk():

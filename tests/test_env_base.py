@@ -52,7 +52,7 @@ def test_with_static_is_cached_by_value():
 
 STATIC_TYPES = {"Routing-v0": "RoutingStatic", "Batching-v0": "BatchingStatic",
                 "Autoscaling-v0": "AutoscalingStatic", "LLMRouting-v0": "LLMRoutingStatic",
-                "LLMAutoscaling-v0": "AutoscalingStatic",
+                "LLMAutoscaling-v0": "LLMAutoscalingStatic",
                 "LLMPrefixRouting-v0": "LLMRoutingStatic"}
 
 
@@ -129,3 +129,43 @@ def test_each_builder_lives_beside_its_environment():
         env, _ = jaxserve.make(name)
         module = sys.modules[builder.__module__]
         assert module is not registry and getattr(module, type(env).__name__) is type(env), name
+
+
+# ------------------------------------------------------------------------ where defaults live
+
+def test_defaults_are_the_params_fields_then_each_envs_dict():
+    """The shared defaults are `ServingParams`' (and `AutoscalingParams`') field defaults, each
+    environment's own are its builder's dict, and `make`'s keywords win over both
+    (docs/index.md, "Where defaults live")."""
+    from jaxserve.envs import autoscaling, batching, common, llm_autoscaling, llm_routing, routing
+
+    shared = {f.name: f.default for f in dataclasses.fields(common.ServingParams)
+              if f.name in common.SCALAR_FIELDS}
+    own = {"Routing-v0": routing.ROUTING_DEFAULTS, "Batching-v0": batching.BATCHING_DEFAULTS,
+           "LLMRouting-v0": llm_routing.LLM_ROUTING_DEFAULTS}
+    for name, table in own.items():
+        _, params = jaxserve.make(name)
+        for f, v in shared.items():
+            want = table.get(f, v)
+            assert np.asarray(getattr(params, f)) == np.asarray(want, np.float32), (name, f)
+            assert np.asarray(getattr(params, f)).dtype == common.SCALAR_FIELDS[f]
+    _, params = jaxserve.make("Routing-v0", slo_s=12.0)
+    assert float(params.slo_s) == 12.0  # the caller's keyword wins
+    _, ap = jaxserve.make("Autoscaling-v0")
+    for f in dataclasses.fields(autoscaling.AutoscalingParams):
+        if f.name in autoscaling.SCALING_FIELDS:
+            assert np.asarray(getattr(ap, f.name)) == np.asarray(f.default, np.float32)
+    assert float(ap.serving.slo_s) == autoscaling.AUTOSCALING_DEFAULTS["slo_s"]
+    _, lp = jaxserve.make("LLMAutoscaling-v0")
+    assert float(lp.warmup_s) == llm_autoscaling.LLM_AUTOSCALING_DEFAULTS["warmup_s"]
+
+
+def test_llm_autoscaling_running_slots_are_named_max_seqs():
+    """One name per quantity: LLMAutoscaling-v0's static running slots are `max_seqs`, as
+    LLMRouting-v0's and the replicas' own field; the old name says where it went."""
+    env, params = jaxserve.make("LLMAutoscaling-v0", max_seqs=32)
+    assert env.max_seqs == 32 and env.static.max_seqs == 32
+    with pytest.raises(AttributeError, match="max_seqs"):
+        env.max_batch
+    with pytest.raises(ValueError, match="no static field"):
+        env.replace_static(max_batch=32)

@@ -141,7 +141,7 @@ def test_params_are_checked_as_the_profile_type_they_hold():
         jaxserve.make("LLMRouting-v0", max_seqs=8)
     env, params = jaxserve.make("LLMAutoscaling-v0")
     serving = params.serving
-    big = serving.gpus.replace(max_seqs=serving.gpus.max_seqs * 0 + env.max_batch + 1)
+    big = serving.gpus.replace(max_seqs=serving.gpus.max_seqs * 0 + env.max_seqs + 1)
     with pytest.raises(ValueError, match=r"params\.serving\.gpus\.max_seqs"):
         env.check_params(params.replace(serving=serving.replace(gpus=big)))
     with pytest.raises(ValueError, match="must be a stacked ReplicaProfile"):

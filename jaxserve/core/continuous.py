@@ -48,7 +48,7 @@ from jaxserve.core import queues as Q
 from jaxserve.core.cpu_numerics import add_time, cumsum, rowsum
 from jaxserve.core.decode_run import decode_run
 from jaxserve.core.kv_blocks import PrefixCache, empty_prefix_cache, release
-from jaxserve.core.lanes import compacted_while, lane_while
+from jaxserve.core.lanes import compacted_while, lane_while, one_pass
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.prefix_cache import (PREFIX_EXTRAS, PrefixTables, ancestor, block_accounting,
                                         cached_prefix_blocks, prefix_audit, prefix_extras,
@@ -182,7 +182,7 @@ def zero_extras() -> dict:
 
 def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.Array,
             log: TokenLog | None = None, decode_runs: bool = True,
-            tables: "PrefixTables | None" = None, audit: bool = False):
+            tables: "PrefixTables | None" = None, audit: bool = False, passes: str = "all"):
     """Runs every replica from time 0 to `horizon` (s) with no arrivals; `inf` drains.
 
     Processes iteration ends at `t <= horizon` and schedules iterations at `t < horizon`.
@@ -206,6 +206,11 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     head's admission test (`run_head_check`). `audit` (tests) adds
     `extra["audit_failures"]`: boundary passes at which a block pool failed `prefix_audit`
     (per replica with lanes, per cluster with a log; 0 either way when the pools hold).
+
+    `passes="one"` (a benchmark's ceiling, not a simulation: `engines.ContinuousEngine(
+    mode="one_pass")`) cuts the loop to one boundary pass, gated by whether it is due
+    (`lanes.one_pass`), so replicas with more events in the window fall behind; the default
+    `"all"` runs every pass.
 
     Returns:
       (replicas, StepMetrics of the window, extra counters (`zero_extras` keys), log).
@@ -251,8 +256,15 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
     pc0 = rep.pc
     horizon = jnp.asarray(horizon, jnp.float32)
     slo_s = jnp.asarray(slo_s, jnp.float32)
+    if passes not in ("all", "one"):
+        raise ValueError(f"passes must be 'all' or 'one', got {passes!r}")
     if log is None or log.ttft.shape[0] == 0:
-        rep, m, ex = _replica_lanes(body, rep, prof, horizon, slo_s, tables, ex0)
+        rep, m, ex = _replica_lanes(body, rep, prof, horizon, slo_s, tables, ex0,
+                                    lane_while if passes == "all" else one_pass)
+    elif passes == "one":
+        carry = (rep, StepMetrics.zeros(), ex0, log, *_due(rep, horizon))
+        consts = (prof, horizon, slo_s, tables)
+        rep, m, ex, log, *_ = body(carry, consts, carry[-1])
     else:
         # The request log is one array for all replicas, written where requests finish, so
         # a logged run (replay) keeps the cluster in one lane: every trip is a pass over all
@@ -276,13 +288,14 @@ def advance(rep: Replicas, prof: ReplicaProfile, horizon: jax.Array, slo_s: jax.
 
 
 def _replica_lanes(body, rep: Replicas, prof: ReplicaProfile, horizon, slo_s, tables,
-                   ex0: dict):
+                   ex0: dict, loop=lane_while):
     """`advance`'s loop with one lane per replica (`lanes.lane_while`), for runs without a
     request log: replicas are independent between arrivals, so each runs its own boundary
     passes, as a one-replica cluster, and a pass costs one replica's work, not the whole
     cluster's. Returns (replicas, metrics summed over replicas, extras: counters summed over
     replicas, `boundaries` their maximum, which is the number of whole-cluster passes the
-    logged loop makes: a replica's due passes come first and stop together)."""
+    logged loop makes: a replica's due passes come first and stop together). `loop` is
+    `lanes.lane_while`, or `lanes.one_pass` (`advance(passes="one")`)."""
     r = rep.num_replicas
     one = lambda x: x.reshape((r, 1) + x.shape[1:])  # noqa: E731 (replica r: a 1-replica cluster)
     rep_l = jax.tree.map(one, rep)
@@ -297,9 +310,9 @@ def _replica_lanes(body, rep: Replicas, prof: ReplicaProfile, horizon, slo_s, ta
         (p, h, slo), tbl = consts
         return body(carry, (p, h, slo, tbl), active)
 
-    rep_l, m_l, ex_l, *_ = lane_while(lambda c, _: c[-1], lane_body,
-                                      (rep_l, m_l, ex_l, None, end_l, due_l),
-                                      (prof_l, h_l, slo_l), tables)
+    rep_l, m_l, ex_l, *_ = loop(lambda c, _: c[-1], lane_body,
+                                (rep_l, m_l, ex_l, None, end_l, due_l),
+                                (prof_l, h_l, slo_l), tables)
     ex = {k: (v.max(0) if k == "boundaries" else v.sum(0)) for k, v in ex_l.items()}
     return (jax.tree.map(lambda x: x.reshape((r,) + x.shape[2:]), rep_l),
             jax.tree.map(lambda x: x.sum(0), m_l), ex)

@@ -14,6 +14,16 @@ adds what only its replicas have (KV blocks, tokens in flight, the prefix cache)
 `engine_of(state)` picks the engine from the state's type, for code (routers) that receives a
 state without being told which engine made it.
 
+Variants of `advance` are the engine's own fields, so a benchmark or an A/B builds an engine
+(`ContinuousEngine(decode_runs=False)`, `mode="one_pass"` or `"off"`) and hands it to an
+environment (`env.with_engine(engine)`, `envs.base.StaticConfig`) instead of patching
+functions: `mode="exact"` (the default) is the simulation; `"one_pass"` (continuous only)
+cuts the boundary loop to one pass per `advance`, the least any engine doing a masked pass
+per step pays, not exact (replicas fall behind); `"off"` makes `advance` return the state
+unchanged with zero metrics, the cost of everything in a step but the engine. Only
+`"exact"` simulates; the other two are measuring instruments (`scripts/bench.py --ceiling`,
+`--profile`).
+
 Clock convention (both engines): stored times are relative to the current instant; `advance`
 runs to `horizon` without moving the origin, `rebase` moves it. Units: seconds and tokens.
 """
@@ -31,7 +41,18 @@ from jaxserve.core import continuous as CB
 from jaxserve.core import continuous_load as CL
 from jaxserve.core import queues as Q
 from jaxserve.core import static_load as SL
+from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.service import per_request_work
+
+# `advance`'s variants (see the module docstring); `STATIC_MODES` are the static engine's.
+MODES = ("exact", "one_pass", "off")
+STATIC_MODES = ("exact", "off")
+
+
+def _check_mode(engine, modes) -> None:
+    if engine.mode not in modes:
+        raise ValueError(f"{type(engine).__name__}.mode must be one of {modes}, got "
+                         f"{engine.mode!r}")
 
 
 class Engine(Protocol):
@@ -117,10 +138,19 @@ class Engine(Protocol):
 @dataclasses.dataclass(frozen=True)
 class StaticEngine:
     """The static batcher (`core.cluster`, MODEL.md): a replica runs one batch at a time,
-    every request of it until the batch's longest output is done. Hashable (no fields), so
-    it can be a static argument of `jax.jit`."""
+    every request of it until the batch's longest output is done. Hashable (frozen fields), so
+    it can be a static argument of `jax.jit`.
+
+    Attributes:
+      mode: `advance`'s variant, one of `STATIC_MODES` ("exact", the default; "off": the
+        state unchanged, zero metrics; see the module docstring).
+    """
 
     name: str = "static"
+    mode: str = "exact"
+
+    def __post_init__(self):
+        _check_mode(self, STATIC_MODES)
 
     def empty(self, num_replicas, queue_buffer, slots, with_ids=False):
         return C.empty_cluster(num_replicas, queue_buffer, slots, with_ids=with_ids)
@@ -130,11 +160,13 @@ class StaticEngine:
         return C.empty_log(length)
 
     def advance(self, state, profiles, horizon, slo_s):
-        state, m, _ = C.advance_static(state, profiles, horizon, slo_s)
+        state, m, _, _ = self.advance_logged(state, profiles, horizon, slo_s, None)
         return state, m
 
     def advance_logged(self, state, profiles, horizon, slo_s, log):
         """No engine keywords; `extras` is `{}`."""
+        if self.mode == "off":
+            return state, StepMetrics.zeros(), {}, log
         state, m, log = C.advance_static(state, profiles, horizon, slo_s, log)
         return state, m, {}, log
 
@@ -200,9 +232,25 @@ class ContinuousEngine:
     scheduling over a paged KV cache, chunked prefill, recompute preemption and, with a
     prefix tree, prefix caching. Beyond `Engine`, what only these replicas have: KV blocks in
     use, tokens in flight, the prefix cache's lookups and block accounting, expected SLO
-    misses. Hashable (no fields)."""
+    misses. Hashable (frozen fields), so it can be a static argument of `jax.jit`.
+
+    Attributes:
+      decode_runs: skip fixed pure-decode runs in closed form (the default); False runs a
+        boundary per iteration (same results up to float32 rounding: tests, profiling).
+      mode: `advance`'s variant, one of `MODES` ("exact", the default; "one_pass": one
+        boundary pass per `advance`, not exact; "off": the state unchanged, zero metrics;
+        see the module docstring).
+    """
 
     name: str = "continuous"
+    decode_runs: bool = True
+    mode: str = "exact"
+
+    def __post_init__(self):
+        _check_mode(self, MODES)
+        if not isinstance(self.decode_runs, bool):
+            raise ValueError(f"ContinuousEngine.decode_runs must be a bool, got "
+                             f"{self.decode_runs!r}")
 
     def empty(self, num_replicas, queue_buffer, slots, with_ids=False, prefix_blocks=None):
         """Engine keyword `prefix_blocks=`: the block-table width with prefix caching (None:
@@ -216,18 +264,23 @@ class ContinuousEngine:
         return CB.empty_log(length, prefix=prefix)
 
     def advance(self, state, profiles, horizon, slo_s):
-        state, m, _, _ = CB.advance(state, profiles, horizon, slo_s)
+        state, m, _, _ = self.advance_logged(state, profiles, horizon, slo_s, None)
         return state, m
 
     def advance_logged(self, state, profiles, horizon, slo_s, log, tables=None,
-                       decode_runs=True, audit=False):
+                       decode_runs=None, audit=False):
         """Engine keywords: `tables=`, the trace's prefix tree (required with prefix
-        caching); `decode_runs=False` runs a boundary per iteration instead of skipping fixed
-        decode runs in closed form (same results); `audit=True` checks the block pool at
-        every boundary (`continuous.prefix_audit`). `extras`: `continuous.zero_extras()`'s
-        keys, plus `continuous.PREFIX_EXTRAS` with prefix caching."""
+        caching); `decode_runs=` overrides the engine's field for this call (None: the
+        field); `audit=True` checks the block pool at every boundary
+        (`continuous.prefix_audit`). `extras`: `continuous.zero_extras()`'s keys, plus
+        `continuous.PREFIX_EXTRAS` with prefix caching (`zero_extras()` alone with
+        `mode="off"`)."""
+        if self.mode == "off":
+            return state, StepMetrics.zeros(), CB.zero_extras(), log
+        runs = self.decode_runs if decode_runs is None else decode_runs
         return CB.advance(state, profiles, horizon, slo_s, log, tables=tables,
-                          decode_runs=decode_runs, audit=audit)
+                          decode_runs=runs, audit=audit,
+                          passes="one" if self.mode == "one_pass" else "all")
 
     def rebase(self, state, dt):
         return CB.rebase(state, dt)

@@ -6,7 +6,8 @@ finish in a few iterations, a few need many) most of that work is wasted. The he
 list the lanes that still have work (`active_order`) and run them in compact chunks
 (`chunk_width`); `compacted_while` packages that as a drop-in `while_loop`, and
 `lane_while` does the same for loops whose lanes are already an axis of their arguments (the
-continuous engine's replicas: under `vmap` the lanes are (environment, replica) pairs).
+continuous engine's replicas: under `vmap` the lanes are (environment, replica) pairs);
+`one_pass` is `lane_while` cut to one trip (a benchmark's ceiling, not a loop).
 `cluster.advance_static` uses the first two for its (environment, GPU) lanes.
 """
 
@@ -203,6 +204,18 @@ def lane_while(cond_fn: Callable[[Any, Any], jax.Array], body_fn: Callable[..., 
     """
     flags = (jax.tree.map(lambda _: True, consts), jax.tree.map(lambda _: False, shared))
     return _lane_loop(cond_fn, body_fn, flags)(carry, (consts, shared))
+
+
+def one_pass(cond_fn: Callable[[Any, Any], jax.Array], body_fn: Callable[..., Any],
+             carry: Any, consts: Any, shared: Any = None) -> Any:
+    """`lane_while`'s signature and gating, but one trip: every lane's body once, active where
+    `cond_fn` holds (under `vmap`, one dense pass over every lane). Not the loop's result:
+    lanes that needed more trips fall behind. It measures the least that any loop doing a
+    masked pass per call pays (`engines.ContinuousEngine(mode="one_pass")`, the benchmark's
+    ceiling, `scripts/bench.py --ceiling`)."""
+    def lane(c, k):
+        return body_fn(c, (k, shared), cond_fn(c, (k, shared)))
+    return jax.vmap(lane)(carry, consts)
 
 
 def _lane_loop(cond_fn, body_fn, lane_flags):

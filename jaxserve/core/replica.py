@@ -36,8 +36,9 @@ Named profiles (`replica_profile(name)`), sources:
   DERIVED, not measured: A100-40GB has less memory bandwidth (1.56 vs 2.04 TB/s), so its
   decode is slower than this profile says.
 
-Scheduler settings (not measurements): vLLM's `block_size = 16`, `watermark = 0.01`;
-`max_seqs = 64`, `max_tokens = 2048`, chunked prefill on, `queue_cap = 64`.
+Scheduler settings (not measurements), `ReplicaProfile`'s field defaults, which the named
+profiles keep: vLLM's `block_size = 16`, `watermark = 0.01`; `max_seqs = 64`,
+`max_tokens = 2048`, chunked prefill on, `queue_cap = 64`.
 """
 
 from __future__ import annotations
@@ -223,14 +224,14 @@ def kv_blocks_for(num_layers: int, kv_hidden: int, gpu_mem_gb: float, weight_gb:
 _MS = 1e-3
 _OPT13B = dict(c0=18.10 * _MS, alpha=0.1019 * _MS, alpha2=7.12e-6 * _MS,
                beta=(19.93 - 18.10) * _MS, gamma=(0.0385 - 0.1019) * _MS, delta=6.27e-4 * _MS)
-_SCHED = dict(block_size=16, max_seqs=64, max_tokens=2048, chunked_prefill=True,
-              watermark=0.01, queue_cap=64)
 _OPT13B_WEIGHTS_GB = 12.85e9 * 2 / 1e9
 
+# The named profiles' own fields; their scheduler settings (block_size, max_seqs,
+# max_tokens, chunked_prefill, watermark, queue_cap) are `ReplicaProfile`'s field defaults.
 NAMED_REPLICAS = {
-    "opt13b-a100-80g": dict(**_OPT13B, **_SCHED,
+    "opt13b-a100-80g": dict(**_OPT13B,
                             kv_blocks=kv_blocks_for(40, 5120, 80.0, _OPT13B_WEIGHTS_GB)),
-    "opt13b-a100-40g": dict(**_OPT13B, **_SCHED,
+    "opt13b-a100-40g": dict(**_OPT13B,
                             kv_blocks=kv_blocks_for(40, 5120, 40.0, _OPT13B_WEIGHTS_GB)),
 }
 

@@ -42,7 +42,7 @@ from jaxserve.core.types import MAX_SECONDS, check_int_array, numeric_array
 from jaxserve.envs import common
 from jaxserve.envs.autoscaling_workloads import workload_overrides
 from jaxserve.envs.base import StaticConfig, as_size, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, set_reward_scales,
+from jaxserve.envs.defaults import (TRACE_EPISODE_STEPS, build_params, fill_defaults,
                                     static_sizes)
 from jaxserve.envs.routing import routing_tokens
 
@@ -112,22 +112,25 @@ class AutoscalingParams:
         offsets; 0 starts at the first row. Ignored without a trace. int32.
     """
 
+    # The defaults (Python numbers, as gymnax's `EnvParams()`; `scaling_params` casts them):
+    # a compressed day (2 h) of diurnal Poisson traffic, decided every 15 s (Kubernetes
+    # HPA's sync period); a replica of Llama-2-70B needs ~2 min to load.
     serving: common.ServingParams
-    control_interval_s: jax.Array
-    warmup_s: jax.Array
-    gpu_price: jax.Array
-    latency_weight: jax.Array
-    slo_penalty_s: jax.Array
-    diurnal_amplitude: jax.Array
-    diurnal_period_s: jax.Array
-    diurnal_phase_s: jax.Array
-    initial_replicas: jax.Array
-    action_mode: jax.Array
-    random_phase: jax.Array
-    random_initial: jax.Array
-    invalid_penalty_s: jax.Array
-    price_spread: jax.Array
-    random_offset: jax.Array
+    control_interval_s: jax.Array = 15.0
+    warmup_s: jax.Array = 120.0
+    gpu_price: jax.Array = 4.0
+    latency_weight: jax.Array = 1.0
+    slo_penalty_s: jax.Array = 0.0
+    diurnal_amplitude: jax.Array = 0.6
+    diurnal_period_s: jax.Array = 7200.0
+    diurnal_phase_s: jax.Array = 0.0
+    initial_replicas: jax.Array = 2
+    action_mode: jax.Array = 0
+    random_phase: jax.Array = 0
+    random_initial: jax.Array = 0
+    invalid_penalty_s: jax.Array = 0.0
+    price_spread: jax.Array = 1.0
+    random_offset: jax.Array = 0
 
     @property
     def max_steps_in_episode(self) -> jax.Array:
@@ -327,9 +330,14 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
                 "slo_violation_frac", "drop_frac", "day_sin", "day_cos", "price",
                 "warmup_left")
 
+    def _running_slots(self) -> int:
+        """The static batch bound per replica (`Engine.empty`'s `slots`): `max_batch` here,
+        `max_seqs` in LLMAutoscaling-v0 (each named as its profile field)."""
+        return self.max_batch
+
     def __init__(self, *args, default: AutoscalingParams | None = None, **fields):
         super().__init__(*args, default=default, **fields)
-        if self.log_capacity > 0 and self.ENGINE is not engines.STATIC:
+        if self.log_capacity > 0 and not isinstance(self.ENGINE, engines.StaticEngine):
             raise ValueError(f"{self.ENGINE.name} replicas keep no request log (log_capacity "
                              f"must be 0)")
 
@@ -379,7 +387,7 @@ class Autoscaling(StaticConfig, environment.Environment[AutoscalingState, Autosc
         price = jnp.where(params.price_spread > 1.0,
                           params.gpu_price * params.price_spread ** u, params.gpu_price)
         r = self.max_replicas
-        cluster = self.ENGINE.empty(r, self.queue_buffer, self.max_batch,
+        cluster = self.ENGINE.empty(r, self.queue_buffer, self._running_slots(),
                                     with_ids=self.log_capacity > 0)
         state = AutoscalingState(
             cluster=cluster,
@@ -632,13 +640,21 @@ def validate_scaling_params(params: AutoscalingParams, queue_buffer: int, max_ba
 
 # ---- Autoscaling-v0's defaults and builder (registered in `envs.registry`)
 
-# Autoscaling-v0 defaults: a compressed day (2 h) of diurnal Poisson traffic, decided every
-# 15 s (Kubernetes HPA's sync period); a replica of Llama-2-70B needs ~2 min to load.
-AUTOSCALING_DEFAULTS = dict(control_interval_s=15.0, warmup_s=120.0, gpu_price=4.0,
-                            latency_weight=1.0, slo_penalty_s=0.0, diurnal_amplitude=0.6,
-                            diurnal_period_s=7200.0, diurnal_phase_s=0.0, initial_replicas=2,
-                            action_mode=0, random_phase=0, random_initial=0,
-                            invalid_penalty_s=0.0, price_spread=1.0, random_offset=0)
+# Autoscaling-v0's defaults: the scaling fields' are `AutoscalingParams`' field defaults;
+# these are its serving defaults over `ServingParams`' shared ones (`envs.common`), under a
+# named workload's overrides (`envs.autoscaling_workloads`) and the caller's keywords. A
+# callable is called per build.
+AUTOSCALING_DEFAULTS = dict(
+    gpu=lambda: get_profile("mid"),  # every replica slot's profile
+    max_replicas=8,
+    # req/s, mean of the diurnal cycle, when no arrivals, arrival_rate or trace is given:
+    # 4-5 replicas hold the mean latency under the SLO at the mean rate, 7-8 at the peak
+    # (amplitude 0.6); docs/scaling.md has the fixed-count measurements.
+    arrival_rate=1.2,
+    tokens=routing_tokens,
+    slo_s=60.0,
+    max_steps_in_episode=480,  # 2 h of 15 s intervals (TRACE_EPISODE_STEPS with a trace)
+)
 
 
 # The scenario a learned autoscaler trains on (`agents.defaults.ENV_DEFAULTS["Autoscaling-v0"]
@@ -656,29 +672,33 @@ AUTOSCALING_TRAINING = dict(action_mode=1, latency_scale=10_000.0, control_inter
                             invalid_penalty_s=200.0, price_spread=4.0)
 
 def scaling_params(serving: common.ServingParams, **scalars) -> AutoscalingParams:
-    """`AutoscalingParams` around `serving`, from `AUTOSCALING_DEFAULTS` and `scalars`."""
+    """`AutoscalingParams` around `serving`: its field defaults under `scalars`, each cast
+    to its dtype (`SCALING_FIELDS`)."""
     unknown = set(scalars) - set(SCALING_FIELDS)
     if unknown:
         raise ValueError(f"unknown Autoscaling-v0 parameter(s) {sorted(unknown)}; known: "
                          f"{sorted(SCALING_FIELDS)}")
-    values = {**AUTOSCALING_DEFAULTS, **scalars}
+    values = {**{f.name: f.default for f in dataclasses.fields(AutoscalingParams)
+                 if f.name in SCALING_FIELDS}, **scalars}
     return AutoscalingParams(serving=serving, **{
         k: common.scalar_leaf(k, values[k], SCALING_FIELDS[k]) for k in SCALING_FIELDS})
 
 
-def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arrival_rate=None,
+def make_autoscaling(gpu=None, gpus=None, max_replicas=None, queue_buffer=None, arrival_rate=None,
                      arrivals=None, history_len=64, workload="diurnal", load=None, **kw):
     """Autoscaling-v0: up to 8 A100 replicas of Llama-2-70B under a diurnal load.
 
     `workload` names a trace-based workload instead (`envs.autoscaling_workloads`), at offered
-    load `load` of the whole cluster.
+    load `load` of the whole cluster. Defaults: `AUTOSCALING_DEFAULTS` (serving, cluster)
+    and `AutoscalingParams`' field defaults (scaling).
     """
 
+    d = AUTOSCALING_DEFAULTS
     if gpu is not None and gpus is not None:
         raise ValueError("give either gpu= (one profile for every slot) or gpus=, not both")
     if gpus is None:
-        gpus = [get_profile("mid") if gpu is None else gpu] * as_size("max_replicas",
-                                                                       max_replicas)
+        n = d["max_replicas"] if max_replicas is None else max_replicas
+        gpus = [d["gpu"]() if gpu is None else gpu] * as_size("max_replicas", n)
     gpus = list(gpus)
     max_replicas = len(gpus)
     named = workload_overrides(workload, gpus, load)
@@ -698,16 +718,11 @@ def make_autoscaling(gpu=None, gpus=None, max_replicas=8, queue_buffer=None, arr
     if "trace" in kw and kw["trace"] is not None:
         scalars.setdefault("diurnal_amplitude", 0.0)
     if arrivals is None and arrival_rate is None and kw.get("trace") is None:
-        # Mean 1.2 req/s: 4-5 replicas hold the mean latency under the SLO at the mean rate,
-        # 7-8 at the peak (amplitude 0.6); docs/scaling.md has the fixed-count measurements.
-        arrival_rate = 1.2
+        arrival_rate = d["arrival_rate"]
     if arrivals is None and arrival_rate is None:
         arrival_rate = 1.0  # unused: the trace replaces the arrival process
-    kw.setdefault("tokens", routing_tokens())
-    kw.setdefault("slo_s", 60.0)
-    # A dropped request costs 10 minutes: shedding load must not be a way to save GPUs.
-    set_reward_scales(kw)
-    kw.setdefault("max_steps_in_episode", 480)
+    # The shared drop penalty (600 s: shedding load must not be a way to save GPUs).
+    fill_defaults(kw, d, exclude=("gpu", "max_replicas", "arrival_rate"))
     serving = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = static_sizes(queue_buffer, serving)
     params = scaling_params(serving, **scalars)

@@ -12,6 +12,11 @@
   (LLMPrefixRouting-v0), `"llm_routing"` (LLMRouting-v0); None for an environment without
   registered heuristics). The harness, the CLIs and the policy registry (keyed by kind and
   name) read this attribute instead of switching on classes.
+* The serving engine (`ENGINE`, a class attribute: `core.engines.STATIC` or `CONTINUOUS`):
+  `env.with_engine(engine)` runs the same environment on another configuration of it (e.g.
+  `ContinuousEngine(decode_runs=False)`, or a benchmark's `mode="off"`), the one supported
+  way to change what the step's engine does; the engine is part of the environment's
+  identity (hash, jit cache).
 * `with_static(env, **changes)`: `env.replace_static(...)` cached, the one place a variant of
   an environment (a replay window, a per-request log) is built, so jit, which keys its cache
   on the static `env`, compiles each variant once.
@@ -194,7 +199,7 @@ class StaticConfig:
                 a = np.asarray(leaf)
                 h.update(str((a.dtype, a.shape)).encode() + a.tobytes())
             self._default_digest = h.hexdigest()
-        return (type(self), self.static, self._default_digest)
+        return (type(self), self.static, self._default_digest, getattr(self, "ENGINE", None))
 
     def __eq__(self, other):
         return isinstance(other, StaticConfig) and self._key() == other._key()
@@ -213,7 +218,31 @@ class StaticConfig:
         if unknown:
             raise ValueError(f"{type(self).__name__} has no static field(s) {sorted(unknown)}; "
                              f"static fields: {tuple(fields)}")
-        return type(self)(default=self._default, **{**fields, **changes})
+        env = type(self)(default=self._default, **{**fields, **changes})
+        if "ENGINE" in self.__dict__:
+            env.ENGINE = self.ENGINE
+        return env
+
+    def with_engine(self, engine):
+        """This environment with its serving engine replaced by `engine`, another
+        configuration of the same engine class (`core.engines`: e.g.
+        `ContinuousEngine(decode_runs=False)`, or `mode="one_pass"` / `"off"`, the
+        benchmark's measuring variants). The engine is part of the environment's identity,
+        so jit compiles each engine's step once.
+
+        Raises:
+          ValueError: the environment has no engine, or `engine` is not an instance of its
+            engine's class.
+        """
+        base = getattr(type(self), "ENGINE", None)
+        if base is None:
+            raise ValueError(f"{type(self).__name__} has no serving engine to replace")
+        if not isinstance(engine, type(base)):
+            raise ValueError(f"{type(self).__name__} runs a {type(base).__name__}; got "
+                             f"{type(engine).__name__}")
+        env = self.replace_static()
+        env.ENGINE = engine
+        return env
 
     def check_params(self, params) -> None:
         """Raises ValueError (naming the field) if `params` do not fit this environment."""

@@ -11,6 +11,7 @@ import numpy as np
 from flax import struct
 from gymnax.environments import environment, spaces
 
+from jaxserve.core import arrivals as A
 from jaxserve.core import cluster as C
 from jaxserve.core import engines
 from jaxserve.core import queues as Q
@@ -21,7 +22,7 @@ from jaxserve.core.profiles import get_profile
 from jaxserve.core.tree import select
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import (build_params, set_reward_scales, static_sizes)
+from jaxserve.envs.defaults import build_params, fill_defaults, static_sizes
 
 NUM_FEATURES = 6
 
@@ -258,17 +259,29 @@ class Batching(StaticConfig, environment.Environment[BatchingState, common.Servi
         raise NotImplementedError("Batching-v0 exposes its state as the BatchingState pytree")
 
 
-# ---- Batching-v0's builder (registered in `envs.registry`)
+# ---- Batching-v0's defaults and builder (registered in `envs.registry`)
+
+# Batching-v0's defaults over `ServingParams`' shared field defaults (`envs.common`: SLO 10 s,
+# size-class estimates, 512 decisions, the shared reward scales), under the caller's
+# keywords. A callable is called per build.
+BATCHING_DEFAULTS = dict(
+    gpus=lambda: [get_profile("mid")],
+    # req/s, when neither arrivals= nor arrival_rate= is given: a full batch of 16 takes
+    # ~33 s on this replica (at most ~0.48 req/s), so load ~0.7.
+    arrival_rate=0.35,
+    tokens=A.bimodal_tokens,
+)
+
 
 def make_batching(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None, **kw):
-    """Batching-v0: one GPU, Poisson arrivals, the agent decides each batch."""
-    gpus = [get_profile("mid")] if gpus is None else list(gpus)
+    """Batching-v0: one GPU, Poisson arrivals, the agent decides each batch
+    (`BATCHING_DEFAULTS` under the keywords)."""
+    gpus = BATCHING_DEFAULTS["gpus"]() if gpus is None else list(gpus)
     if len(gpus) != 1:
         raise ValueError(f"Batching-v0 runs exactly one GPU, got {len(gpus)}")
     if arrivals is None and arrival_rate is None:
-        # A full batch of 16 takes ~33 s on this replica (at most ~0.48 req/s): load ~0.7.
-        arrival_rate = 0.35
-    set_reward_scales(kw)
+        arrival_rate = BATCHING_DEFAULTS["arrival_rate"]
+    fill_defaults(kw, BATCHING_DEFAULTS, exclude=("gpus", "arrival_rate"))
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = static_sizes(queue_buffer, params)
     env = Batching(max_batch=mb, queue_buffer=qb,

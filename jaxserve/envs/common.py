@@ -4,6 +4,11 @@ Static configuration (shapes: number of GPUs, queue buffer, trace window length)
 dataclass on the environment instance (`envs.base.StaticConfig`); everything a user may sweep
 (GPU coefficients, batch limits, arrival rates, token distributions, SLO, reward weights,
 episode length) is an array leaf of `ServingParams`, so `vmap` over params needs no recompile.
+
+`ServingParams`' fields carry the defaults every environment shares (gymnax's `EnvParams()`
+pattern); an environment's own defaults are a dict of overrides beside its builder (e.g.
+`envs.routing.ROUTING_DEFAULTS`), and `envs.defaults.build_params` assembles the two with
+the caller's keywords (docs/index.md, "Where defaults live").
 """
 
 from __future__ import annotations
@@ -23,17 +28,47 @@ from jaxserve.core.types import (INT32_MAX, MAX_SECONDS, MAX_TOKENS, GPUProfile,
                                  check_int_array, numeric_array, validate_profile)
 
 
-@struct.dataclass
+# Defaults every registered environment shares (the fields of `ServingParams` below).
+# A dropped request costs as much as this many seconds in the system: far above any latency
+# the default scenarios produce, so dropping is never cheaper than serving.
+DEFAULT_DROP_PENALTY_S = 600.0
+# Seconds of time-in-system per unit of (negative) reward, chosen so that discounted returns
+# (gamma 0.99) are O(1) for an unnormalised PPO (docs/training.md).
+DEFAULT_LATENCY_SCALE = 1000.0
+# LLM SLO targets (a choice, as in docs/continuous.md's study): time to first token <= 2 s and
+# time per output token <= 0.1 s; an SLO miss costs 60 s of time-in-system in the SLO reward
+# (a tenth of a drop, so shedding a request is never cheaper than serving it late).
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.1
+DEFAULT_SLO_MISS_S = 60.0
+# Output-length classes (tokens): one edge, a short and a long class's representative length.
+DEFAULT_SIZE_EDGES = (128.0,)
+DEFAULT_SIZE_VALUES = (48.0, 512.0)
+
+
+def _array_default(values):
+    """A float32 array field's default (a fresh array per instance)."""
+    return struct.field(default_factory=lambda: jnp.asarray(values, jnp.float32))
+
+
+@struct.dataclass(kw_only=True)
 class ServingParams:
     """Vmappable parameters of a serving environment.
+
+    The cluster (`gpus`), the workload (`arrivals`, `tokens`) and `trace` have no default
+    (each environment's builder chooses them); every other field defaults to the value all
+    registered environments share, overridden per environment by its builder's defaults dict
+    (`envs.routing.ROUTING_DEFAULTS`, ...). Keyword-only. The scalar defaults are Python
+    numbers, as gymnax's `EnvParams()`; `envs.defaults.build_params` casts every scalar
+    field to its dtype (`SCALAR_FIELDS`), so params built by `jaxserve.make` hold arrays.
 
     Attributes:
       gpus: the cluster's GPU profiles, `(num_gpus,)` leaves.
       arrivals: arrival process (MMPP; Poisson is one phase). Unused when `trace` has rows.
       tokens: token-length distribution. Unused when `trace` has rows.
       estimate_mode: what schedulers see of output lengths: 0 exact, 1 noisy, 2 size class
-        (of the true length: an oracle bit). `build_params` defaults to 2, Routing-v0 to 1
-        (a real router has only a prediction). int32.
+        (of the true length: an oracle bit). Default 2; Routing-v0 and LLMPrefixRouting-v0
+        default to 1 (a real router has only a prediction). int32.
       estimate_noise: lognormal sigma of the noisy estimate. float32.
       size_edges: `(E,)` output-length class boundaries (tokens).
       size_values: `(E + 1,)` representative output length of each class (tokens).
@@ -55,18 +90,18 @@ class ServingParams:
     gpus: GPUProfile
     arrivals: A.ArrivalProcess
     tokens: A.TokenDist
-    estimate_mode: jax.Array
-    estimate_noise: jax.Array
-    size_edges: jax.Array
-    size_values: jax.Array
-    slo_s: jax.Array
-    latency_scale: jax.Array
-    drop_penalty_s: jax.Array
-    time_scale: jax.Array
-    max_steps_in_episode: jax.Array
-    slo_ttft_s: jax.Array
-    slo_tpot_s: jax.Array
-    slo_miss_s: jax.Array
+    estimate_mode: jax.Array = A.ESTIMATE_CLASS
+    estimate_noise: jax.Array = 0.5
+    size_edges: jax.Array = _array_default(DEFAULT_SIZE_EDGES)
+    size_values: jax.Array = _array_default(DEFAULT_SIZE_VALUES)
+    slo_s: jax.Array = 10.0
+    latency_scale: jax.Array = DEFAULT_LATENCY_SCALE
+    drop_penalty_s: jax.Array = DEFAULT_DROP_PENALTY_S
+    time_scale: jax.Array = 10.0
+    max_steps_in_episode: jax.Array = 512
+    slo_ttft_s: jax.Array = DEFAULT_SLO_TTFT_S
+    slo_tpot_s: jax.Array = DEFAULT_SLO_TPOT_S
+    slo_miss_s: jax.Array = DEFAULT_SLO_MISS_S
     trace: TraceArrays
 
 

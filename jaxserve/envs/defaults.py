@@ -15,11 +15,17 @@ gpu_price, latency_weight, slo_penalty_s, diurnal_amplitude, diurnal_period_s,
 diurnal_phase_s, initial_replicas, action_mode, random_phase, random_initial,
 invalid_penalty_s).
 
-The constants below are the defaults more than one environment shares; each environment's
-own scenario (cluster, workload, scales) lives in its module, beside the builder.
+Where defaults live (docs/index.md): the defaults every environment shares are
+`ServingParams`' field defaults (`envs.common`); each environment's own (cluster, workload,
+SLO, what routers see) are its `*_DEFAULTS` dict beside its builder (`envs.routing.
+ROUTING_DEFAULTS`, ...), applied with `fill_defaults` under the caller's keywords; named
+scenarios are overrides between the two (`ROUTING_SCENARIOS`, `PREFIX_SCENARIOS`,
+`envs.autoscaling_workloads`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,28 +35,15 @@ from jaxserve.core.sources import no_trace, trace_arrays
 from jaxserve.core.types import MAX_SLOTS, stack_profiles
 from jaxserve.envs import common
 from jaxserve.envs.base import as_size
+# The shared defaults are `ServingParams`' field defaults (`envs.common`); re-exported here,
+# where builders and readers have looked for them.
+from jaxserve.envs.common import (DEFAULT_DROP_PENALTY_S, DEFAULT_LATENCY_SCALE,  # noqa: F401
+                                  DEFAULT_SIZE_EDGES, DEFAULT_SIZE_VALUES, DEFAULT_SLO_MISS_S,
+                                  DEFAULT_SLO_TPOT_S, DEFAULT_SLO_TTFT_S)
 
-# A dropped request costs as much as this many seconds in the system: far above any latency
-# the default scenarios produce, so dropping is never cheaper than serving (every registered
-# environment's default).
-DEFAULT_DROP_PENALTY_S = 600.0
-# Seconds of time-in-system per unit of (negative) reward in Routing-v0 and Batching-v0, chosen
-# so that discounted returns (gamma 0.99) are O(1) for an unnormalised PPO (docs/training.md).
-DEFAULT_LATENCY_SCALE = 1000.0
 # `max_steps_in_episode` of an episode that replays a trace: larger than any trace, so the
 # episode ends when the trace has drained (termination), not at a synthetic episode length.
 TRACE_EPISODE_STEPS = 1_000_000
-
-# LLM SLO targets (a choice, as in docs/continuous.md's study): time to first token <= 2 s and
-# time per output token <= 0.1 s; an SLO miss costs 60 s of time-in-system in the SLO reward
-# (a tenth of a drop, so shedding a request is never cheaper than serving it late).
-DEFAULT_SLO_TTFT_S = 2.0
-DEFAULT_SLO_TPOT_S = 0.1
-DEFAULT_SLO_MISS_S = 60.0
-
-# Default profiles (see docs/profiles.md for the named, sourced ones).
-DEFAULT_SIZE_EDGES = (128.0,)
-DEFAULT_SIZE_VALUES = (48.0, 512.0)
 
 
 # What Routing-v0's routers see of a request's output length by default: a noisy prediction,
@@ -94,21 +87,20 @@ def build_params(gpus, *, arrivals=None, arrival_rate=None, tokens=None, trace=N
         tokens = A.bimodal_tokens()
     if not isinstance(tokens, A.TokenDist):
         raise ValueError(f"tokens must be a TokenDist, got {type(tokens).__name__}")
-    defaults = dict(estimate_mode=A.ESTIMATE_CLASS, estimate_noise=0.5, slo_s=10.0,
-                    latency_scale=10.0, drop_penalty_s=60.0, time_scale=10.0,
-                    max_steps_in_episode=512, slo_ttft_s=DEFAULT_SLO_TTFT_S,
-                    slo_tpot_s=DEFAULT_SLO_TPOT_S, slo_miss_s=DEFAULT_SLO_MISS_S)
-    size_edges = scalars.pop("size_edges", DEFAULT_SIZE_EDGES)
-    size_values = scalars.pop("size_values", DEFAULT_SIZE_VALUES)
-    defaults.update(scalars)
+    names = {f.name for f in dataclasses.fields(common.ServingParams)}
+    unknown = sorted(set(scalars) - names)
+    if unknown:
+        raise ValueError(f"unknown environment parameter {unknown[0]!r}; known: "
+                         f"{sorted(names)}")
+    arrays = {k: jnp.asarray(scalars.pop(k), jnp.float32)
+              for k in ("size_edges", "size_values") if k in scalars}
     params = common.ServingParams(
         gpus=stack_profiles(gpus) if isinstance(gpus, (list, tuple)) else gpus,
         arrivals=arrivals, tokens=tokens,
-        size_edges=jnp.asarray(size_edges, jnp.float32),
-        size_values=jnp.asarray(size_values, jnp.float32),
         trace=no_trace() if trace is None else trace_arrays(trace, trace_pad),
-        **{k: jnp.asarray(0, common.SCALAR_FIELDS[k]) for k in common.SCALAR_FIELDS})
-    return common.override(params, **defaults)
+        **arrays, **scalars)
+    # Every scalar field, given or defaulted, cast to its dtype (`common.scalar_leaf`).
+    return common.override(params, **{k: getattr(params, k) for k in common.SCALAR_FIELDS})
 
 
 def static_sizes(queue_buffer, params):
@@ -140,9 +132,12 @@ def replica_sizes(prof, queue_buffer, max_seqs) -> tuple[int, int]:
     return qb, ms
 
 
-def set_reward_scales(kw: dict) -> None:
-    """Sets the reward scales every environment shares in the builder keywords `kw` where the
-    caller gave none: `drop_penalty_s = DEFAULT_DROP_PENALTY_S`, `latency_scale =
-    DEFAULT_LATENCY_SCALE`."""
-    kw.setdefault("drop_penalty_s", DEFAULT_DROP_PENALTY_S)
-    kw.setdefault("latency_scale", DEFAULT_LATENCY_SCALE)
+def fill_defaults(kw: dict, defaults: dict, exclude: tuple[str, ...] = ()) -> dict:
+    """`kw` (a builder's keywords) with each entry of an environment's `defaults` dict that
+    `kw` lacks (as `dict.setdefault`: a key given as None stays None), but those named in
+    `exclude` (which the builder applies itself); a callable default (a cluster, a token
+    law) is called, so every build gets fresh arrays. Returns `kw`, filled in place."""
+    for k, v in defaults.items():
+        if k not in exclude and k not in kw:
+            kw[k] = v() if callable(v) else v
+    return kw

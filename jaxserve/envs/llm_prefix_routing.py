@@ -12,7 +12,7 @@ from jaxserve.core import arrivals as A
 from jaxserve.core import continuous as CB
 from jaxserve.core.replica import _OPT13B_WEIGHTS_GB, kv_blocks_for, replica_profile, stack_replicas
 from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
-                                    refuse_gpus, replica_sizes, set_reward_scales)
+                                    fill_defaults, refuse_gpus, replica_sizes)
 from jaxserve.envs.llm_routing import LLMRouting, PrefixRoutingParams
 from jaxserve.traces.mooncake import load_mooncake
 from jaxserve.traces.prefix import PrefixTrace, validate_prefix_trace
@@ -81,6 +81,20 @@ PREFIX_SCENARIOS = {
 }
 
 
+# LLMPrefixRouting-v0's defaults over `ServingParams`' shared field defaults (`envs.common`:
+# the shared reward scales), under the caller's keywords; a callable is called per build.
+# What depends on the trace is set by the builder: `max_steps_in_episode` (the trace's
+# length: an episode replays it all) and `tokens` (a law whose maxima cover the trace's,
+# used only to scale the request features).
+PREFIX_DEFAULTS = dict(
+    replicas=prefix_replicas,
+    slo_s=20.0,
+    # A router sees a prediction of the output length, never the truth (as Routing-v0).
+    estimate_mode=ROUTING_ESTIMATE_MODE,
+    estimate_noise=ROUTING_ESTIMATE_NOISE,
+)
+
+
 def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_seqs=None,
                             shaping_gamma=None, reward="time_in_system",
                             caching=True, tree_nodes=None, tree_depth=None,
@@ -109,7 +123,7 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
     synthetic shared-prefix requests of the named `PREFIX_SCENARIOS` workload, generator
     seed 0, built on the host here; give `scenario` only when `trace` is None). An episode
     replays the whole trace (`max_steps_in_episode` = its length unless given). `replicas`
-    default `prefix_replicas()`; `caching=False` builds the same scenario without a prefix
+    default `prefix_replicas()` (`PREFIX_DEFAULTS`, with the other defaults); `caching=False` builds the same scenario without a prefix
     cache (LLMRouting-v0's engine; params still `PrefixRoutingParams`). `tree_nodes` and
     `tree_depth` pad the prefix tables (`continuous.prefix_tables`) so that traces of
     different trees share one program. Other keywords as LLMRouting-v0 (reward scalars).
@@ -129,12 +143,11 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
         raise ValueError(f"trace must be a PrefixTrace or a Mooncake file path, got "
                          f"{type(trace).__name__}")
     trace = validate_prefix_trace(trace)
-    replicas = prefix_replicas() if replicas is None else list(replicas)
+    replicas = PREFIX_DEFAULTS["replicas"]() if replicas is None else list(replicas)
     prof = stack_replicas(replicas)
     n = len(trace.trace.arrival_s)
     kw.setdefault("max_steps_in_episode", n)
-    kw.setdefault("slo_s", 20.0)
-    set_reward_scales(kw)
+    fill_defaults(kw, PREFIX_DEFAULTS, exclude=("replicas",))
     # The token distribution is unused with a trace but for the request features' scales
     # (log prompt / log max_prompt): its maxima cover the trace's.
     tr = trace.trace
@@ -142,9 +155,6 @@ def make_llm_prefix_routing(replicas=None, trace=None, queue_buffer=None, max_se
         long_frac=0.2, short=(256, 32), long=(1024, 512), sigma=0.3,
         max_prompt=max(8192, int(np.max(tr.prompt_tokens))),
         max_output=max(2048, int(np.max(tr.output_tokens)))))
-    # A router sees a prediction of the output length, never the truth (as Routing-v0).
-    kw.setdefault("estimate_mode", ROUTING_ESTIMATE_MODE)
-    kw.setdefault("estimate_noise", ROUTING_ESTIMATE_NOISE)
     base = build_params(prof, arrival_rate=1.0, trace=trace.trace, **kw)
     tree = trace.tree
     node = trace.node

@@ -17,7 +17,7 @@ from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, replica_profile, stack_replicas
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
-from jaxserve.envs.defaults import build_params, refuse_gpus, replica_sizes, set_reward_scales
+from jaxserve.envs.defaults import build_params, fill_defaults, refuse_gpus, replica_sizes
 from jaxserve.envs.routing import routing_tokens
 from jaxserve.envs.routing_step import route_and_advance
 
@@ -543,6 +543,17 @@ def llm_routing_replicas():
     return [replica_profile("opt13b-a100-80g")] * 2 + [replica_profile("opt13b-a100-40g")] * 2
 
 
+# LLMRouting-v0's defaults over `ServingParams`' shared field defaults (`envs.common`: the
+# shared reward scales, size-class estimates, 512 decisions), under the caller's keywords.
+# A callable is called per build.
+LLM_ROUTING_DEFAULTS = dict(
+    replicas=llm_routing_replicas,
+    arrival_rate=16.0,  # req/s, when neither arrivals= nor arrival_rate= is given
+    tokens=routing_tokens,
+    slo_s=20.0,
+)
+
+
 def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_rate=None,
                      arrivals=None, shaping_gamma=DEFAULT_SHAPING_GAMMA,
                      reward="time_in_system", **kw):
@@ -554,16 +565,16 @@ def make_llm_routing(replicas=None, queue_buffer=None, max_seqs=None, arrival_ra
     tests/test_llm_learnable.py): shaped with `shaping_gamma=0.99` (None turns it off), a
     drop costs `drop_penalty_s=600` s, rewards in units of `latency_scale=1000` s.
     `reward="slo"` charges TTFT/TPOT SLO misses instead of time-in-system (`LLMRouting`).
+    Other defaults: `LLM_ROUTING_DEFAULTS`.
     """
 
     refuse_gpus("LLMRouting-v0", kw)
-    replicas = llm_routing_replicas() if replicas is None else list(replicas)
+    d = LLM_ROUTING_DEFAULTS
+    replicas = d["replicas"]() if replicas is None else list(replicas)
     prof = stack_replicas(replicas)
     if arrivals is None and arrival_rate is None:
-        arrival_rate = 16.0
-    kw.setdefault("tokens", routing_tokens())
-    kw.setdefault("slo_s", 20.0)
-    set_reward_scales(kw)
+        arrival_rate = d["arrival_rate"]
+    fill_defaults(kw, d, exclude=("replicas", "arrival_rate"))
     params = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, ms = replica_sizes(prof, queue_buffer, max_seqs)
     env = LLMRouting(num_replicas=len(replicas), queue_buffer=qb, max_seqs=ms,

@@ -21,7 +21,7 @@ from jaxserve.core.types import GPUProfile
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, check_sizes, clip_features, feature_box
 from jaxserve.envs.defaults import (ROUTING_ESTIMATE_MODE, ROUTING_ESTIMATE_NOISE, build_params,
-                                    set_reward_scales, static_sizes)
+                                    fill_defaults, static_sizes)
 from jaxserve.envs.routing_step import route_and_advance
 
 NUM_REQUEST_FEATURES = 3
@@ -288,6 +288,20 @@ def short_bursts_tokens() -> A.TokenDist:
     return A.with_phase_weights(base, [[0.6, 0.4], [1.0, 0.0]])
 
 
+# Routing-v0's defaults over `ServingParams`' shared field defaults (`envs.common`): under
+# a scenario's overrides and the caller's keywords. A callable is called per build. The
+# reward scales (drop_penalty_s 600, latency_scale 1000) are the shared ones.
+ROUTING_DEFAULTS = dict(
+    gpus=routing_gpus,
+    arrival_rate=2.0,  # req/s, when neither arrivals= nor arrival_rate= is given
+    tokens=routing_tokens,
+    # A long request alone takes ~15 s on a fast replica and ~29 s on a slow one.
+    slo_s=40.0,
+    # Routers see a noisy output-length prediction (`envs.defaults.ROUTING_ESTIMATE_NOISE`).
+    estimate_mode=ROUTING_ESTIMATE_MODE,
+    estimate_noise=ROUTING_ESTIMATE_NOISE,
+)
+
 # Registered Routing-v0 scenarios, `make("Routing-v0", scenario=name)` (explicit overrides
 # still win). Rates are fractions (`load`) of the cluster's full-batch capacity for the
 # scenario's mix (`capacity`, req/s: `evaluation.capacity.service_capacity`; envs cannot
@@ -344,7 +358,7 @@ def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
     Routers (learned and heuristic alike) see a noisy output-length prediction
     (`estimate_mode=1`, `estimate_noise=1.0`: see `ROUTING_ESTIMATE_NOISE`), not the true
     size class; pass `estimate_mode=2` for that oracle. `scenario` names an entry of
-    `ROUTING_SCENARIOS` (its overrides under the explicit ones).
+    `ROUTING_SCENARIOS` (its overrides under the explicit ones, over `ROUTING_DEFAULTS`).
     """
     if scenario is not None:
         if scenario not in ROUTING_SCENARIOS:
@@ -360,15 +374,10 @@ def make_routing(gpus=None, queue_buffer=None, arrival_rate=None, arrivals=None,
                 kw.setdefault(k, v)
         gpus, queue_buffer = given["gpus"], given["queue_buffer"]
         arrival_rate, arrivals = given["arrival_rate"], given["arrivals"]
-    gpus = routing_gpus() if gpus is None else list(gpus)
+    gpus = ROUTING_DEFAULTS["gpus"]() if gpus is None else list(gpus)
     if arrivals is None and arrival_rate is None:
-        arrival_rate = 2.0
-    kw.setdefault("tokens", routing_tokens())
-    # A long request alone takes ~15 s on a fast replica and ~29 s on a slow one.
-    kw.setdefault("slo_s", 40.0)
-    set_reward_scales(kw)
-    kw.setdefault("estimate_mode", ROUTING_ESTIMATE_MODE)
-    kw.setdefault("estimate_noise", ROUTING_ESTIMATE_NOISE)
+        arrival_rate = ROUTING_DEFAULTS["arrival_rate"]
+    fill_defaults(kw, ROUTING_DEFAULTS, exclude=("gpus", "arrival_rate"))
     params = build_params(gpus, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     qb, mb = static_sizes(queue_buffer, params)
     env = Routing(num_gpus=len(gpus), queue_buffer=qb, max_batch=mb,

@@ -220,7 +220,7 @@ def evaluate_autoscalers(env: Autoscaling, params: AutoscalingParams,
     if int(num_steps) < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     cap = arrival_bound(params, int(num_steps)) if log_capacity is None else int(log_capacity)
-    if env.ENGINE is not Autoscaling.ENGINE:
+    if not isinstance(env.ENGINE, type(Autoscaling.ENGINE)):
         cap = 0  # continuous-batching replicas keep no request log
     names = list(policies)
     keys = jax.random.split(key, int(num_envs))
