@@ -60,12 +60,28 @@ def replay_arrays(prof_p: ReplicaProfile, prof_d: ReplicaProfile, link: PD.Link,
              prompt.astype(jnp.int32), output.astype(jnp.int32), p_route.astype(jnp.int32),
              d_route.astype(jnp.int32))
     (st, log), (dropped, never) = jax.lax.scan(step, (st, log), xs_in)
+    # The logs take a request's preemptions when it finishes; one that never does (a replica
+    # that stalled for good: `docs/disaggregation.md` section 8, step 3) keeps them in its
+    # running or waiting slot.
+    pre_p = _unfinished_preemptions(st.prefill, log.prefill.preemptions)
+    pre_d = _unfinished_preemptions(st.decode, log.decode.preemptions)
     return {"prefill_done": log.prefill.e2e, "transfer_start": log.transfer_start,
             "transfer_end": log.transfer_end, "first_token": log.decode.ttft,
-            "finish": log.decode.e2e,
-            "preemptions": log.prefill.preemptions + log.decode.preemptions,
+            "finish": log.decode.e2e, "preemptions": pre_p + pre_d,
             "dropped": dropped, "never_fit": never, "prefill": st.prefill,
             "decode": st.decode, "overflow": st.overflow}
+
+
+def _unfinished_preemptions(rep, logged: jax.Array) -> jax.Array:
+    """`logged` with the preemptions of the requests still running or waiting in `rep`."""
+    size = logged.shape[0]
+    run = rep.run
+    valid = jnp.arange(rep.max_seqs)[None, :] < run.count[:, None]
+    logged = logged.at[jnp.where(valid, run.req_id, size).ravel()].set(run.pre.ravel(),
+                                                                        mode="drop")
+    waiting = Q.waiting_mask(rep.queues)
+    return logged.at[jnp.where(waiting, rep.queues.req_id, size).ravel()].set(
+        rep.q_pre.ravel(), mode="drop")
 
 
 def _profiles(profiles, name: str) -> list:

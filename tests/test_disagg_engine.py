@@ -1,0 +1,227 @@
+"""The disaggregation engine (`core/disaggregation.py`, `core/disagg_replay.py`) against the
+pure-Python reference `jaxserve/reference/disaggregation.py`, request by request.
+
+One batch of random workloads (two P and two D replicas, `N` requests each) runs as one
+compiled, vmapped replay; each workload is compared with the reference on its own. Kinds:
+
+* `ties`: integer arrival times (several requests per instant), dyadic coefficients and a
+  link whose transfers last a dyadic `base_latency` (0 bytes per token, so equal shares
+  change nothing; 0 s included: a transfer that ends at its start instant). Every time is
+  exact in float32 and float64, ties between arrivals, iteration ends and transfer ends are
+  frequent and must be broken as the page's section 9 says: equality is exact (atol 0).
+* `unshared`: the same, with bytes moving at the full bandwidth (powers of two: exact).
+* `pressure`: dyadic, D replicas with 6-10 blocks of 4 tokens: D preempts often.
+* `mixed`: dyadic, about a third of the requests not disaggregated (run on D alone).
+* `no_p`: no request disaggregated (the reference is run with an empty P pool, and the
+  colocated reference `reference/continuous.py` must agree too).
+* `saturation`: exponential arrivals, a shared link of small bandwidth and non-dyadic bytes
+  per token (transfers overlap, each with its share fixed at its start). Times are float32
+  sums of spans below ~100 s, so they match to 1e-3 s (float32 keeps ~1e-5 s there; the
+  margin covers the few dozen additions along a request's path); counts exactly.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.core import disaggregation as PD
+from jaxserve.core.disagg_replay import (_replay_jit, replay_arrays, replay_sizes, result_dict,
+                                         simulate_disagg)
+from jaxserve.core.replica import ReplicaProfile, stack_replicas
+from jaxserve.reference import continuous as cref
+from jaxserve.reference.disaggregation import simulate
+from tests.test_continuous_engine import as_dicts, dyadic_replica
+
+N = 40  # requests per workload: one trace length, one compilation
+KINDS = ("ties", "unshared", "pressure", "mixed", "no_p", "saturation")
+SEEDS = (0, 1)
+FIELDS = ("prefill_done", "transfer_start", "transfer_end", "first_token", "finish")
+CONFIGS = [(True, 0.0), (False, 0.0), (True, 0.25), (False, 0.125)]
+
+
+def make_case(kind, seed):
+    """`(arrival, prompt, output, P profiles, D profiles, p_route, d_route, link)`."""
+    rng = np.random.default_rng(1000 * KINDS.index(kind) + seed)
+    dyadic = kind != "saturation"
+    if dyadic:
+        arrival = np.cumsum(rng.choice([0.0, 0.0, 1.0, 1.0, 2.0], size=N))
+    else:
+        arrival = np.cumsum(rng.exponential(0.5, size=N))
+    prompt = rng.integers(1, 25, size=N)
+    output = rng.integers(1, 13, size=N)
+    chunked, wm = CONFIGS[int(rng.integers(len(CONFIGS)))]
+    d_blocks = (6, 11) if kind == "pressure" else (10, 17)
+    pp = [dyadic_replica(rng, chunked, wm, kv_blocks=int(rng.integers(10, 17))) for _ in range(2)]
+    dp = [dyadic_replica(rng, chunked, wm, kv_blocks=int(rng.integers(*d_blocks)))
+          for _ in range(2)]
+    p_route = rng.integers(0, 2, size=N)
+    if kind == "mixed":
+        p_route = np.where(rng.random(N) < 0.35, -1, p_route)
+    if kind == "no_p":
+        p_route = np.full(N, -1)
+    d_route = rng.integers(0, 2, size=N)
+    if kind in ("ties", "pressure", "mixed", "no_p"):
+        link = dict(bandwidth=1024.0, base_latency=float(rng.choice([0.0, 0.25, 1.0])),
+                    kv_bytes_per_token=0.0, shared=True)
+    elif kind == "unshared":
+        link = dict(bandwidth=2.0 ** 12, base_latency=0.25, kv_bytes_per_token=2.0 ** 6,
+                    shared=False)
+    else:
+        link = dict(bandwidth=3000.0, base_latency=0.01, kv_bytes_per_token=97.3, shared=True)
+    return arrival, prompt, output, pp, dp, p_route, d_route, link
+
+
+CASES = [(k, s) for k in KINDS for s in SEEDS]
+
+
+def reference(case):
+    arrival, prompt, output, pp, dp, p_route, d_route, link = case
+    pools = [] if (p_route < 0).all() else as_dicts(pp)
+    return simulate(arrival, prompt, output, pools, as_dicts(dp), p_route, d_route, link)
+
+
+def engine_inputs(case):
+    arrival, prompt, output, pp, dp, p_route, d_route, link = case
+    gap = np.append(np.diff(arrival), np.inf)
+    return (stack_replicas(pp), stack_replicas(dp), PD.make_link(**link),
+            jnp.asarray(gap, jnp.float32), jnp.asarray(prompt), jnp.asarray(output),
+            jnp.asarray(p_route), jnp.asarray(d_route))
+
+
+def common_sizes(cases):
+    sizes = [replay_sizes(c[3], c[4], N) for c in cases]
+    return tuple(int(max(s[k] for s in sizes)) for k in range(len(sizes[0])))
+
+
+@functools.lru_cache(maxsize=1)
+def batch_results():
+    """Every case in one vmapped replay; returns (raw batched outputs, sizes)."""
+    cases = [make_case(*c) for c in CASES]
+    sizes = common_sizes(cases)
+    inputs = [engine_inputs(c) for c in cases]
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *inputs)
+    run = jax.jit(jax.vmap(functools.partial(replay_arrays, sizes=sizes)))
+    return jax.device_get(run(*stacked)), sizes
+
+
+def case_result(b):
+    raw, _ = batch_results()
+    case = make_case(*CASES[b])
+    out = jax.tree.map(lambda x: x[b], raw)
+    return result_dict(out, case[0], case[5], case[6], num_prefill=2), case
+
+
+def assert_equal(got, want, atol, npre):
+    for k in ("dropped", "never_fit", "preemptions", "p_replica", "d_replica"):
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    for k in FIELDS:
+        np.testing.assert_array_equal(np.isnan(got[k]), np.isnan(want[k]), err_msg=k)
+        ok = ~np.isnan(want[k])
+        np.testing.assert_allclose(got[k][ok], want[k][ok], rtol=0, atol=atol, err_msg=k)
+    pools = (("prefill", npre), ("decode", None))
+    for pool, keep in pools:
+        g, w = got[f"{pool}_iterations"], want[f"{pool}_iterations"]
+        if keep == 0:  # an empty P pool: the engine's unused replicas never iterate
+            assert g.sum() == 0 and got[f"{pool}_preemptions"].sum() == 0
+            continue
+        np.testing.assert_array_equal(g, w, err_msg=f"{pool}_iterations")
+        np.testing.assert_array_equal(got[f"{pool}_preemptions"], want[f"{pool}_preemptions"])
+        np.testing.assert_allclose(got[f"{pool}_busy"], want[f"{pool}_busy"], rtol=1e-5,
+                                   atol=0 if atol == 0 else 1e-3)
+
+
+@pytest.mark.parametrize("b", range(len(CASES)), ids=[f"{k}-{s}" for k, s in CASES])
+def test_random_workloads_equal_reference(b):
+    got, case = case_result(b)
+    want = reference(case)
+    atol = 1e-3 if CASES[b][0] == "saturation" else 0.0
+    assert_equal(got, want, atol, npre=0 if (case[5] < 0).all() else 2)
+
+
+def test_no_disaggregation_is_the_colocated_reference():
+    """With no request disaggregated the engine equals `reference/continuous.py` (page
+    section 13), per request."""
+    for b, (kind, _) in enumerate(CASES):
+        if kind != "no_p":
+            continue
+        got, case = case_result(b)
+        arrival, prompt, output, _, dp, _, d_route, _ = case
+        want = cref.simulate(arrival, prompt, output, d_route, as_dicts(dp))
+        np.testing.assert_array_equal(got["dropped"], want["dropped"])
+        np.testing.assert_array_equal(got["never_fit"], want["never_fit"])
+        np.testing.assert_array_equal(got["preemptions"], want["preemptions"])
+        np.testing.assert_array_equal(got["first_token"], want["first_token"])
+        np.testing.assert_array_equal(got["finish"], want["finish"])
+        assert np.isnan(got["transfer_start"]).all() and np.isnan(got["prefill_done"]).all()
+
+
+def test_workloads_exercise_every_rule():
+    """The batch does exercise what it claims (guards against vacuous equality): drops,
+    never-fit requests, preemptions on P and on D, transfers sharing the link, transfers
+    waiting for D's blocks, requests not disaggregated, zero-length transfers, and ties of
+    transfer ends with other events."""
+    seen = dict(drop=0, never=0, pre_p=0, pre_d=0, overlap=0, wait_d=0, local=0, zero=0,
+                tie=0)
+    for kind, seed in CASES:
+        case = make_case(kind, seed)
+        w = reference(case)
+        seen["drop"] += (w["dropped"] & ~w["never_fit"]).sum()
+        seen["never"] += w["never_fit"].sum()
+        seen["pre_p"] += w.get("prefill_preemptions", np.zeros(1)).sum()
+        seen["pre_d"] += w["decode_preemptions"].sum()
+        s, e = w["transfer_start"], w["transfer_end"]
+        ok = ~np.isnan(s)
+        if kind == "saturation":
+            seen["overlap"] += sum(((s[ok] <= x) & (e[ok] > x)).sum() > 1 for x in s[ok])
+        seen["wait_d"] += (s[ok] > w["prefill_done"][ok]).sum()
+        seen["local"] += ((case[5] < 0) & ~w["dropped"]).sum()
+        seen["zero"] += (e[ok] == s[ok]).sum()
+        events = np.concatenate([case[0], w["finish"][~np.isnan(w["finish"])]])
+        seen["tie"] += np.isin(e[ok], events).sum()
+    assert all(v > 0 for v in seen.values()), seen
+
+
+def test_vmap_equals_single_jitted_runs():
+    """Two workloads run alone (`jit`, unbatched) give the batched rows bit for bit."""
+    raw, sizes = batch_results()
+    for b in (CASES.index(("pressure", 1)), CASES.index(("saturation", 0))):
+        single = jax.device_get(_replay_jit(*engine_inputs(make_case(*CASES[b])),
+                                            sizes=sizes))
+        for k in FIELDS + ("preemptions", "dropped", "never_fit"):
+            np.testing.assert_array_equal(single[k] if k != "prefill_done" else single[k],
+                                          raw[k][b], err_msg=k)
+        np.testing.assert_array_equal(single["decode"].iterations, raw["decode"].iterations[b])
+
+
+def test_simulate_disagg_with_an_empty_p_pool():
+    """The host entry point with no P replica: the colocated reference's results."""
+    arrival, prompt, output, _, dp, _, d_route, link = make_case("no_p", 0)
+    got = simulate_disagg(arrival, prompt, output, [], dp, np.full(N, -1), d_route, link)
+    want = simulate(arrival, prompt, output, [], as_dicts(dp), np.full(N, -1), d_route, link)
+    assert_equal(got, want, 0.0, npre=0)
+    assert got["prefill_iterations"].shape == (0,)
+
+
+def test_invalid_configuration_is_refused():
+    arrival, prompt, output, pp, dp, p_route, d_route, link = make_case("ties", 0)
+    bad = [
+        dict(prefill_route=np.full(N, 2)),  # no P replica 2
+        dict(prefill_route=np.full(N, -2)),
+        dict(decode_route=np.full(N, 2)),
+        dict(prefill_profiles=[], prefill_route=np.zeros(N, int)),
+        dict(decode_profiles=[]),
+        dict(arrival=arrival[::-1]),
+        dict(prompt=np.zeros(N, int)),
+        dict(link=dict(link, bandwidth=0.0)),
+        dict(link=dict(link, shared="yes")),
+        dict(link=dict(link, latency=1.0)),
+        dict(decode_profiles=[dict(c0=1.0)]),
+    ]
+    base = dict(arrival=arrival, prompt=prompt, output=output, prefill_profiles=pp,
+                decode_profiles=dp, prefill_route=p_route, decode_route=d_route, link=link)
+    for kw in bad:
+        with pytest.raises(ValueError):
+            simulate_disagg(**{**base, **kw})
