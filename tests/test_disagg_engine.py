@@ -28,9 +28,7 @@ import numpy as np
 import pytest
 
 from jaxserve.core import disaggregation as PD
-from jaxserve.core.disagg_replay import (_replay_jit, replay_arrays, replay_sizes, result_dict,
-                                         simulate_disagg)
-from jaxserve.core.replica import ReplicaProfile, stack_replicas
+from jaxserve.core.disagg_replay import replay_arrays, replay_sizes, result_dict, simulate_disagg
 from jaxserve.reference import continuous as cref
 from jaxserve.reference.disaggregation import simulate
 from tests.test_continuous_engine import as_dicts, dyadic_replica
@@ -86,7 +84,8 @@ def reference(case):
 def engine_inputs(case):
     arrival, prompt, output, pp, dp, p_route, d_route, link = case
     gap = np.append(np.diff(arrival), np.inf)
-    return (stack_replicas(pp), stack_replicas(dp), PD.make_link(**link),
+    return (PD.pool_profile(pp, dp), jnp.arange(len(pp) + len(dp)) < len(pp),
+            PD.make_link(**link),
             jnp.asarray(gap, jnp.float32), jnp.asarray(prompt), jnp.asarray(output),
             jnp.asarray(p_route), jnp.asarray(d_route))
 
@@ -185,24 +184,36 @@ def test_workloads_exercise_every_rule():
 
 
 def test_vmap_equals_single_jitted_runs():
-    """Two workloads run alone (`jit`, unbatched) give the batched rows bit for bit."""
-    raw, sizes = batch_results()
+    """Two workloads replayed alone (`simulate_disagg`: `jit`, unbatched, the batch's static
+    sizes) give the batched rows bit for bit."""
+    _, sizes = batch_results()
     for b in (CASES.index(("pressure", 1)), CASES.index(("saturation", 0))):
-        single = jax.device_get(_replay_jit(*engine_inputs(make_case(*CASES[b])),
-                                            sizes=sizes))
-        for k in FIELDS + ("preemptions", "dropped", "never_fit"):
-            np.testing.assert_array_equal(single[k] if k != "prefill_done" else single[k],
-                                          raw[k][b], err_msg=k)
-        np.testing.assert_array_equal(single["decode"].iterations, raw["decode"].iterations[b])
+        want, case = case_result(b)
+        arrival, prompt, output, pp, dp, p_route, d_route, link = case
+        got = simulate_disagg(arrival, prompt, output, pp, dp, p_route, d_route, link,
+                              sizes=sizes)
+        assert got.keys() == want.keys()
+        for k in got:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_simulate_disagg_with_an_empty_p_pool():
-    """The host entry point with no P replica: the colocated reference's results."""
-    arrival, prompt, output, _, dp, _, d_route, link = make_case("no_p", 0)
-    got = simulate_disagg(arrival, prompt, output, [], dp, np.full(N, -1), d_route, link)
-    want = simulate(arrival, prompt, output, [], as_dicts(dp), np.full(N, -1), d_route, link)
+    """The host entry point with no P replica (four D replicas: the same compiled replay as
+    the test above) equals the reference with an empty P pool, and the colocated one."""
+    arrival, prompt, output, pp, dp, _, _, link = make_case("pressure", 0)
+    # Mostly to the small D replicas (2 and 3): preemptions.
+    d_route = np.random.default_rng(9).choice([0, 2, 2, 3, 3], size=N)
+    _, sizes = batch_results()
+    got = simulate_disagg(arrival, prompt, output, [], pp + dp, np.full(N, -1), d_route, link,
+                          sizes=sizes)
+    want = simulate(arrival, prompt, output, [], as_dicts(pp + dp), np.full(N, -1), d_route,
+                    link)
     assert_equal(got, want, 0.0, npre=0)
-    assert got["prefill_iterations"].shape == (0,)
+    assert got["prefill_iterations"].shape == (0,) and got["decode_iterations"].shape == (4,)
+    colo = cref.simulate(arrival, prompt, output, d_route, as_dicts(pp + dp))
+    for k in ("first_token", "finish", "preemptions", "dropped"):
+        np.testing.assert_array_equal(got[k], colo[k], err_msg=k)
+    assert (want["preemptions"] > 0).any() and want["dropped"].any()
 
 
 def test_invalid_configuration_is_refused():
@@ -219,6 +230,7 @@ def test_invalid_configuration_is_refused():
         dict(link=dict(link, shared="yes")),
         dict(link=dict(link, latency=1.0)),
         dict(decode_profiles=[dict(c0=1.0)]),
+        dict(sizes=(1, 1, 1, 1, 1)),
     ]
     base = dict(arrival=arrival, prompt=prompt, output=output, prefill_profiles=pp,
                 decode_profiles=dp, prefill_route=p_route, decode_route=d_route, link=link)

@@ -10,7 +10,6 @@ overflow, runs the core under `jit` and returns numpy arrays with absolute times
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
@@ -19,30 +18,31 @@ import numpy as np
 
 from jaxserve.core import disaggregation as PD
 from jaxserve.core import queues as Q
-from jaxserve.core.replica import ReplicaProfile, stack_replicas
+from jaxserve.core.replica import ReplicaProfile
 from jaxserve.core.types import MAX_TOKENS
 
 
-def replay_arrays(prof_p: ReplicaProfile, prof_d: ReplicaProfile, link: PD.Link,
-                  gap: jax.Array, prompt: jax.Array, output: jax.Array, p_route: jax.Array,
-                  d_route: jax.Array, sizes: tuple) -> dict:
+def replay_arrays(prof: ReplicaProfile, is_prefill: jax.Array, link: PD.Link, gap: jax.Array,
+                  prompt: jax.Array, output: jax.Array, p_route: jax.Array, d_route: jax.Array,
+                  sizes: tuple) -> dict:
     """Replays `N` requests: request `i` arrives `gap[i - 1]` s after request `i - 1`
     (`gap[N - 1] = inf`: the cluster drains after the last), with `prompt`, `output` tokens,
-    P replica `p_route[i]` (-1: not disaggregated) and D replica `d_route[i]`.
+    P replica `p_route[i]` (-1: not disaggregated) and D replica `d_route[i]` (pool
+    indices). `prof`: `disaggregation.pool_profile`'s, its rows P replicas where
+    `is_prefill` (a traced `(R,)` bool: pools of any split share one compilation).
 
-    `sizes` (static): `(prefill_queue, decode_queue, prefill_seqs, decode_seqs,
-    remote_slots, transfer_slots, width)` (`disaggregation.empty_pd`, `advance`'s `width`).
+    `sizes` (static): `(queue_buffer, max_seqs, remote_slots, transfer_slots, width)`
+    (`disaggregation.empty_pd`, `advance`'s `width`).
 
     Returns a dict of `(N,)` arrays: spans from arrival (s, NaN where it did not happen)
     `prefill_done`, `transfer_start`, `transfer_end`, `first_token`, `finish`; `preemptions`
-    (P and D), `dropped`, `never_fit`; and the final pools' `prefill` and `decode`
-    `Replicas` and the `overflow` count.
+    (P and D), `dropped`, `never_fit`; and the final `pool` (`Replicas`) and `overflow`.
     """
-    pq, dq, ps, ds, xs, ts, width = sizes
+    qb, seqs, xs, ts, width = sizes
     n = gap.shape[0]
-    st = PD.empty_pd(prof_p.kv_blocks.shape[0], prof_d.kv_blocks.shape[0], prefill_queue=pq,
-                     decode_queue=dq, prefill_seqs=ps, decode_seqs=ds, remote_slots=xs,
-                     transfer_slots=ts, num_requests=n)
+    r = is_prefill.shape[0]
+    st = PD.empty_pd(0, r, queue_buffer=qb, max_seqs=seqs, remote_slots=xs, transfer_slots=ts,
+                     num_requests=n).replace(is_prefill=is_prefill)
     log = PD.empty_pd_log(n)
 
     def step(carry, x):
@@ -51,8 +51,8 @@ def replay_arrays(prof_p: ReplicaProfile, prof_d: ReplicaProfile, link: PD.Link,
         req = Q.Request(arrival=jnp.float32(0.0), prompt=p.astype(jnp.float32),
                         output=o.astype(jnp.float32), estimate=jnp.float32(0.0),
                         size_class=jnp.int32(0), req_id=i)
-        st, dropped, never = PD.route(st, prof_p, prof_d, req, pr, dr)
-        st, log, _, _ = PD.advance(st, prof_p, prof_d, link, g, log, width)
+        st, dropped, never = PD.route(st, prof, req, pr, dr)
+        st, log, _ = PD.advance(st, prof, link, g, log, width)
         st = PD.rebase(st, jnp.where(jnp.isfinite(g), g, 0.0))
         return (st, log), (dropped, never)
 
@@ -60,16 +60,15 @@ def replay_arrays(prof_p: ReplicaProfile, prof_d: ReplicaProfile, link: PD.Link,
              prompt.astype(jnp.int32), output.astype(jnp.int32), p_route.astype(jnp.int32),
              d_route.astype(jnp.int32))
     (st, log), (dropped, never) = jax.lax.scan(step, (st, log), xs_in)
-    # The logs take a request's preemptions when it finishes; one that never does (a replica
-    # that stalled for good: `docs/disaggregation.md` section 8, step 3) keeps them in its
-    # running or waiting slot.
-    pre_p = _unfinished_preemptions(st.prefill, log.prefill.preemptions)
-    pre_d = _unfinished_preemptions(st.decode, log.decode.preemptions)
-    return {"prefill_done": log.prefill.e2e, "transfer_start": log.transfer_start,
-            "transfer_end": log.transfer_end, "first_token": log.decode.ttft,
-            "finish": log.decode.e2e, "preemptions": pre_p + pre_d,
-            "dropped": dropped, "never_fit": never, "prefill": st.prefill,
-            "decode": st.decode, "overflow": st.overflow}
+    # The log takes a request's preemptions when it finishes; one that never does (on a
+    # replica that stalled for good: `docs/disaggregation.md` section 8, step 3) keeps them
+    # in its running or waiting slot.
+    pre = _unfinished_preemptions(st.pool, log.requests.preemptions)
+    lg = log.requests
+    return {"prefill_done": lg.e2e[n:], "transfer_start": log.transfer_start,
+            "transfer_end": log.transfer_end, "first_token": lg.ttft[:n],
+            "finish": lg.e2e[:n], "preemptions": pre[:n] + pre[n:],
+            "dropped": dropped, "never_fit": never, "pool": st.pool, "overflow": st.overflow}
 
 
 def _unfinished_preemptions(rep, logged: jax.Array) -> jax.Array:
@@ -94,26 +93,27 @@ def _profiles(profiles, name: str) -> list:
 
 def replay_sizes(prefill_profiles: Sequence[ReplicaProfile],
                  decode_profiles: Sequence[ReplicaProfile], num_requests: int) -> tuple:
-    """Static sizes with which a replay of `num_requests` requests cannot overflow: P's
-    waiting buffer holds its queue cap; D's holds every request (pending D requests have no
-    cap) and its admission window is the whole buffer; a D replica's remote list holds
+    """Static sizes (`replay_arrays`' `sizes`) with which a replay of `num_requests` requests
+    cannot overflow: waiting buffers hold the largest queue cap and every request (pending D
+    requests have no cap), and the admission window is the whole buffer; a remote list holds
     `min(N, kv_blocks)` entries (each reserves a block); the transfer table holds `N`."""
     n = int(num_requests)
-    pq = max(int(p.queue_cap) for p in prefill_profiles)
-    ps = max(int(p.max_seqs) for p in prefill_profiles)
-    ds = max(int(p.max_seqs) for p in decode_profiles)
-    dq = max(int(p.queue_cap) for p in decode_profiles) + n
+    profiles = list(prefill_profiles) + list(decode_profiles)
+    qb = max(int(p.queue_cap) for p in profiles) + n
+    seqs = max(int(p.max_seqs) for p in profiles)
     xs = max(1, min(n, max(int(p.kv_blocks) for p in decode_profiles)))
-    return (pq, dq, ps, ds, xs, max(1, n), dq + ds)
+    return (qb, seqs, xs, max(1, n), qb + seqs)
 
 
-@functools.partial(jax.jit, static_argnames=("sizes",))
-def _replay_jit(prof_p, prof_d, link, gap, prompt, output, p_route, d_route, sizes):
-    return replay_arrays(prof_p, prof_d, link, gap, prompt, output, p_route, d_route, sizes)
+def _replay(prof, is_prefill, link, gap, prompt, output, p_route, d_route, sizes):
+    return replay_arrays(prof, is_prefill, link, gap, prompt, output, p_route, d_route, sizes)
+
+
+_replay_jit = jax.jit(_replay, static_argnames=("sizes",))
 
 
 def simulate_disagg(arrival, prompt, output, prefill_profiles, decode_profiles, prefill_route,
-                    decode_route, link: dict | None = None) -> dict:
+                    decode_route, link: dict | None = None, sizes: tuple | None = None) -> dict:
     """Simulates disaggregated serving of the requests (the engine's replay of
     `jaxserve/reference/disaggregation.py`'s `simulate` with array routes).
 
@@ -126,6 +126,8 @@ def simulate_disagg(arrival, prompt, output, prefill_profiles, decode_profiles, 
       decode_route: per request, its D replica.
       link: dict with `bandwidth` (bytes/s), `base_latency` (s), `kv_bytes_per_token`,
         `shared` (bool); missing keys take `disaggregation.LINK_DEFAULTS`.
+      sizes: the static sizes (`replay_sizes`' tuple), each at least `replay_sizes`' (to
+        share one compilation among replays); None: `replay_sizes`'.
 
     Returns:
       dict of numpy arrays, per request: `p_replica` (-1 if not disaggregated), `d_replica`,
@@ -169,13 +171,17 @@ def simulate_disagg(arrival, prompt, output, prefill_profiles, decode_profiles, 
     if unknown:
         raise ValueError(f"unknown link keys {sorted(unknown)}")
     lnk = PD.make_link(**lk)
-    # An empty P pool runs as one P replica no request is routed to (it never has work).
-    pool_p = pp if pp else [dp[0]]
-    prof_p, prof_d = stack_replicas(pool_p), stack_replicas(dp)
-    sizes = replay_sizes(pool_p, dp, n)
+    need = replay_sizes(pp, dp, n)
+    if sizes is None:
+        sizes = need
+    elif len(sizes) != len(need) or any(int(g) < int(w) for g, w in zip(sizes, need)):
+        raise ValueError(f"sizes must be {len(need)} integers each >= {need}, got {sizes}")
+    prof = PD.pool_profile(pp, dp)
+    is_prefill = jnp.arange(len(pp) + len(dp)) < len(pp)
     gap = np.append(np.diff(arrival), np.inf)
-    out = _replay_jit(prof_p, prof_d, lnk, jnp.asarray(gap, jnp.float32), jnp.asarray(prompt),
-                      jnp.asarray(output), jnp.asarray(p_route), jnp.asarray(d_route), sizes)
+    out = _replay_jit(prof, is_prefill, lnk, jnp.asarray(gap, jnp.float32), jnp.asarray(prompt),
+                      jnp.asarray(output), jnp.asarray(p_route), jnp.asarray(d_route),
+                      sizes=tuple(int(v) for v in sizes))
     return result_dict(out, arrival, p_route, d_route, num_prefill=len(pp))
 
 
@@ -192,9 +198,9 @@ def result_dict(out: dict, arrival, p_route, d_route, num_prefill: int) -> dict:
     res["preemptions"] = np.asarray(out["preemptions"], np.int64)
     res["dropped"] = np.asarray(out["dropped"], bool)
     res["never_fit"] = np.asarray(out["never_fit"], bool)
-    for pool, rep in (("prefill", out["prefill"]), ("decode", out["decode"])):
-        keep = num_prefill if pool == "prefill" else rep.iterations.shape[0]
-        res[f"{pool}_iterations"] = np.asarray(rep.iterations, np.int64)[:keep]
-        res[f"{pool}_busy"] = np.asarray(rep.busy, np.float64)[:keep]
-        res[f"{pool}_preemptions"] = np.asarray(rep.preemptions, np.int64)[:keep]
+    rep = out["pool"]
+    for pool, rows in (("prefill", slice(0, num_prefill)), ("decode", slice(num_prefill, None))):
+        res[f"{pool}_iterations"] = np.asarray(rep.iterations, np.int64)[rows]
+        res[f"{pool}_busy"] = np.asarray(rep.busy, np.float64)[rows]
+        res[f"{pool}_preemptions"] = np.asarray(rep.preemptions, np.int64)[rows]
     return res

@@ -1,10 +1,12 @@
 """Prefill/decode disaggregation: the JAX engine of `docs/disaggregation.md`.
 
-A pool of P (prefill) and a pool of D (decode) continuous-batching replicas (`Replicas`, each
-pool with its own stacked `ReplicaProfile`) and one KV-transfer link. Each replica runs the
-colocated engine's scheduler (`scheduler.schedule`; a D replica `scheduler.schedule_remote`,
-the same boundary with the page's remote list and pending requests) and ends its iterations
-with the colocated `_end_iteration`; this module adds what crosses replicas:
+A pool of P (prefill) and a pool of D (decode) continuous-batching replicas and one
+KV-transfer link. Both pools are rows of one `Replicas` (P rows first) with one stacked
+`ReplicaProfile` (`pool_profile`), so one call of the colocated engine's boundary serves every
+replica: `scheduler.schedule_remote` (the colocated `running_pass` and `apply_schedule`, with
+the page's remote list and pending requests, which P rows never have, so a P row's boundary
+is the colocated one) and the colocated `_end_iteration`. This module adds what crosses
+replicas:
 
 * the P -> D handover: a P request of `(p, 1)` finishing appends its D request of `(p, o)`,
   *pending*, to the end of its D replica's waiting queue; P keeps `ceil(p / b_P)` blocks
@@ -14,9 +16,11 @@ with the colocated `_end_iteration`; this module adds what crosses replicas:
   counting this one, when the link is shared; fixed at its start), `bytes = ceil(p / b_P) *
   b_P * kv_bytes_per_token`; at its end P frees the blocks and the D request becomes
   *ready* (it is then admitted for one token with `C = p - 1`);
-* the event order at one instant (page section 9): iteration ends (P, then D), transfer
-  ends, then (between `advance` calls) arrivals, then scheduling (P, then D; transfers start
-  in D index order, then allocation order).
+* the event order at one instant (page section 9): iteration ends (handovers in P index,
+  then slot order), transfer ends, then (between `advance` calls) arrivals, then scheduling
+  (transfers start in D index order, then allocation order; P replicas do not depend on
+  D's scheduling at one instant, nor D replicas on one another's, so all are scheduled at
+  once).
 
 Event-driven and exact: `advance` jumps from event to event of the whole cluster (the
 earliest iteration end, transfer end, or the current instant when a replica can schedule);
@@ -30,9 +34,9 @@ Clock: as `continuous`: stored times are relative to the current decision instan
 moves the origin; replica clocks and transfer ends are compensated float32 pairs
 (`cpu_numerics.add_time`). Events at one instant are those with equal high parts.
 
-Static shapes (`empty_pd`): replica slots per pool, waiting buffers, the remote list (`X`
-entries per D replica), the transfer table (`T` entries), the D admission window and the
-per-request tables (`N` requests). A handover, remote entry or transfer that does not fit is
+Static shapes (`empty_pd`): running slots and waiting buffers per replica, the remote list
+(`X` entries per replica), the transfer table (`T` entries), the admission window over the
+waiting queue (`advance`'s `width`) and the per-request tables and log (`N` requests). A handover, remote entry or transfer that does not fit is
 counted in `PDCluster.overflow` (results are then not the contract's; `simulate_disagg`
 sizes everything so that it cannot happen and checks it).
 
@@ -43,6 +47,7 @@ tokens from `PDTables` (indexed by request id), written by `route`.
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,14 +59,14 @@ from jaxserve.core.continuous import _end_iteration, rebase as rebase_replicas, 
 from jaxserve.core.cpu_numerics import add_time, cdiv, cumsum
 from jaxserve.core.lanes import active_order, compacted_while
 from jaxserve.core.metrics import StepMetrics
-from jaxserve.core.replica import ReplicaProfile
+from jaxserve.core.replica import ReplicaProfile, stack_replicas
 from jaxserve.core.replica_state import (Replicas, TokenLog, empty_log, empty_replicas,
                                          never_fits)
 from jaxserve.core.scheduler import route as route_replica
-from jaxserve.core.scheduler import schedule, schedule_remote
+from jaxserve.core.scheduler import schedule_remote
 
 __all__ = ["Link", "make_link", "RemoteList", "Transfers", "PDTables", "PDLog", "PDCluster",
-           "empty_pd", "empty_pd_log", "route", "advance", "rebase", "replica_views",
+           "empty_pd", "empty_pd_log", "pool_profile", "route", "advance", "rebase", "replica_views",
            "LINK_DEFAULTS"]
 
 # BLIS's defaults (docs/disaggregation.md section 7): 25 GB/s, 0.05 ms, sharing as the page's
@@ -161,38 +166,41 @@ class PDLog:
     """Per-request outcome, spans from the request's arrival (s; NaN until it happens).
 
     Attributes:
-      prefill: P's `TokenLog`: `ttft` = `e2e` = P's sample (`prefill_done`), `preemptions`
-        on P.
-      decode: D's `TokenLog`: `ttft` the client's first token (D's first sample), `e2e` the
-        finish, `preemptions` on D (a request not disaggregated runs only there).
+      requests: a `TokenLog` of `2 N` entries: entry `i` is request `i` on D (`ttft` the
+        client's first token, D's first sample; `e2e` the finish; `preemptions` on D; a
+        request not disaggregated runs only there), entry `N + i` its P request (`ttft` =
+        `e2e` = P's sample, `prefill_done`; `preemptions` on P).
       transfer_start, transfer_end: `(N,)` float32.
     """
 
-    prefill: TokenLog
-    decode: TokenLog
+    requests: TokenLog
     transfer_start: jax.Array
     transfer_end: jax.Array
 
 
 @struct.dataclass
 class PDCluster:
-    """The disaggregated cluster.
+    """The disaggregated cluster: both pools as one `Replicas` of `R = R_P + R_D` rows, P
+    replicas first (row `k` is P replica `k`, row `R_P + k` D replica `k`), so that one
+    scheduler call and one iteration end serve both (a P row's remote list and pending flags
+    stay empty, so its boundary is the colocated one).
 
     Attributes:
-      prefill, decode: the pools (`Replicas`).
-      sending: `(R_P,)` blocks each P replica holds for sends (finished P requests whose
+      pool: the replicas.
+      is_prefill: `(R,)` bool, the P rows.
+      sending: `(R,)` blocks each P replica holds for sends (finished P requests whose
         transfer has not ended). int32.
-      remote: D's remote lists.
-      q_pending: `(R_D, W)` bool over D's waiting ring slots: pending D requests (False on
+      remote: the remote lists `(R, X)` (empty on P rows).
+      q_pending: `(R, W)` bool over the waiting ring slots: pending D requests (False on
         every slot not holding a waiting request).
-      transfers: the link's transfers in flight.
+      transfers: the link's transfers in flight (`p`, `d`: rows).
       now, now_lo: the current instant (relative s, compensated pair).
       overflow: static-size overflows so far (0 in a valid run). int32.
-      tables: per-request routing.
+      tables: per-request routing (`src`, `dest`: rows; `src` -1 when not disaggregated).
     """
 
-    prefill: Replicas
-    decode: Replicas
+    pool: Replicas
+    is_prefill: jax.Array
     sending: jax.Array
     remote: RemoteList
     q_pending: jax.Array
@@ -203,32 +211,33 @@ class PDCluster:
     tables: PDTables
 
 
-def empty_pd(num_prefill: int, num_decode: int, *, prefill_queue: int, decode_queue: int,
-             prefill_seqs: int, decode_seqs: int, remote_slots: int, transfer_slots: int,
-             num_requests: int) -> PDCluster:
-    """An idle cluster. `prefill_queue`, `decode_queue`: waiting buffers beyond the running
-    slots (`empty_replicas`' `queue_buffer`; D's must also hold pending D requests, which no
-    queue cap bounds); `prefill_seqs`, `decode_seqs`: running slots (the pools' largest
-    `max_seqs`); `remote_slots`: remote entries per D replica; `transfer_slots`: transfers in
-    flight; `num_requests`: the per-request tables' length."""
-    for name, v in (("num_prefill", num_prefill), ("num_decode", num_decode),
-                    ("prefill_seqs", prefill_seqs), ("decode_seqs", decode_seqs),
-                    ("remote_slots", remote_slots), ("transfer_slots", transfer_slots),
-                    ("num_requests", num_requests)):
-        if int(v) < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    rp, rd, x, t = int(num_prefill), int(num_decode), int(remote_slots), int(transfer_slots)
-    dec = empty_replicas(rd, decode_queue, decode_seqs, with_ids=True)
-    zx = jnp.zeros((rd, x), jnp.int32)
-    fx = jnp.zeros((rd, x), jnp.bool_)
+def empty_pd(num_prefill: int, num_decode: int, *, queue_buffer: int, max_seqs: int,
+             remote_slots: int, transfer_slots: int, num_requests: int) -> PDCluster:
+    """An idle cluster of `num_prefill` (may be 0) P and `num_decode` D replicas.
+
+    Static sizes: `queue_buffer` waiting slots beyond the running ones (`empty_replicas`;
+    D's must also hold pending D requests, which no queue cap bounds); `max_seqs` running
+    slots (both pools' largest `max_seqs`); `remote_slots` remote entries per replica;
+    `transfer_slots` transfers in flight; `num_requests` the per-request tables' length.
+    """
+    for name, v, low in (("num_prefill", num_prefill, 0), ("num_decode", num_decode, 1),
+                         ("queue_buffer", queue_buffer, 1), ("max_seqs", max_seqs, 1),
+                         ("remote_slots", remote_slots, 1), ("transfer_slots", transfer_slots, 1),
+                         ("num_requests", num_requests, 1)):
+        if int(v) < low:
+            raise ValueError(f"{name} must be >= {low}, got {v}")
+    r = int(num_prefill) + int(num_decode)
+    x, t, n = int(remote_slots), int(transfer_slots), int(num_requests)
+    pool = empty_replicas(r, queue_buffer, max_seqs, with_ids=True)
+    zx = jnp.zeros((r, x), jnp.int32)
+    fx = jnp.zeros((r, x), jnp.bool_)
     zt = jnp.zeros((t,), jnp.int32)
-    n = int(num_requests)
     return PDCluster(
-        prefill=empty_replicas(rp, prefill_queue, prefill_seqs, with_ids=True), decode=dec,
-        sending=jnp.zeros((rp,), jnp.int32),
-        remote=RemoteList(valid=fx, ready=fx, res=zx, arrival=jnp.zeros((rd, x), jnp.float32),
-                          prompt=zx, output=zx, req_id=zx, count=jnp.zeros((rd,), jnp.int32)),
-        q_pending=jnp.zeros(dec.q_gen.shape, jnp.bool_),
+        pool=pool, is_prefill=jnp.arange(r) < int(num_prefill),
+        sending=jnp.zeros((r,), jnp.int32),
+        remote=RemoteList(valid=fx, ready=fx, res=zx, arrival=jnp.zeros((r, x), jnp.float32),
+                          prompt=zx, output=zx, req_id=zx, count=jnp.zeros((r,), jnp.int32)),
+        q_pending=jnp.zeros(pool.q_gen.shape, jnp.bool_),
         transfers=Transfers(active=jnp.zeros((t,), jnp.bool_), end=jnp.zeros((t,), jnp.float32),
                             end_lo=jnp.zeros((t,), jnp.float32),
                             arrival=jnp.zeros((t,), jnp.float32), req_id=zt, p=zt, d=zt,
@@ -241,144 +250,147 @@ def empty_pd(num_prefill: int, num_decode: int, *, prefill_queue: int, decode_qu
 def empty_pd_log(num_requests: int) -> PDLog:
     """A log of `num_requests` requests, nothing happened yet."""
     nan = jnp.full((num_requests,), jnp.nan, jnp.float32)
-    return PDLog(prefill=empty_log(num_requests), decode=empty_log(num_requests),
-                 transfer_start=nan, transfer_end=nan)
+    return PDLog(requests=empty_log(2 * num_requests), transfer_start=nan, transfer_end=nan)
 
 
-def route(st: PDCluster, prof_p: ReplicaProfile, prof_d: ReplicaProfile, req: Q.Request,
-          p_idx: jax.Array, d_idx: jax.Array, enabled: jax.Array | bool = True):
+def pool_profile(prefill: Sequence[ReplicaProfile], decode: Sequence[ReplicaProfile]
+                 ) -> ReplicaProfile:
+    """The stacked profile of `PDCluster.pool`: P replicas' then D replicas' (host side;
+    `stack_replicas` validates them, and both pools must share `moe_tokens`)."""
+    return stack_replicas(list(prefill) + list(decode))
+
+
+def route(st: PDCluster, prof: ReplicaProfile, req: Q.Request, p_idx: jax.Array,
+          d_idx: jax.Array, enabled: jax.Array | bool = True):
     """Routes an arriving request (at the current instant): to P replica `p_idx` as a P
-    request of `(p, 1)`, its D request later to `d_idx`; or, with `p_idx < 0`, entirely to D
-    replica `d_idx` as a colocated request (page sections 3-5).
+    request of `(p, 1)`, its D request later to D replica `d_idx`; or, with `p_idx < 0`,
+    entirely to D replica `d_idx` as a colocated request (page sections 3-5). Indices are
+    within each pool.
 
     Drops (page section 5): disaggregated, when it could never fit P as `(p, 1)` or D as
     `(p, o)`, or P's waiting queue holds `queue_cap` requests never preempted; not
-    disaggregated, as the colocated engine on `d_idx` (pending D requests count as waiting).
-    `req.req_id` indexes the per-request tables; `req.output` is `o`. Where `enabled` is
-    False nothing changes.
+    disaggregated, as the colocated engine on D (pending D requests count as waiting).
+    `req.req_id` (in `[0, N)`) indexes the per-request tables and the log (the P request
+    is logged as `N + req_id`); `req.output` is `o`. Where `enabled` is False nothing
+    changes.
 
     Returns:
       (cluster, dropped, never_fit): bool scalars.
     """
+    n = st.tables.src.shape[0]
+    num_p = st.is_prefill.sum().astype(jnp.int32)
     p_idx = jnp.asarray(p_idx, jnp.int32)
-    d_idx = jnp.asarray(d_idx, jnp.int32)
     dis = p_idx >= 0
-    rid = jnp.where(enabled, req.req_id, st.tables.src.shape[0])  # out of range: dropped
+    d_row = num_p + jnp.asarray(d_idx, jnp.int32)
+    p_row = jnp.maximum(p_idx, 0)
+    rid = jnp.where(enabled, req.req_id, n)  # out of range: dropped
     tables = st.tables.replace(
-        src=st.tables.src.at[rid].set(p_idx, mode="drop"),
-        dest=st.tables.dest.at[rid].set(d_idx, mode="drop"),
+        src=st.tables.src.at[rid].set(jnp.where(dis, p_idx, -1), mode="drop"),
+        dest=st.tables.dest.at[rid].set(d_row, mode="drop"),
         output=st.tables.output.at[rid].set(req.output.astype(jnp.int32), mode="drop"))
-    pd1 = jax.tree.map(lambda x: x[d_idx], prof_d)
-    d_never = never_fits(pd1, req.prompt, req.output)
-    p_req = req.replace(output=jnp.ones_like(req.output))
-    pre, drop_p, never_p = route_replica(st.prefill, prof_p, p_req, jnp.maximum(p_idx, 0),
-                                         enabled & dis & ~d_never)
-    dec, drop_d, never_d = route_replica(st.decode, prof_d, req, d_idx, enabled & ~dis)
+    d_never = never_fits(jax.tree.map(lambda x: x[d_row], prof), req.prompt, req.output)
+    p_req = req.replace(output=jnp.ones_like(req.output), req_id=req.req_id + n)
+    pool, drop_p, never_p = route_replica(st.pool, prof, p_req, p_row,
+                                          enabled & dis & ~d_never)
+    pool, drop_d, never_d = route_replica(pool, prof, req, d_row, enabled & ~dis)
     dropped = jnp.where(dis, drop_p, drop_d)
     never = jnp.where(dis, never_p | d_never, never_d)
-    return st.replace(prefill=pre, decode=dec, tables=tables), dropped, never
+    return st.replace(pool=pool, tables=tables), dropped, never
 
 
-def _has_work(rep: Replicas) -> jax.Array:
-    return (rep.queues.count + rep.run.count) > 0
-
-
-def _schedulable(st: PDCluster):
-    """Replicas that would schedule at the current instant: idle, not stalled, with work (a
-    D replica's ready remote requests are work)."""
-    p, d = st.prefill, st.decode
+def _schedulable(st: PDCluster) -> jax.Array:
+    """`(R,)` replicas that would schedule at the current instant: idle, not stalled, with
+    work (a D replica's ready remote requests are work)."""
+    p = st.pool
     ready = (st.remote.valid & st.remote.ready).any(-1)
-    return (~p.in_iter & ~p.stalled & _has_work(p),
-            ~d.in_iter & ~d.stalled & (_has_work(d) | ready))
+    return ~p.in_iter & ~p.stalled & (((p.queues.count + p.run.count) > 0) | ready)
 
 
 def _due(st: PDCluster, horizon) -> jax.Array:
     """Whether an event is due by `horizon`: an iteration or transfer ending at or before it,
     or a replica able to schedule before it."""
-    sp, sd = _schedulable(st)
     x = st.transfers
-    return ((st.prefill.in_iter & (st.prefill.t_end <= horizon)).any()
-            | (st.decode.in_iter & (st.decode.t_end <= horizon)).any()
+    return ((st.pool.in_iter & (st.pool.t_end <= horizon)).any()
             | (x.active & (x.end <= horizon)).any()
-            | ((sp.any() | sd.any()) & (st.now < horizon)))
+            | (_schedulable(st).any() & (st.now < horizon)))
 
 
-def _handover(st: PDCluster, dec: Replicas, run, done: jax.Array) -> tuple[PDCluster, Replicas]:
-    """Appends the D request of every finished P request (`done` `(R_P, S_P)` over the P
-    running slots `run`, before compaction) to its D replica's waiting queue, pending, in P
-    index then slot order; wakes those D replicas."""
-    s_p = done.shape[-1]
+def _handover(st: PDCluster, pool: Replicas, run, done: jax.Array
+              ) -> tuple[PDCluster, Replicas]:
+    """Appends the D request of every finished P request (`done` `(R, S)` over the running
+    slots `run`, before compaction) to its D replica's waiting queue, pending, in P index
+    then slot order (page section 9); wakes those D replicas."""
+    n = st.tables.src.shape[0]
+    s_n = done.shape[-1]
     order, num = active_order(done, done.size)
-    cap = dec.queues.capacity
-    limit = jnp.full(dec.queues.count.shape, cap, jnp.int32)
+    cap = pool.queues.capacity
+    limit = jnp.full(pool.queues.count.shape, cap, jnp.int32)
 
     def push(k, c):
-        dq, qgen, qpre, qpend, stalled, over = c
+        q, qgen, qpre, qpend, stalled, over = c
         flat = order[k]
-        r, s = flat // s_p, flat % s_p
-        rid = run.req_id[r, s]
+        r, s = flat // s_n, flat % s_n
+        rid = run.req_id[r, s] - n  # the P request is logged as N + id
         d = st.tables.dest[rid]
         req = Q.Request(arrival=run.arrival[r, s], prompt=run.prompt[r, s].astype(jnp.float32),
                         output=st.tables.output[rid].astype(jnp.float32),
                         estimate=jnp.float32(0.0), size_class=jnp.int32(0), req_id=rid)
-        slot = (dq.head[d] + dq.count[d]) % cap
-        dq, ok = Q.push(dq, d, req, limit, jnp.float32(0.0))
+        slot = (q.head[d] + q.count[d]) % cap
+        q, ok = Q.push(q, d, req, limit, jnp.float32(0.0))
         at = jnp.where(ok, slot, cap)
-        return (dq, qgen.at[d, at].set(0, mode="drop"), qpre.at[d, at].set(0, mode="drop"),
+        return (q, qgen.at[d, at].set(0, mode="drop"), qpre.at[d, at].set(0, mode="drop"),
                 qpend.at[d, at].set(True, mode="drop"), stalled.at[d].set(False),
                 over + (~ok).astype(jnp.int32))
 
-    dq, qgen, qpre, qpend, stalled, over = jax.lax.fori_loop(
-        0, num, push, (dec.queues, dec.q_gen, dec.q_pre, st.q_pending, dec.stalled,
+    q, qgen, qpre, qpend, stalled, over = jax.lax.fori_loop(
+        0, num, push, (pool.queues, pool.q_gen, pool.q_pre, st.q_pending, pool.stalled,
                        st.overflow))
-    dec = dec.replace(queues=dq, q_gen=qgen, q_pre=qpre, stalled=stalled)
-    return st.replace(q_pending=qpend, overflow=over), dec
+    pool = pool.replace(queues=q, q_gen=qgen, q_pre=qpre, stalled=stalled)
+    return st.replace(q_pending=qpend, overflow=over), pool
 
 
-def _end_transfers(st: PDCluster, pre: Replicas, dec: Replicas, t, log: PDLog):
+def _end_transfers(st: PDCluster, pool: Replicas, t, log: PDLog):
     """Ends every transfer due at `t`: P frees its blocks, the D request becomes ready; both
     replicas wake (page section 3, step 7)."""
     x = st.transfers
     end = x.active & (x.end <= t)
-    r_p, r_d = pre.num_replicas, dec.num_replicas
-    freed = jnp.zeros((r_p,), jnp.int32).at[x.p].add(jnp.where(end, x.blocks, 0))
-    wake_p = jnp.zeros((r_p,), jnp.bool_).at[jnp.where(end, x.p, r_p)].set(True, mode="drop")
-    wake_d = jnp.zeros((r_d,), jnp.bool_).at[jnp.where(end, x.d, r_d)].set(True, mode="drop")
+    r_n = pool.num_replicas
+    freed = jnp.zeros((r_n,), jnp.int32).at[x.p].add(jnp.where(end, x.blocks, 0))
+    wake = (jnp.zeros((r_n,), jnp.bool_).at[jnp.where(end, x.p, r_n)].set(True, mode="drop")
+            .at[jnp.where(end, x.d, r_n)].set(True, mode="drop"))
     rm = st.remote
-    rows = jnp.arange(r_d, dtype=jnp.int32)[:, None, None]
+    rows = jnp.arange(r_n, dtype=jnp.int32)[:, None, None]
     hit = (end[None, None, :] & (x.d[None, None, :] == rows)
            & (x.req_id[None, None, :] == rm.req_id[:, :, None])).any(-1)
     size = log.transfer_end.shape[0]
     ids = jnp.where(end, x.req_id, size)
     log = log.replace(transfer_end=log.transfer_end.at[ids].set((x.end - x.arrival) + x.end_lo,
                                                                 mode="drop"))
-    st = st.replace(sending=st.sending - freed, remote=rm.replace(ready=rm.ready | (hit & rm.valid)),
+    st = st.replace(sending=st.sending - freed,
+                    remote=rm.replace(ready=rm.ready | (hit & rm.valid)),
                     transfers=x.replace(active=x.active & ~end))
-    return (st, pre.replace(stalled=pre.stalled & ~wake_p),
-            dec.replace(stalled=dec.stalled & ~wake_d), log)
+    return st, pool.replace(stalled=pool.stalled & ~wake), log
 
 
-def _start_transfers(st: PDCluster, prof_p: ReplicaProfile, link: Link, dec_info: dict, t,
-                     t_lo, log: PDLog) -> tuple[PDCluster, PDLog]:
+def _start_transfers(st: PDCluster, prof: ReplicaProfile, link: Link, info: dict, t, t_lo,
+                     log: PDLog) -> tuple[PDCluster, PDLog]:
     """Moves the ready requests D admitted off the remote lists, appends the pending ones D
     allocated (in queue order) and starts their transfers, in D index then allocation order,
     each with the link share counted at its start (page section 7)."""
     rm, x = st.remote, st.transfers
-    taken, alloc, w = dec_info["taken"], dec_info["alloc"], dec_info["win"]
-    r_d, n_x = rm.valid.shape
-    rows = jnp.arange(r_d)[:, None]
+    taken, alloc, w = info["taken"], info["alloc"], info["win"]
+    r_n, n_x = rm.valid.shape
+    rows = jnp.arange(r_n)[:, None]
     # Remote lists: survivors keep their order, the new allocations follow.
     keep = rm.valid & ~taken
-    k_rank = cumsum(keep.astype(jnp.int32)) - 1
     n_keep = keep.sum(-1).astype(jnp.int32)
     a_rank = n_keep[:, None] + cumsum(alloc.astype(jnp.int32)) - 1
-    k_dest = jnp.where(keep, k_rank, n_x)
+    k_dest = jnp.where(keep, cumsum(keep.astype(jnp.int32)) - 1, n_x)
     a_dest = jnp.where(alloc, a_rank, n_x)
     over = (alloc & (a_rank >= n_x)).sum()
 
-    def rebuild(old, new, fill=0):
-        out = jnp.full(old.shape, fill, old.dtype)
-        out = out.at[rows, k_dest].set(old, mode="drop")
+    def rebuild(old, new):
+        out = jnp.zeros(old.shape, old.dtype).at[rows, k_dest].set(old, mode="drop")
         return out.at[rows, a_dest].set(new.astype(old.dtype), mode="drop")
 
     rid_w = w["req_id"]
@@ -389,131 +401,113 @@ def _start_transfers(st: PDCluster, prof_p: ReplicaProfile, link: Link, dec_info
         res=rebuild(rm.res, w["need"]), arrival=rebuild(rm.arrival, w["arrival"]),
         prompt=rebuild(rm.prompt, w["prompt"]), output=rebuild(rm.output, w["output"]),
         req_id=rebuild(rm.req_id, rid_w), count=count)
-    # Transfers: global start order is D index, then allocation (queue) order.
+    # Transfers: the global start order is D index, then allocation (queue) order; each
+    # takes the next free entry of the table.
     flat = alloc.ravel()
     g_rank = cumsum(flat.astype(jnp.int32)) - 1
     n_t = x.active.shape[0]
     free = ~x.active
-    f_rank = cumsum(free.astype(jnp.int32)) - 1
-    slot_of = jnp.full((n_t,), n_t, jnp.int32).at[jnp.where(free, f_rank, n_t)].set(
+    slot_of = jnp.full((n_t,), n_t, jnp.int32).at[
+        jnp.where(free, cumsum(free.astype(jnp.int32)) - 1, n_t)].set(
         jnp.arange(n_t, dtype=jnp.int32), mode="drop")
-    dest = jnp.where(flat, slot_of[jnp.clip(g_rank, 0, n_t - 1)], n_t)
-    dest = jnp.where(flat & (g_rank >= n_t), n_t, dest)
+    dest = jnp.where(flat & (g_rank < n_t), slot_of[jnp.clip(g_rank, 0, n_t - 1)], n_t)
     over = over + (flat & (dest >= n_t)).sum()
     rid = rid_w.ravel()
-    src = st.tables.src[jnp.clip(rid, 0, st.tables.src.shape[0] - 1)]
-    src = jnp.maximum(src, 0)
-    b_p = prof_p.block_size[src]
+    src = jnp.maximum(st.tables.src[jnp.clip(rid, 0, st.tables.src.shape[0] - 1)], 0)
+    b_p = prof.block_size[src]
     blocks = cdiv(w["prompt"].ravel(), b_p)
     nbytes = (blocks * b_p).astype(jnp.float32) * link.kv_bytes_per_token
-    n_active = x.active.sum().astype(jnp.float32)
-    share = jnp.where(link.shared, n_active + g_rank.astype(jnp.float32) + 1.0, 1.0)
+    # BLIS counts the new transfer among the active ones before dividing the bandwidth.
+    share = jnp.where(link.shared, x.active.sum().astype(jnp.float32)
+                      + g_rank.astype(jnp.float32) + 1.0, 1.0)
     dur = link.base_latency + nbytes / (link.bandwidth / share)
     end_hi, end_lo = add_time(jnp.broadcast_to(t, dur.shape), jnp.broadcast_to(t_lo, dur.shape),
                               dur)
     d_of = jnp.broadcast_to(rows, alloc.shape).ravel().astype(jnp.int32)
     arr = w["arrival"].ravel()
     put = lambda a, v: a.at[dest].set(v.astype(a.dtype), mode="drop")  # noqa: E731
-    x = x.replace(active=put(x.active, flat), end=put(x.end, end_hi), end_lo=put(x.end_lo, end_lo),
-                  arrival=put(x.arrival, arr), req_id=put(x.req_id, rid), p=put(x.p, src),
-                  d=put(x.d, d_of), blocks=put(x.blocks, blocks))
+    x = x.replace(active=put(x.active, flat), end=put(x.end, end_hi),
+                  end_lo=put(x.end_lo, end_lo), arrival=put(x.arrival, arr),
+                  req_id=put(x.req_id, rid), p=put(x.p, src), d=put(x.d, d_of),
+                  blocks=put(x.blocks, blocks))
     size = log.transfer_start.shape[0]
-    ids = jnp.where(flat, rid, size)
-    log = log.replace(transfer_start=log.transfer_start.at[ids].set(
+    log = log.replace(transfer_start=log.transfer_start.at[jnp.where(flat, rid, size)].set(
         (t - arr) + t_lo, mode="drop"))
     return st.replace(remote=remote, transfers=x,
                       overflow=st.overflow + over.astype(jnp.int32)), log
 
 
 def _trip(carry, consts, width: int):
-    """One instant of the cluster: the earliest event's time `t`; iteration ends (P, then D,
-    with the handovers), transfer ends, and, before `horizon`, scheduling (P, then D, with
-    the transfers D's allocations start)."""
-    st, log, mp, md = carry
-    prof_p, prof_d, link, horizon = consts
-    pre, dec, x = st.prefill, st.decode, st.transfers
+    """One instant of the cluster: the earliest event's time `t`; iteration ends (with the
+    P -> D handovers, in P index order), transfer ends, and, before `horizon`, scheduling
+    (with the transfers D's allocations start)."""
+    st, log, m = carry
+    prof, link, horizon = consts
+    pool, x = st.pool, st.transfers
     inf = jnp.float32(jnp.inf)
-    sp, sd = _schedulable(st)
-    hi = jnp.concatenate([jnp.where(pre.in_iter, pre.t_end, inf),
-                          jnp.where(dec.in_iter, dec.t_end, inf),
+    hi = jnp.concatenate([jnp.where(pool.in_iter, pool.t_end, inf),
                           jnp.where(x.active, x.end, inf),
-                          jnp.where(sp.any() | sd.any(), st.now, inf)[None]])
-    lo = jnp.concatenate([pre.t_lo, dec.t_lo, x.end_lo, st.now_lo[None]])
+                          jnp.where(_schedulable(st).any(), st.now, inf)[None]])
+    lo = jnp.concatenate([pool.t_lo, x.end_lo, st.now_lo[None]])
     j = jnp.argmin(hi)
     t, t_lo = hi[j], lo[j]
 
-    # 1. Iteration ends, P then D; a finished P request hands over to D.
-    end_p = pre.in_iter & (pre.t_end <= t)
-    run = pre.run
+    # 1. Iteration ends; a finished P request keeps its blocks for the send and hands over.
+    end = pool.in_iter & (pool.t_end <= t)
+    run = pool.run
     idx = jnp.arange(run.arrival.shape[-1])[None, :]
-    sampled = ((idx < run.count[:, None]) & end_p[:, None] & (run.sched > 0)
-               & (run.comp + run.sched == run.prompt + run.gen))
-    done = sampled & (run.gen + 1 == run.output)
-    sending = st.sending + jnp.where(done, cdiv(run.prompt, prof_p.block_size[:, None]),
+    done = ((idx < run.count[:, None]) & end[:, None] & st.is_prefill[:, None]
+            & (run.sched > 0) & (run.comp + run.sched == run.prompt + run.gen)
+            & (run.gen + 1 == run.output))
+    sending = st.sending + jnp.where(done, cdiv(run.prompt, prof.block_size[:, None]),
                                      0).sum(-1)
-    ex0 = zero_extras()
-    pre, mp, _, plog = _end_iteration(pre, end_p, inf, mp, ex0, log.prefill)
-    st, dec = _handover(st.replace(sending=sending), dec, run, done)
-    end_d = dec.in_iter & (dec.t_end <= t)
-    dec, md, _, dlog = _end_iteration(dec, end_d, inf, md, ex0, log.decode)
-    log = log.replace(prefill=plog, decode=dlog)
+    pool, m, _, reqs = _end_iteration(pool, end, inf, m, zero_extras(), log.requests)
+    log = log.replace(requests=reqs)
+    st, pool = _handover(st.replace(sending=sending), pool, run, done)
     # 2. Transfer ends.
-    st, pre, dec, log = _end_transfers(st, pre, dec, t, log)
+    st, pool, log = _end_transfers(st, pool, t, log)
     # 4. Scheduling (3., arrivals, happen between `advance` calls).
-    st = st.replace(prefill=pre, decode=dec)
-    sp, sd = _schedulable(st)
-    before = t < horizon
-    go_p, go_d = sp & before, sd & before
-    tp = jnp.broadcast_to(t, go_p.shape)
-    pre = schedule(pre, prof_p, go_p, tp, jnp.broadcast_to(t_lo, go_p.shape),
-                   extra_used=st.sending)
-    td = jnp.broadcast_to(t, go_d.shape)
-    q_before = dec.queues
-    dec, info = schedule_remote(dec, prof_d, go_d, td, jnp.broadcast_to(t_lo, go_d.shape),
-                                st.remote.as_dict(), st.q_pending, width)
-    # Entries taken off D's queues leave their slots: no slot outside the queue is pending.
-    popped_slot = Q.positions(q_before) < info["popped"][:, None]
-    st = st.replace(prefill=pre, decode=dec, q_pending=st.q_pending & ~popped_slot,
+    st = st.replace(pool=pool)
+    go = _schedulable(st) & (t < horizon)
+    q_before = pool.queues
+    pool, info = schedule_remote(pool, prof, go, jnp.broadcast_to(t, go.shape),
+                                 jnp.broadcast_to(t_lo, go.shape), st.remote.as_dict(),
+                                 st.q_pending, width, extra_used=st.sending)
+    # Entries taken off the queues leave their slots: no slot outside a queue is pending.
+    popped = Q.positions(q_before) < info["popped"][:, None]
+    st = st.replace(pool=pool, q_pending=st.q_pending & ~popped,
                     overflow=st.overflow + info["overflow"].sum().astype(jnp.int32))
-    st, log = _start_transfers(st, prof_p, link, info, t, t_lo, log)
-    st = st.replace(now=t, now_lo=t_lo)
-    return st, log, mp, md
+    st, log = _start_transfers(st, prof, link, info, t, t_lo, log)
+    return st.replace(now=t, now_lo=t_lo), log, m
 
 
-def advance(st: PDCluster, prof_p: ReplicaProfile, prof_d: ReplicaProfile, link: Link,
-            horizon: jax.Array, log: PDLog, width: int):
+def advance(st: PDCluster, prof: ReplicaProfile, link: Link, horizon: jax.Array, log: PDLog,
+            width: int):
     """Runs the cluster from its current instant to `horizon` (s, relative) with no
     arrivals; `inf` drains. Processes iteration and transfer ends at `t <= horizon` and
     schedules at `t < horizon` (arrivals at `horizon` are routed after its ends, before its
-    scheduling: page section 9). `width`: D's admission window (static, see
-    `scheduler.schedule_remote`). Does not rebase.
+    scheduling: page section 9). `prof` is `pool_profile`'s; `width` D's admission window
+    (static, `scheduler.schedule_remote`). Does not rebase.
 
     Returns:
-      (cluster, log, StepMetrics of the P pool, StepMetrics of the D pool): the pools'
-      `completed`, `latency_sum` (P: to `prefill_done`; D: to the finish), `busy_time` in the
-      window.
+      (cluster, log, StepMetrics of the window over both pools: `completed` and
+      `latency_sum` count P requests (to `prefill_done`) and D requests (to the finish)).
     """
     horizon = jnp.asarray(horizon, jnp.float32)
-    consts = (prof_p, prof_d, link, horizon)
-    carry = (st, log, StepMetrics.zeros(), StepMetrics.zeros())
-    st, log, mp, md = compacted_while(lambda c, k: _due(c[0], k[3]),
-                                      lambda c, k: _trip(c, k, width), carry, consts)
+    st, log, m = compacted_while(lambda c, k: _due(c[0], k[2]),
+                                 lambda c, k: _trip(c, k, width),
+                                 (st, log, StepMetrics.zeros()), (prof, link, horizon))
     finite = jnp.isfinite(horizon)
     h = jnp.where(finite, horizon, 0.0)
-
-    def close(rep, m):  # the busy time of iterations running across the horizon
-        part = jnp.where(rep.in_iter & finite, h - jnp.maximum(rep.t_start, 0.0), 0.0)
-        rep = rep.replace(busy=rep.busy + part,
-                          kv_block_s=rep.kv_block_s + part * rep.iter_blocks.astype(jnp.float32))
-        return rep, m.replace(busy_time=m.busy_time + part.sum(),
-                              elapsed=jnp.where(finite, h, m.elapsed))
-
-    pre, mp = close(st.prefill, mp)
-    dec, md = close(st.decode, md)
-    st = st.replace(prefill=pre, decode=dec,
-                    now=jnp.where(finite, jnp.maximum(st.now, h), st.now),
-                    now_lo=jnp.where(finite & (h > st.now), 0.0, st.now_lo))
-    return st, log, mp, md
+    rep = st.pool
+    # Busy time of iterations running across the horizon, as `continuous.advance`.
+    part = jnp.where(rep.in_iter & finite, h - jnp.maximum(rep.t_start, 0.0), 0.0)
+    rep = rep.replace(busy=rep.busy + part,
+                      kv_block_s=rep.kv_block_s + part * rep.iter_blocks.astype(jnp.float32))
+    m = m.replace(busy_time=m.busy_time + part.sum(), elapsed=jnp.where(finite, h, m.elapsed))
+    later = finite & (h > st.now)
+    return (st.replace(pool=rep, now=jnp.where(later, h, st.now),
+                       now_lo=jnp.where(later, 0.0, st.now_lo)), log, m)
 
 
 def rebase(st: PDCluster, dt: jax.Array) -> PDCluster:
@@ -522,28 +516,24 @@ def rebase(st: PDCluster, dt: jax.Array) -> PDCluster:
     x = st.transfers
     end, end_lo = add_time(x.end, x.end_lo, -dt)
     now, now_lo = add_time(st.now, st.now_lo, -dt)
-    return st.replace(prefill=rebase_replicas(st.prefill, dt),
-                      decode=rebase_replicas(st.decode, dt),
+    return st.replace(pool=rebase_replicas(st.pool, dt),
                       remote=st.remote.replace(arrival=st.remote.arrival - dt),
                       transfers=x.replace(end=end, end_lo=end_lo, arrival=x.arrival - dt),
                       now=now, now_lo=now_lo)
 
 
-def replica_views(st: PDCluster, prof_p: ReplicaProfile, prof_d: ReplicaProfile) -> dict:
-    """What a router may observe (page section 4), per pool: `running`, `waiting` (D:
-    including pending and remote requests, vLLM's `num_waiting_reqs`) `(R,)` int32, and
-    `kv_usage` `(R,)` float32, blocks in use (running requests', held for sends on P,
-    reserved for receives on D) over `kv_blocks`. The reference's `ReplicaView`s."""
-    def used(rep, prof):
-        valid = jnp.arange(rep.max_seqs)[None, :] < rep.run.count[:, None]
-        return jnp.where(valid, cdiv(rep.run.comp, prof.block_size[:, None]), 0).sum(-1)
-
-    rm = st.remote
-    reserved = jnp.where(rm.valid, rm.res, 0).sum(-1)
-    p, d = st.prefill, st.decode
-    return {"prefill": {"running": p.run.count, "waiting": p.queues.count,
-                        "kv_usage": (used(p, prof_p) + st.sending).astype(jnp.float32)
-                        / prof_p.kv_blocks.astype(jnp.float32)},
-            "decode": {"running": d.run.count, "waiting": d.queues.count + rm.count,
-                       "kv_usage": (used(d, prof_d) + reserved).astype(jnp.float32)
-                       / prof_d.kv_blocks.astype(jnp.float32)}}
+def replica_views(st: PDCluster, prof: ReplicaProfile) -> dict:
+    """What a router may observe (page section 4), per row of the pool (`is_prefill` tells
+    the P rows): `running`, `waiting` (including pending and remote requests, vLLM's
+    `num_waiting_reqs`) `(R,)` int32, and `kv_usage` `(R,)` float32, blocks in use (running
+    requests' `ceil(C / b)`, held for sends, reserved for receives) over `kv_blocks`: the
+    reference's `ReplicaView`s, except that a ready request admitted for its last prompt
+    token counts `ceil((p - 1) / b)` until its iteration ends where the reference counts its
+    reservation `ceil(p / b)`."""
+    p, rm = st.pool, st.remote
+    valid = jnp.arange(p.max_seqs)[None, :] < p.run.count[:, None]
+    used = (jnp.where(valid, cdiv(p.run.comp, prof.block_size[:, None]), 0).sum(-1)
+            + jnp.where(rm.valid, rm.res, 0).sum(-1) + st.sending)
+    return {"running": p.run.count, "waiting": p.queues.count + rm.count,
+            "kv_usage": used.astype(jnp.float32) / prof.kv_blocks.astype(jnp.float32),
+            "is_prefill": st.is_prefill}

@@ -378,8 +378,11 @@ def schedule_prefix(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables,
 
 
 def schedule_remote(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
-                    t_lo: jax.Array, remote: dict, q_pending: jax.Array, width: int):
-    """`schedule` of a disaggregation D replica (docs/disaggregation.md section 8), where `go`.
+                    t_lo: jax.Array, remote: dict, q_pending: jax.Array, width: int,
+                    extra_used: jax.Array | None = None):
+    """`schedule` of a disaggregation replica (docs/disaggregation.md sections 6 and 8), where
+    `go`. A P replica (no remote request, no pending entry, `extra_used` its blocks held for
+    sends) gets `schedule`'s decision; a D replica the page's additions below.
 
     The running pass is `running_pass` with the blocks reserved by the remote list
     (`remote["res"]` summed) held outside the running slots. Admission, only if nothing was
@@ -406,6 +409,8 @@ def schedule_remote(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
       remote: the remote list, `(R, X)` arrays in allocation order: `valid`, `ready` (bool),
         `res` (reserved blocks), `arrival` (relative s), `prompt`, `output`, `req_id`.
       q_pending: `(R, W)` bool over the waiting ring buffer's slots: pending D requests.
+      extra_used: `(R,)` blocks held outside the running slots besides the reservations
+        (a P replica's sends), or None.
       width: static number of waiting entries the admission may visit (a pending entry takes
         no slot, so more than `S` may be visited); `overflow` reports a pass that reached
         the end of the window still admitting while the queue held more.
@@ -417,6 +422,8 @@ def schedule_remote(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
       `popped` `(R,)` entries taken off the queue's front, `overflow` `(R,)` bool.
     """
     reserved = jnp.where(remote["valid"], remote["res"], 0).sum(-1)
+    if extra_used is not None:
+        reserved = reserved + extra_used
     keep, n_run, k1, free1, preempted = running_pass(rep, prof, go, reserved)
     run, q = rep.run, rep.queues
     s_n = run.arrival.shape[-1]
