@@ -237,3 +237,52 @@ def test_invalid_configuration_is_refused():
     for kw in bad:
         with pytest.raises(ValueError):
             simulate_disagg(**{**base, **kw})
+
+
+THRESHOLD = 8  # disaggregate prompts of at least this many tokens (llm-d's rule's shape)
+
+
+def ref_decode_rule(i, view):
+    """The D replica with the least KV in use (first on ties)."""
+    kv = [v.kv_usage for v in view["decode"]]
+    return int(np.argmin(kv))
+
+
+def ref_prefill_rule(i, view, d):
+    """Prompts of `THRESHOLD` tokens or more go to the P replica with the fewest waiting,
+    then running, requests; shorter ones stay on D."""
+    if view["prompt"] < THRESHOLD:
+        return -1
+    keys = [(v.waiting, v.running) for v in view["prefill"]]
+    return min(range(len(keys)), key=lambda k: keys[k])
+
+
+def jax_rule(views, prompt):
+    """`ref_decode_rule` and `ref_prefill_rule` on `replica_views`."""
+    is_p = views["is_prefill"]
+    num_p = is_p.sum().astype(jnp.int32)
+    d = jnp.argmin(jnp.where(is_p, jnp.inf, views["kv_usage"])).astype(jnp.int32) - num_p
+    big = jnp.iinfo(jnp.int32).max
+    p = jnp.argmin(jnp.where(is_p, views["waiting"] * 4096 + views["running"], big))
+    return jnp.where(prompt >= THRESHOLD, p.astype(jnp.int32), -1), d
+
+
+def test_stepwise_routing_on_views_equals_reference_routers():
+    """The engine driven step by step (route each arrival by a rule of the replicas' views,
+    advance to the next arrival, rebase: what an environment does) equals the reference
+    with the same rule as callable routers: the views (running, waiting with pending and
+    remote requests, KV usage with sends and reservations) agree at every arrival."""
+    _, sizes = batch_results()
+    run = jax.jit(functools.partial(replay_arrays, sizes=sizes, router=jax_rule))
+    for kind, seed in (("pressure", 0), ("ties", 1), ("saturation", 1)):
+        case = make_case(kind, seed)
+        arrival, prompt, output, pp, dp, _, _, link = case
+        want = simulate(arrival, prompt, output, as_dicts(pp), as_dicts(dp), ref_prefill_rule,
+                        ref_decode_rule, link)
+        zeros = np.zeros(N, np.int32)
+        out = jax.device_get(run(*engine_inputs(case[:5] + (zeros, zeros, link))))
+        got = result_dict(out, arrival, out["p_route"], out["d_route"], num_prefill=2)
+        atol = 1e-3 if kind == "saturation" else 0.0
+        assert_equal(got, want, atol, npre=2)
+        assert (want["p_replica"] >= 0).any() and (want["p_replica"] < 0).any()
+        assert len(set(want["d_replica"])) == 2

@@ -24,7 +24,7 @@ from jaxserve.core.types import MAX_TOKENS
 
 def replay_arrays(prof: ReplicaProfile, is_prefill: jax.Array, link: PD.Link, gap: jax.Array,
                   prompt: jax.Array, output: jax.Array, p_route: jax.Array, d_route: jax.Array,
-                  sizes: tuple) -> dict:
+                  sizes: tuple, router=None) -> dict:
     """Replays `N` requests: request `i` arrives `gap[i - 1]` s after request `i - 1`
     (`gap[N - 1] = inf`: the cluster drains after the last), with `prompt`, `output` tokens,
     P replica `p_route[i]` (-1: not disaggregated) and D replica `d_route[i]` (pool
@@ -33,6 +33,13 @@ def replay_arrays(prof: ReplicaProfile, is_prefill: jax.Array, link: PD.Link, ga
 
     `sizes` (static): `(queue_buffer, max_seqs, remote_slots, transfer_slots, width)`
     (`disaggregation.empty_pd`, `advance`'s `width`).
+
+    `router` (static, optional) replaces the routes by a rule of what a router may observe
+    (the step-wise use of the engine an environment makes): `router(views, prompt) ->
+    (p_idx, d_idx)`, with `views` `disaggregation.replica_views`' dict at the request's
+    arrival (after the ends at that instant and the earlier arrivals of it) and `prompt` its
+    prompt tokens; pool indices, `p_idx` -1 for not disaggregated. The routes taken are
+    returned as `p_route`, `d_route`.
 
     Returns a dict of `(N,)` arrays: spans from arrival (s, NaN where it did not happen)
     `prefill_done`, `transfer_start`, `transfer_end`, `first_token`, `finish`; `preemptions`
@@ -51,15 +58,18 @@ def replay_arrays(prof: ReplicaProfile, is_prefill: jax.Array, link: PD.Link, ga
         req = Q.Request(arrival=jnp.float32(0.0), prompt=p.astype(jnp.float32),
                         output=o.astype(jnp.float32), estimate=jnp.float32(0.0),
                         size_class=jnp.int32(0), req_id=i)
+        if router is not None:
+            pr, dr = router(PD.replica_views(st, prof), p)
+            pr, dr = jnp.asarray(pr, jnp.int32), jnp.asarray(dr, jnp.int32)
         st, dropped, never = PD.route(st, prof, req, pr, dr)
         st, log, _ = PD.advance(st, prof, link, g, log, width)
         st = PD.rebase(st, jnp.where(jnp.isfinite(g), g, 0.0))
-        return (st, log), (dropped, never)
+        return (st, log), (dropped, never, pr, dr)
 
     xs_in = (jnp.arange(n, dtype=jnp.int32), gap.astype(jnp.float32),
              prompt.astype(jnp.int32), output.astype(jnp.int32), p_route.astype(jnp.int32),
              d_route.astype(jnp.int32))
-    (st, log), (dropped, never) = jax.lax.scan(step, (st, log), xs_in)
+    (st, log), (dropped, never, p_taken, d_taken) = jax.lax.scan(step, (st, log), xs_in)
     # The log takes a request's preemptions when it finishes; one that never does (on a
     # replica that stalled for good: `docs/disaggregation.md` section 8, step 3) keeps them
     # in its running or waiting slot.
@@ -68,7 +78,8 @@ def replay_arrays(prof: ReplicaProfile, is_prefill: jax.Array, link: PD.Link, ga
     return {"prefill_done": lg.e2e[n:], "transfer_start": log.transfer_start,
             "transfer_end": log.transfer_end, "first_token": lg.ttft[:n],
             "finish": lg.e2e[:n], "preemptions": pre[:n] + pre[n:],
-            "dropped": dropped, "never_fit": never, "pool": st.pool, "overflow": st.overflow}
+            "dropped": dropped, "never_fit": never, "pool": st.pool, "overflow": st.overflow,
+            "p_route": p_taken, "d_route": d_taken}
 
 
 def _unfinished_preemptions(rep, logged: jax.Array) -> jax.Array:

@@ -194,6 +194,11 @@ class PDCluster:
       q_pending: `(R, W)` bool over the waiting ring slots: pending D requests (False on
         every slot not holding a waiting request).
       transfers: the link's transfers in flight (`p`, `d`: rows).
+      first_res: `(R,)` blocks by which the reservations of the ready requests in the
+        iteration in progress exceed their computed tokens' (`ceil(p / b) - ceil((p - 1) /
+        b)` each: while `C = p - 1` a request holds `max(ceil(C / b), res)`; after that
+        iteration `C = p` and the reservation adds nothing). Only `replica_views` reads it.
+        int32.
       now, now_lo: the current instant (relative s, compensated pair).
       overflow: static-size overflows so far (0 in a valid run). int32.
       tables: per-request routing (`src`, `dest`: rows; `src` -1 when not disaggregated).
@@ -205,6 +210,7 @@ class PDCluster:
     remote: RemoteList
     q_pending: jax.Array
     transfers: Transfers
+    first_res: jax.Array
     now: jax.Array
     now_lo: jax.Array
     overflow: jax.Array
@@ -242,7 +248,8 @@ def empty_pd(num_prefill: int, num_decode: int, *, queue_buffer: int, max_seqs: 
                             end_lo=jnp.zeros((t,), jnp.float32),
                             arrival=jnp.zeros((t,), jnp.float32), req_id=zt, p=zt, d=zt,
                             blocks=zt),
-        now=jnp.float32(0.0), now_lo=jnp.float32(0.0), overflow=jnp.int32(0),
+        first_res=jnp.zeros((r,), jnp.int32), now=jnp.float32(0.0), now_lo=jnp.float32(0.0),
+        overflow=jnp.int32(0),
         tables=PDTables(src=jnp.full((n,), -1, jnp.int32), dest=jnp.zeros((n,), jnp.int32),
                         output=jnp.zeros((n,), jnp.int32)))
 
@@ -463,7 +470,8 @@ def _trip(carry, consts, width: int):
                                      0).sum(-1)
     pool, m, _, reqs = _end_iteration(pool, end, inf, m, zero_extras(), log.requests)
     log = log.replace(requests=reqs)
-    st, pool = _handover(st.replace(sending=sending), pool, run, done)
+    st, pool = _handover(st.replace(sending=sending, first_res=jnp.where(end, 0, st.first_res)),
+                         pool, run, done)
     # 2. Transfer ends.
     st, pool, log = _end_transfers(st, pool, t, log)
     # 4. Scheduling (3., arrivals, happen between `advance` calls).
@@ -475,7 +483,11 @@ def _trip(carry, consts, width: int):
                                  st.q_pending, width, extra_used=st.sending)
     # Entries taken off the queues leave their slots: no slot outside a queue is pending.
     popped = Q.positions(q_before) < info["popped"][:, None]
+    rm = st.remote
+    extra = jnp.where(info["taken"], rm.res - cdiv(rm.prompt - 1, prof.block_size[:, None]),
+                      0).sum(-1)
     st = st.replace(pool=pool, q_pending=st.q_pending & ~popped,
+                    first_res=jnp.where(go, extra, st.first_res),
                     overflow=st.overflow + info["overflow"].sum().astype(jnp.int32))
     st, log = _start_transfers(st, prof, link, info, t, t_lo, log)
     return st.replace(now=t, now_lo=t_lo), log, m
@@ -527,13 +539,12 @@ def replica_views(st: PDCluster, prof: ReplicaProfile) -> dict:
     the P rows): `running`, `waiting` (including pending and remote requests, vLLM's
     `num_waiting_reqs`) `(R,)` int32, and `kv_usage` `(R,)` float32, blocks in use (running
     requests' `ceil(C / b)`, held for sends, reserved for receives) over `kv_blocks`: the
-    reference's `ReplicaView`s, except that a ready request admitted for its last prompt
-    token counts `ceil((p - 1) / b)` until its iteration ends where the reference counts its
-    reservation `ceil(p / b)`."""
+    reference's `ReplicaView`s (a running request counts `max(ceil(C / b), reserved)`,
+    `C` its computed tokens before the iteration in progress)."""
     p, rm = st.pool, st.remote
     valid = jnp.arange(p.max_seqs)[None, :] < p.run.count[:, None]
     used = (jnp.where(valid, cdiv(p.run.comp, prof.block_size[:, None]), 0).sum(-1)
-            + jnp.where(rm.valid, rm.res, 0).sum(-1) + st.sending)
+            + jnp.where(rm.valid, rm.res, 0).sum(-1) + st.sending + st.first_res)
     return {"running": p.run.count, "waiting": p.queues.count + rm.count,
             "kv_usage": used.astype(jnp.float32) / prof.kv_blocks.astype(jnp.float32),
             "is_prefill": st.is_prefill}
