@@ -31,7 +31,10 @@ from jaxserve.core import disaggregation as PD
 from jaxserve.core.disagg_replay import replay_arrays, replay_sizes, result_dict, simulate_disagg
 from jaxserve.reference import continuous as cref
 from jaxserve.reference.disaggregation import simulate
+from jaxserve.core.replica import ReplicaProfile
 from tests.test_continuous_engine import as_dicts, dyadic_replica
+from tests.test_reference_disaggregation import LINK as HAND_LINK
+from tests.test_reference_disaggregation import prof as hand_prof
 
 N = 40  # requests per workload: one trace length, one compilation
 KINDS = ("ties", "unshared", "pressure", "mixed", "no_p", "saturation")
@@ -95,11 +98,50 @@ def common_sizes(cases):
     return tuple(int(max(s[k] for s in sizes)) for k in range(len(sizes[0])))
 
 
+def hand_cases():
+    """The reference's hand-computed cases (`tests/test_reference_disaggregation.py`), as
+    `(name, case)` padded to the batch's shape: two P and two D replicas (unused ones added)
+    and `N` requests (the added ones arrive 1000 s after the last, each alone on an added
+    or idle D replica, after everything else has drained). Queue caps of 100 become 6 (no
+    case queues more than 3 requests), and `moe_tokens` 4 with `moe = 0` (the batch's static
+    value: the term is then exactly 0)."""
+    def rp(**kw):
+        d = {**hand_prof(**kw), "moe_tokens": 4}
+        d["queue_cap"] = min(d["queue_cap"], 6)
+        return ReplicaProfile(**d)
+
+    unshared = dict(HAND_LINK, shared=False)
+    raw = [("one request", [0.0], [8], [3], [rp()], [rp()], [0], [0], HAND_LINK),
+           ("shared link", [0.0, 0.0], [8, 8], [2, 2], [rp(), rp()], [rp()], [0, 1], [0, 0],
+            HAND_LINK),
+           ("unshared link", [0.0, 0.0], [8, 8], [2, 2], [rp(), rp()], [rp()], [0, 1], [0, 0],
+            unshared),
+           ("end at a start", [0.0, 1.25], [8, 8], [2, 2], [rp(), rp()], [rp()], [0, 1],
+            [0, 0], HAND_LINK),
+           ("D pressure", [0.0, 0.0], [6, 6], [5, 5], [rp(), rp()], [rp(kv_blocks=4)], [0, 1],
+            [0, 0], unshared),
+           ("never fits D", [0.0], [8], [4], [rp()], [rp(kv_blocks=2)], [0], [0], HAND_LINK),
+           ("P queue cap", [0.0] * 3, [8] * 3, [2] * 3, [rp(queue_cap=1)], [rp()], [0] * 3,
+            [0] * 3, HAND_LINK)]
+    out = []
+    for name, arrival, prompt, output, pp, dp, p_route, d_route, link in raw:
+        k = len(arrival)
+        pad = N - k
+        case = (np.array(arrival + [arrival[-1] + 1000.0] * pad),
+                np.array(prompt + [1] * pad), np.array(output + [1] * pad),
+                pp + [rp()] * (2 - len(pp)), dp + [rp()] * (2 - len(dp)),
+                np.array(p_route + [-1] * pad), np.array(d_route + [1] * pad), link)
+        out.append((name, k, len(pp), len(dp), (arrival, prompt, output, pp, dp, p_route,
+                                                  d_route, link), case))
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def batch_results():
-    """Every case in one vmapped replay; returns (raw batched outputs, sizes)."""
+    """Every case in one vmapped replay; returns (raw batched outputs, sizes: large enough
+    for the hand cases too, which then share the unbatched compilation)."""
     cases = [make_case(*c) for c in CASES]
-    sizes = common_sizes(cases)
+    sizes = common_sizes(cases + [h[-1] for h in hand_cases()])
     inputs = [engine_inputs(c) for c in cases]
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *inputs)
     run = jax.jit(jax.vmap(functools.partial(replay_arrays, sizes=sizes)))
@@ -195,6 +237,28 @@ def test_vmap_equals_single_jitted_runs():
         assert got.keys() == want.keys()
         for k in got:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_hand_computed_cases_equal_reference():
+    """The reference's hand-computed cases (exact dyadic times: one request's life, equal
+    link shares, a transfer ending at another's start, D preemption and local recompute,
+    never-fit and queue-cap drops) through the engine, request by request."""
+    _, sizes = batch_results()
+    for name, k, n_p, n_d, orig, case in hand_cases():
+        arrival, prompt, output, pp, dp, p_route, d_route, link = orig
+        want = simulate(arrival, prompt, output, as_dicts(pp), as_dicts(dp), p_route, d_route,
+                        link)
+        got = simulate_disagg(*case, sizes=sizes)
+        got = {key: (v[:k] if v.shape == (N,) else v) for key, v in got.items()}
+        got["prefill_iterations"] = got["prefill_iterations"][:n_p]
+        got["prefill_busy"] = got["prefill_busy"][:n_p]
+        got["prefill_preemptions"] = got["prefill_preemptions"][:n_p]
+        for key in ("decode_iterations", "decode_busy", "decode_preemptions"):
+            got[key] = got[key][:n_d]
+        try:
+            assert_equal(got, want, 0.0, npre=n_p)
+        except AssertionError as e:
+            raise AssertionError(f"hand case {name!r}: {e}") from None
 
 
 def test_simulate_disagg_with_an_empty_p_pool():
