@@ -98,13 +98,12 @@ def route(st: PDCluster, prof: ReplicaProfile, req: Q.Request, p_idx: jax.Array,
         dest=st.tables.dest.at[rid].set(d_row, mode="drop"),
         output=st.tables.output.at[rid].set(req.output.astype(jnp.int32), mode="drop"))
     d_never = never_fits(jax.tree.map(lambda x: x[d_row], prof), req.prompt, req.output)
-    p_req = req.replace(output=jnp.ones_like(req.output), req_id=req.req_id + n)
-    pool, drop_p, never_p = route_replica(st.pool, prof, p_req, p_row,
-                                          enabled & dis & ~d_never)
-    pool, drop_d, never_d = route_replica(pool, prof, req, d_row, enabled & ~dis)
-    dropped = jnp.where(dis, drop_p, drop_d)
-    never = jnp.where(dis, never_p | d_never, never_d)
-    return st.replace(pool=pool, tables=tables), dropped, never
+    # One queueing, at P (the P request `(p, 1)`, logged as `N + id`) or at D.
+    one = req.replace(output=jnp.where(dis, 1.0, req.output),
+                      req_id=jnp.where(dis, req.req_id + n, req.req_id))
+    pool, dropped, never = route_replica(st.pool, prof, one, jnp.where(dis, p_row, d_row),
+                                         enabled & ~(dis & d_never))
+    return st.replace(pool=pool, tables=tables), dropped, never | (dis & d_never)
 
 
 def _schedulable(st: PDCluster) -> jax.Array:
@@ -199,17 +198,21 @@ def _start_transfers(st: PDCluster, prof: ReplicaProfile, link: Link, info: dict
     over = (alloc & (a_rank >= n_x)).sum()
 
     def rebuild(old, new):
+        # The fields stacked on a last axis: two scatters for all (XLA:CPU compiles each
+        # scatter as a loop of its own).
         out = jnp.zeros(old.shape, old.dtype).at[rows, k_dest].set(old, mode="drop")
         return out.at[rows, a_dest].set(new.astype(old.dtype), mode="drop")
 
     rid_w = w["req_id"]
     count = jnp.minimum(n_keep + alloc.sum(-1).astype(jnp.int32), n_x)
+    ints = rebuild(jnp.stack([(rm.ready & keep).astype(jnp.int32), rm.res, rm.prompt,
+                              rm.output, rm.req_id], -1),
+                   jnp.stack([jnp.zeros_like(rid_w), w["need"], w["prompt"],
+                              w["output"].astype(jnp.int32), rid_w], -1))
     remote = RemoteList(
-        valid=jnp.arange(n_x)[None, :] < count[:, None],
-        ready=rebuild(rm.ready & keep, jnp.zeros_like(alloc)),
-        res=rebuild(rm.res, w["need"]), arrival=rebuild(rm.arrival, w["arrival"]),
-        prompt=rebuild(rm.prompt, w["prompt"]), output=rebuild(rm.output, w["output"]),
-        req_id=rebuild(rm.req_id, rid_w), count=count)
+        valid=jnp.arange(n_x)[None, :] < count[:, None], ready=ints[..., 0] > 0,
+        res=ints[..., 1], arrival=rebuild(rm.arrival[..., None], w["arrival"][..., None])[..., 0],
+        prompt=ints[..., 2], output=ints[..., 3], req_id=ints[..., 4], count=count)
     # Transfers: the global start order is D index, then allocation (queue) order; each
     # takes the next free entry of the table.
     flat = alloc.ravel()
@@ -234,11 +237,13 @@ def _start_transfers(st: PDCluster, prof: ReplicaProfile, link: Link, info: dict
                               dur)
     d_of = jnp.broadcast_to(rows, alloc.shape).ravel().astype(jnp.int32)
     arr = w["arrival"].ravel()
-    put = lambda a, v: a.at[dest].set(v.astype(a.dtype), mode="drop")  # noqa: E731
-    x = x.replace(active=put(x.active, flat), end=put(x.end, end_hi),
-                  end_lo=put(x.end_lo, end_lo), arrival=put(x.arrival, arr),
-                  req_id=put(x.req_id, rid), p=put(x.p, src), d=put(x.d, d_of),
-                  blocks=put(x.blocks, blocks))
+    # One scatter per dtype into the table.
+    fl = jnp.stack([x.end, x.end_lo, x.arrival], -1).at[dest].set(
+        jnp.stack([end_hi, end_lo, arr], -1), mode="drop")
+    it = jnp.stack([x.active.astype(jnp.int32), x.req_id, x.p, x.d, x.blocks], -1).at[dest].set(
+        jnp.stack([flat.astype(jnp.int32), rid, src, d_of, blocks], -1), mode="drop")
+    x = x.replace(active=it[:, 0] > 0, end=fl[:, 0], end_lo=fl[:, 1], arrival=fl[:, 2],
+                  req_id=it[:, 1], p=it[:, 2], d=it[:, 3], blocks=it[:, 4])
     size = log.transfer_start.shape[0]
     log = log.replace(transfer_start=log.transfer_start.at[jnp.where(flat, rid, size)].set(
         (t - arr) + t_lo, mode="drop"))

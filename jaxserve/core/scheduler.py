@@ -474,25 +474,27 @@ def schedule_remote(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
     r_dest = jnp.where(taken, r_rank, s_n)
     w_dest = jnp.where(joins, w_rank, s_n)
 
-    def gather(r_val, w_val, dtype):
-        out = jnp.zeros((rows.shape[0], s_n), dtype)
-        out = out.at[rows, r_dest].set(r_val.astype(dtype), mode="drop")
-        return out.at[rows, w_dest].set(w_val.astype(dtype), mode="drop")
+    def place(r_vals, w_vals, dtype):
+        # The fields of one dtype stacked on a last axis: two scatters for all of them
+        # (XLA:CPU compiles each scatter as a loop of its own).
+        r_val = jnp.stack([v.astype(dtype) for v in r_vals], -1)
+        w_val = jnp.stack([v.astype(dtype) for v in w_vals], -1)
+        out = jnp.zeros((rows.shape[0], s_n, len(r_vals)), dtype)
+        out = out.at[rows, r_dest].set(r_val, mode="drop")
+        return out.at[rows, w_dest].set(w_val, mode="drop")
 
     zr = jnp.zeros_like(remote["prompt"])
-    window = {
-        "arrival": gather(remote["arrival"], win.arrival, jnp.float32),
-        "prompt": gather(remote["prompt"], w_prompt, jnp.float32),
-        "output": gather(remote["output"], win.output, jnp.float32),
-        "estimate": gather(jnp.zeros_like(remote["arrival"]), win.estimate, jnp.float32),
-        "req_id": gather(remote["req_id"],
-                         win.req_id if win.req_id is not None else jnp.zeros_like(w_gen),
-                         jnp.int32),
-        "gen": gather(zr, w_gen, jnp.int32), "pre": gather(zr, w_pre, jnp.int32)}
-    # A ready request recomputes its last prompt token (C = p - 1): vLLM's
+    w_ids = win.req_id if win.req_id is not None else jnp.zeros_like(w_gen)
+    fl = place([remote["arrival"], remote["prompt"], remote["output"], zr],
+               [win.arrival, w_prompt, win.output, win.estimate], jnp.float32)
+    # A ready request recomputes its last prompt token (`n = 1` with `C = p - 1`): vLLM's
     # `_update_waiting_for_remote_kv`.
-    n_win = gather(jnp.ones_like(zr), w_n, jnp.int32)
-    comp_win = gather(remote["prompt"] - 1, jnp.zeros_like(w_n), jnp.int32)
+    it = place([remote["req_id"], zr, zr, jnp.ones_like(zr), remote["prompt"] - 1],
+               [w_ids, w_gen, w_pre, w_n, jnp.zeros_like(w_n)], jnp.int32)
+    window = {"arrival": fl[..., 0], "prompt": fl[..., 1], "output": fl[..., 2],
+              "estimate": fl[..., 3], "req_id": it[..., 0], "gen": it[..., 1],
+              "pre": it[..., 2]}
+    n_win, comp_win = it[..., 3], it[..., 4]
     admit = jnp.arange(s_n, dtype=jnp.int32)[None, :] < (a_r + joins.sum(-1))[:, None]
     reserved_after = (reserved - jnp.where(taken, remote["res"], 0).sum(-1)
                       + jnp.where(alloc, need, 0).sum(-1))
