@@ -78,7 +78,9 @@ def route(st: PDCluster, prof: ReplicaProfile, req: Q.Request, p_idx: jax.Array,
 
     Drops (page section 5): disaggregated, when it could never fit P as `(p, 1)` or D as
     `(p, o)`, or P's waiting queue holds `queue_cap` requests never preempted; not
-    disaggregated, as the colocated engine on D (pending D requests count as waiting).
+    disaggregated, as the colocated engine on D, counting toward `queue_cap` every request D
+    holds that has not started running (waiting ones never preempted, pending included, and
+    the remote list's).
     `req.req_id` (in `[0, N)`) indexes the per-request tables and the log (the P request
     is logged as `N + req_id`); `req.output` is `o`. Where `enabled` is False nothing
     changes.
@@ -101,14 +103,20 @@ def route(st: PDCluster, prof: ReplicaProfile, req: Q.Request, p_idx: jax.Array,
     # One queueing, at P (the P request `(p, 1)`, logged as `N + id`) or at D.
     one = req.replace(output=jnp.where(dis, 1.0, req.output),
                       req_id=jnp.where(dis, req.req_id + n, req.req_id))
-    pool, dropped, never = route_replica(st.pool, prof, one, jnp.where(dis, p_row, d_row),
+    # D's queue cap counts its remote entries too (requests held, not started; a P row has
+    # none): the colocated cap test (`count < queue_cap + preempted in queue`) with the cap
+    # lowered by them.
+    cap = prof.replace(queue_cap=prof.queue_cap - st.remote.count)
+    pool, dropped, never = route_replica(st.pool, cap, one, jnp.where(dis, p_row, d_row),
                                          enabled & ~(dis & d_never))
     return st.replace(pool=pool, tables=tables), dropped, never | (dis & d_never)
 
 
 def _schedulable(st: PDCluster) -> jax.Array:
     """`(R,)` replicas that would schedule at the current instant: idle, not stalled, with
-    work (a D replica's ready remote requests are work)."""
+    work (a D replica's ready remote requests are work). A replica whose boundary preempted
+    and scheduled nothing is left so (`schedule_remote`): the next trip is at the same
+    instant (page section 8, step 3)."""
     p = st.pool
     ready = (st.remote.valid & st.remote.ready).any(-1)
     return ~p.in_iter & ~p.stalled & (((p.queues.count + p.run.count) > 0) | ready)
