@@ -106,20 +106,64 @@ def shift_queues(q: Q.Queues, dt: jax.Array) -> Q.Queues:
 
 
 def schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
-              t_lo: jax.Array) -> Replicas:
+              t_lo: jax.Array, extra_used: jax.Array | None = None) -> Replicas:
     """Runs the scheduler of every replica where `go`, starting an iteration at `t + t_lo`.
 
-    Running pass in closed form. Let `n_i = clip(K - sum_{j<i} (L_j - C_j), 0, L_i - C_i)`
+    `extra_used` `(R,)` (None: none): KV blocks held outside the running slots, which the
+    boundary may not use: a disaggregation P replica's blocks held for sends
+    (docs/disaggregation.md section 6). The running pass is `running_pass`; admission (only
+    if nothing was preempted) is the longest prefix of the waiting queue that fits
+    `max_seqs`, the budget and the watermark, again by prefix sums.
+    """
+    keep, n_run, k1, free1, preempted = running_pass(rep, prof, go, extra_used)
+    run, q = rep.run, rep.queues
+    s_n = run.arrival.shape[-1]
+    idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
+    b = prof.block_size[:, None]
+
+    # Admission from the first max_seqs waiting slots.
+    w_valid, win = Q.front(q, s_n)
+    w_slots = (q.head[:, None] + idx) % q.capacity
+    w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
+    w_prompt = win.prompt.astype(jnp.int32)
+    w_len = jnp.where(w_valid, w_prompt + w_gen, 0)
+    k_j = k1[:, None] - (cumsum(w_len) - w_len)
+    chunk = prof.chunked_prefill[:, None]
+    w_n = jnp.where(chunk, jnp.minimum(w_len, k_j), w_len)
+    w_blocks = cdiv(w_n, b)
+    free_j = free1[:, None] - (cumsum(w_blocks) - w_blocks)
+    ok = (w_valid & (idx < (prof.max_seqs - run.count)[:, None]) & (k_j > 0)
+          & (chunk | (w_len <= k_j))
+          & (free_j - w_blocks >= watermark_blocks(prof)[:, None])
+          & ~preempted[:, None] & go[:, None])
+    first_fail = jnp.where(ok, s_n, idx).min(-1)
+    admit = idx < first_fail[:, None]
+    with jax.named_scope("apply"):
+        return apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, w_n,
+                              extra_blocks=extra_used)
+
+
+def running_pass(rep: Replicas, prof: ReplicaProfile, go: jax.Array,
+                 extra_used: jax.Array | None = None):
+    """The running pass of every replica where `go` (vLLM's first loop at a boundary).
+
+    `extra_used` `(R,)` (None: none) are KV blocks held outside the running slots (blocks a
+    disaggregation P replica holds for sends, a D replica's reservations for receives):
+    they are not free, and never preempted.
+
+    Returns `(keep, n_run, k1, free1, preempted)`: running requests left, tokens scheduled
+    per running slot `(R, S)`, token budget left, free blocks left (valid where nothing was
+    preempted) and whether the pass preempted. All `(R,)` int32 but `n_run` and the bool.
+
+    Closed form. Let `n_i = clip(K - sum_{j<i} (L_j - C_j), 0, L_i - C_i)`
     (the budget taken in admission order), `need_i` the extra blocks `n_i` tokens take, `D_i`
     their prefix sum, `F` the free blocks and `H(e)` the blocks held by running slots `>= e`.
     Preempting the last requests until the free blocks cover `D_i` leaves the running prefix
     `E_i = max{e : H(e) >= D_i - F}`; `E` only falls as `i` grows, so request `i` is scheduled
     iff `n_i > 0` and `E_i > i` (a prefix of `s` requests), and the pass leaves `E_{s-1}`
     requests running, or `s` when it stopped because request `s` was itself the victim.
-    Admission (only if nothing was preempted) is the longest prefix of the waiting queue that
-    fits `max_seqs`, the budget and the watermark, again by prefix sums.
     """
-    run, q = rep.run, rep.queues
+    run = rep.run
     r_n, s_n = run.arrival.shape
     idx = jnp.arange(s_n, dtype=jnp.int32)[None, :]
     valid = idx < run.count[:, None]
@@ -132,6 +176,8 @@ def schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
     need = jnp.where(n > 0, cdiv(run.comp + n, b) - held, 0)
     demand = cumsum(need)
     free0 = prof.kv_blocks - held.sum(-1)
+    if extra_used is not None:
+        free0 = free0 - extra_used
 
     def search():
         suffix = jnp.concatenate([cumsum(held[:, ::-1])[:, ::-1],
@@ -166,41 +212,33 @@ def schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
     preempted = npre > 0
     k1 = prof.max_tokens - n_run.sum(-1)
     free1 = free0 - used  # valid where nothing was preempted
-
-    # Admission from the first max_seqs waiting slots.
-    w_valid, win = Q.front(q, s_n)
-    w_slots = (q.head[:, None] + idx) % q.capacity
-    w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
-    w_prompt = win.prompt.astype(jnp.int32)
-    w_len = jnp.where(w_valid, w_prompt + w_gen, 0)
-    k_j = k1[:, None] - (cumsum(w_len) - w_len)
-    chunk = prof.chunked_prefill[:, None]
-    w_n = jnp.where(chunk, jnp.minimum(w_len, k_j), w_len)
-    w_blocks = cdiv(w_n, b)
-    free_j = free1[:, None] - (cumsum(w_blocks) - w_blocks)
-    ok = (w_valid & (idx < (prof.max_seqs - run.count)[:, None]) & (k_j > 0)
-          & (chunk | (w_len <= k_j))
-          & (free_j - w_blocks >= watermark_blocks(prof)[:, None])
-          & ~preempted[:, None] & go[:, None])
-    first_fail = jnp.where(ok, s_n, idx).min(-1)
-    admit = idx < first_fail[:, None]
-    with jax.named_scope("apply"):
-        return apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, w_n)
+    return keep, n_run, k1, free1, preempted
 
 
 def apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
                     t_lo: jax.Array, n_run: jax.Array, keep: jax.Array, admit: jax.Array,
                     w_n: jax.Array, w_comp: jax.Array | None = None,
-                    blocks: jax.Array | None = None) -> Replicas:
+                    blocks: jax.Array | None = None, extra_blocks: jax.Array | None = None,
+                    window: dict | None = None, popped: jax.Array | None = None,
+                    popped_estimate: jax.Array | None = None) -> Replicas:
     """Carries out a scheduling decision where `go` and starts the iterations at `t + t_lo`.
 
     The decision: `n_run` `(R, S)` tokens scheduled per running slot, `keep` `(R,)` running
     requests left after preemption (slots `[keep, count)` are the victims), `admit` `(R, S)`
     the admitted prefix of the waiting queue's first `S` requests with `w_n` tokens each and
     `w_comp` tokens already computed (cache hits; 0 without prefix caching). `blocks` `(R,)`
-    overrides the KV blocks held during the iteration (distinct blocks with prefix caching).
-    Victims go back to the queue's front, admitted requests join the running slots after the
-    survivors, and the iteration time is `docs/contract_continuous.md`'s formula.
+    overrides the KV blocks held during the iteration (distinct blocks with prefix caching);
+    `extra_blocks` `(R,)` are added to them (blocks held outside the running slots: sends,
+    reservations). Victims go back to the queue's front, admitted requests join the running
+    slots after the survivors, and the iteration time is `docs/contract_continuous.md`'s
+    formula.
+
+    By default the admitted requests are the queue's first ones. A caller whose admission
+    also takes requests from elsewhere, or moves some queue entries elsewhere (a
+    disaggregation D replica: `schedule_remote`), passes `window`, the admitted requests in
+    running order (dict of `(R, S)` arrays `arrival`, `prompt`, `output`, `estimate`,
+    `req_id`, `gen`, `pre`), with `popped` `(R,)` the entries taken off the queue's front and
+    `popped_estimate` `(R,)` their summed output estimates.
     """
     run, q = rep.run, rep.queues
     r_n, s_n = run.arrival.shape
@@ -209,10 +247,16 @@ def apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Ar
     s = (n_run > 0).sum(-1)
     npre = jnp.where(go, run.count - keep, 0)
     a = admit.sum(-1).astype(jnp.int32)
-    w_valid, win = Q.front(q, s_n)
-    w_slots = (q.head[:, None] + idx) % q.capacity
-    w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
-    w_pre = jnp.take_along_axis(rep.q_pre, w_slots, -1)
+    if window is None:
+        w_valid, win = Q.front(q, s_n)
+        w_slots = (q.head[:, None] + idx) % q.capacity
+        w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
+        w_pre = jnp.take_along_axis(rep.q_pre, w_slots, -1)
+    else:
+        win = Q.Request(arrival=window["arrival"], prompt=window["prompt"],
+                        output=window["output"], estimate=window["estimate"],
+                        size_class=None, req_id=window["req_id"])
+        w_gen, w_pre = window["gen"], window["pre"]
     if w_comp is None:
         w_comp = jnp.zeros_like(w_gen)
 
@@ -233,8 +277,11 @@ def apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Ar
     # replica of the batch preempted (one conditional under vmap, `lanes.batch_max`).
     q_gen, q_pre, queues = jax.lax.cond(batch_max((npre > 0).any()), push_victims,
                                         lambda: (rep.q_gen, rep.q_pre, q))
-    adm_est = rowsum(jnp.where(admit, win.estimate, 0.0))
-    queues = Q.pop_front(queues, a, jnp.zeros((r_n,), jnp.float32), adm_est)
+    if window is None:
+        adm_est = rowsum(jnp.where(admit, win.estimate, 0.0))
+        queues = Q.pop_front(queues, a, jnp.zeros((r_n,), jnp.float32), adm_est)
+    else:
+        queues = Q.pop_front(queues, popped, jnp.zeros((r_n,), jnp.float32), popped_estimate)
 
     # Admitted requests join the running slots after the survivors.
     count1 = jnp.where(go, keep, run.count)
@@ -269,13 +316,16 @@ def apply_schedule(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Ar
     if blocks is None:
         valid2 = idx < r2.count[:, None]
         blocks = jnp.where(valid2, cdiv(r2.comp + r2.sched, b), 0).sum(-1)
+    if extra_blocks is not None:
+        blocks = blocks + extra_blocks
     started = go & ((s + a) > 0)
     end_hi, end_lo = add_time(t, t_lo, iter_time)
     sel = lambda new, old: jnp.where(go.reshape(go.shape + (1,) * (new.ndim - 1)),  # noqa
                                      new, old)
     return rep.replace(
         queues=queues, q_gen=q_gen, q_pre=q_pre,  # no-ops where not `go` (npre = a = 0)
-        q_preempted=rep.q_preempted + npre - jnp.minimum(a, rep.q_preempted + npre),
+        q_preempted=rep.q_preempted + npre - jnp.minimum(a if popped is None else popped,
+                                                         rep.q_preempted + npre),
         run=jax.tree.map(sel, new_run, run),
         in_iter=rep.in_iter | started,
         t_start=jnp.where(started, t, rep.t_start),
@@ -325,3 +375,139 @@ def schedule_prefix(rep: Replicas, prof: ReplicaProfile, tables: PrefixTables,
                 jnp.where(cur < 0, w_comp.ravel(), cur), mode="drop"),
             cached_total=log.cached_total.at[ids].add(w_comp.ravel(), mode="drop"))
     return rep, log
+
+
+def schedule_remote(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.Array,
+                    t_lo: jax.Array, remote: dict, q_pending: jax.Array, width: int,
+                    extra_used: jax.Array | None = None):
+    """`schedule` of a disaggregation replica (docs/disaggregation.md sections 6 and 8), where
+    `go`. A P replica (no remote request, no pending entry, `extra_used` its blocks held for
+    sends) gets `schedule`'s decision; a D replica the page's additions below.
+
+    The running pass is `running_pass` with the blocks reserved by the remote list
+    (`remote["res"]` summed) held outside the running slots; a pass that preempted and
+    scheduled nothing leaves the replica not stalled (a second boundary follows at the same
+    instant). Admission, only if nothing was preempted, visits the remote list first, then
+    the waiting queue (vLLM's `skipped_waiting` before `waiting`):
+
+    * remote list, in its (allocation) order: a receiving request is skipped; a ready one
+      (`remote["ready"]`) is scheduled for its last prompt token (`C = p - 1`, `n = 1`,
+      no new block: its `ceil(p / b)` are reserved) while `|running| < S`, the budget is
+      positive and the free blocks are at or above the watermark; the first that cannot be
+      stops the admission;
+    * then the waiting queue's first `width` entries, FCFS: a pending D request
+      (`q_pending`) is allocated `ceil(p / b)` blocks if `free - ceil(p / b) >= floor(w M)`
+      (no token budget, no running slot; still only while `|running| < S` and the budget is
+      positive), else the admission stops; any other entry is admitted as in `schedule`.
+
+    In closed form: the ready requests admitted are `min(ready, S - |running|, k)` (all or
+    none of the watermark test, which their zero new blocks make the same for each), and the
+    waiting entries are `schedule`'s prefix sums with pending entries taking blocks but no
+    budget and no slot. With no remote request and no pending entry this is `schedule`'s
+    decision.
+
+    Args:
+      remote: the remote list, `(R, X)` arrays in allocation order: `valid`, `ready` (bool),
+        `res` (reserved blocks), `arrival` (relative s), `prompt`, `output`, `req_id`.
+      q_pending: `(R, W)` bool over the waiting ring buffer's slots: pending D requests.
+      extra_used: `(R,)` blocks held outside the running slots besides the reservations
+        (a P replica's sends), or None.
+      width: static number of waiting entries the admission may visit (a pending entry takes
+        no slot, so more than `S` may be visited); `overflow` reports a pass that reached
+        the end of the window still admitting while the queue held more.
+
+    Returns:
+      `(replicas, decision)`: `decision` has `taken` `(R, X)` (ready requests moved to the
+      running slots), `alloc` `(R, width)` (waiting entries allocated, in queue order),
+      `win` (the waiting window: `arrival`, `prompt`, `output`, `req_id`, `need`: blocks),
+      `popped` `(R,)` entries taken off the queue's front, `overflow` `(R,)` bool.
+    """
+    reserved = jnp.where(remote["valid"], remote["res"], 0).sum(-1)
+    if extra_used is not None:
+        reserved = reserved + extra_used
+    keep, n_run, k1, free1, preempted = running_pass(rep, prof, go, reserved)
+    run, q = rep.run, rep.queues
+    s_n = run.arrival.shape[-1]
+    b = prof.block_size[:, None]
+    wm = watermark_blocks(prof)
+    room = prof.max_seqs - run.count  # nothing was preempted where admission runs
+
+    # Remote list: the first `a_r` ready requests, in list order.
+    ready = remote["valid"] & remote["ready"]
+    n_ready = ready.sum(-1).astype(jnp.int32)
+    cont = go & ~preempted
+    a_r = jnp.where(cont & (free1 >= wm), jnp.maximum(jnp.minimum(n_ready, jnp.minimum(room, k1)),
+                                                      0), 0)
+    r_rank = cumsum(ready.astype(jnp.int32)) - 1
+    taken = ready & (r_rank < a_r[:, None])
+    to_wait = cont & (a_r == n_ready)
+
+    # Waiting queue: pending entries take blocks, no budget, no slot.
+    w_idx = jnp.arange(width, dtype=jnp.int32)[None, :]
+    w_valid, win = Q.front(q, width)
+    w_slots = (q.head[:, None] + w_idx) % q.capacity
+    w_gen = jnp.take_along_axis(rep.q_gen, w_slots, -1)
+    w_pre = jnp.take_along_axis(rep.q_pre, w_slots, -1)
+    pend = w_valid & jnp.take_along_axis(q_pending, w_slots, -1)
+    w_prompt = win.prompt.astype(jnp.int32)
+    w_len = jnp.where(w_valid, w_prompt + w_gen, 0)
+    tok = jnp.where(pend, 0, w_len)
+    k_j = (k1 - a_r)[:, None] - (cumsum(tok) - tok)
+    chunk = prof.chunked_prefill[:, None]
+    w_n = jnp.where(pend, 0, jnp.where(chunk, jnp.minimum(w_len, k_j), w_len))
+    need = cdiv(w_prompt, b)
+    w_blocks = jnp.where(pend, need, cdiv(w_n, b))
+    free_j = free1[:, None] - (cumsum(w_blocks) - w_blocks)
+    slot = (~pend).astype(jnp.int32)
+    s_j = (run.count + a_r)[:, None] + (cumsum(slot) - slot)
+    ok = (w_valid & (s_j < prof.max_seqs[:, None]) & (k_j > 0)
+          & (chunk | pend | (w_len <= k_j)) & (free_j - w_blocks >= wm[:, None])
+          & to_wait[:, None])
+    popped = jnp.where(ok, width, w_idx).min(-1).astype(jnp.int32)
+    adm = w_idx < popped[:, None]
+    alloc = adm & pend
+    joins = adm & ~pend
+    overflow = go & (popped == width) & (q.count > width)
+
+    # The requests joining the running slots, in running order: ready ones, then waiting ones.
+    w_rank = a_r[:, None] + cumsum(joins.astype(jnp.int32)) - 1
+    rows = jnp.arange(run.arrival.shape[0])[:, None]
+    r_dest = jnp.where(taken, r_rank, s_n)
+    w_dest = jnp.where(joins, w_rank, s_n)
+
+    def place(r_vals, w_vals, dtype):
+        # The fields of one dtype stacked on a last axis: two scatters for all of them
+        # (XLA:CPU compiles each scatter as a loop of its own).
+        r_val = jnp.stack([v.astype(dtype) for v in r_vals], -1)
+        w_val = jnp.stack([v.astype(dtype) for v in w_vals], -1)
+        out = jnp.zeros((rows.shape[0], s_n, len(r_vals)), dtype)
+        out = out.at[rows, r_dest].set(r_val, mode="drop")
+        return out.at[rows, w_dest].set(w_val, mode="drop")
+
+    zr = jnp.zeros_like(remote["prompt"])
+    w_ids = win.req_id if win.req_id is not None else jnp.zeros_like(w_gen)
+    fl = place([remote["arrival"], remote["prompt"], remote["output"], zr],
+               [win.arrival, w_prompt, win.output, win.estimate], jnp.float32)
+    # A ready request recomputes its last prompt token (`n = 1` with `C = p - 1`): vLLM's
+    # `_update_waiting_for_remote_kv`.
+    it = place([remote["req_id"], zr, zr, jnp.ones_like(zr), remote["prompt"] - 1],
+               [w_ids, w_gen, w_pre, w_n, jnp.zeros_like(w_n)], jnp.int32)
+    window = {"arrival": fl[..., 0], "prompt": fl[..., 1], "output": fl[..., 2],
+              "estimate": fl[..., 3], "req_id": it[..., 0], "gen": it[..., 1],
+              "pre": it[..., 2]}
+    n_win, comp_win = it[..., 3], it[..., 4]
+    admit = jnp.arange(s_n, dtype=jnp.int32)[None, :] < (a_r + joins.sum(-1))[:, None]
+    reserved_after = (reserved - jnp.where(taken, remote["res"], 0).sum(-1)
+                      + jnp.where(alloc, need, 0).sum(-1))
+    popped_est = rowsum(jnp.where(adm, win.estimate, 0.0))
+    rep = apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, n_win, comp_win,
+                         extra_blocks=jnp.where(go, reserved_after, reserved), window=window,
+                         popped=popped, popped_estimate=popped_est)
+    # A boundary that preempted and scheduled nothing does not stall the replica: it has
+    # another boundary at the same instant (docs/disaggregation.md section 8, step 3), where
+    # its admission runs (`running` is then empty: its first request was its own victim).
+    rep = rep.replace(stalled=rep.stalled & ~(go & preempted))
+    decision = {"taken": taken, "alloc": alloc, "popped": popped, "overflow": overflow,
+                "win": {"arrival": win.arrival, "prompt": w_prompt, "output": win.output,
+                        "req_id": win.req_id, "need": need}}
+    return rep, decision
