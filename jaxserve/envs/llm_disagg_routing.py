@@ -345,7 +345,7 @@ def disagg_routing_replicas() -> tuple[list, list]:
 
 
 DEFAULTS = dict(
-    arrival_rate=2.0,  # req/s; set from the measured capacity (docs/envs/llm_disagg_routing.md)
+    arrival_rate=5.0,  # req/s; set from the measured capacity (docs/envs/llm_disagg_routing.md)
     link=dict(bandwidth=PD.LINK_DEFAULTS["bandwidth"],
               base_latency=PD.LINK_DEFAULTS["base_latency"],
               kv_bytes_per_token=float(OPT13B_KV_BYTES_PER_TOKEN), shared=True),
