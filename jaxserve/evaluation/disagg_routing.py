@@ -4,14 +4,16 @@
 environment keys per step, so every policy sees the same arrivals and tokens: the request
 stream is drawn from the step keys only), then drains the cluster, and reports each
 policy's drop-inclusive mean end-to-end latency per stream. One compiled program serves
-every policy (`lax.switch`). Used by tests/test_llm_disagg_routing.py and the learnability
-measurement.
+every policy. Used by tests/test_llm_disagg_routing.py and the learnability measurement;
+`python -m jaxserve.evaluation.disagg_routing --rates 5 7` prints the registered routers'
+drained latencies at those arrival rates (docs/envs/llm_disagg_routing.md).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.envs.llm_disagg_routing import drain
 
@@ -56,3 +58,38 @@ def drained_latencies(env, params, policies: dict, keys, num_requests: int):
     js = jnp.repeat(jnp.arange(len(fns)), keys.shape[0])
     ks = jnp.tile(keys, (len(fns), 1))
     return jax.lax.map(lambda a: one(*a), (js, ks)).reshape(len(fns), keys.shape[0])
+
+
+def main(argv=None):
+    """`python -m jaxserve.evaluation.disagg_routing [--rates R ...] [--streams S]
+    [--requests N] [--seed K]`: every registered "disagg_routing" router on the default
+    scenario at each rate (req/s), `S` drained streams of `N` requests; prints the mean
+    drop-inclusive E2E latency (s) over streams."""
+    import argparse
+    import time
+
+    from jaxserve.core import arrivals as A
+    from jaxserve.envs.llm_disagg_routing import make_llm_disagg_routing
+    from jaxserve import policies as P
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", type=float, nargs="+", default=[5.0])
+    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=7)
+    a = ap.parse_args(argv)
+    env, params = make_llm_disagg_routing()
+    names = P.names("disagg_routing")
+    pols = {n: P.get(n, kind="disagg_routing") for n in names}
+    run = jax.jit(lambda prm, keys: drained_latencies(env, prm, pols, keys, a.requests))
+    keys = jax.random.split(jax.random.PRNGKey(a.seed), a.streams)
+    for rate in a.rates:
+        t = time.perf_counter()
+        res = np.asarray(run(params.replace(arrivals=A.poisson(rate)), keys))
+        print(f"rate {rate:g} req/s ({time.perf_counter() - t:.0f} s):")
+        for j in np.argsort(res.mean(1)):
+            print(f"  {names[j]:20s} {res[j].mean():8.2f} s")
+
+
+if __name__ == "__main__":
+    main()
