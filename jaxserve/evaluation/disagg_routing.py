@@ -11,11 +11,16 @@ drained latencies at those arrival rates (docs/envs/llm_disagg_routing.md).
 
 from __future__ import annotations
 
+import argparse
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.envs.llm_disagg_routing import drain
+from jaxserve import policies as P
+from jaxserve.core import arrivals as A
+from jaxserve.envs.llm_disagg_routing import drain, make_llm_disagg_routing
 
 
 def episode(env, params, policy, key, num_requests: int):
@@ -65,13 +70,6 @@ def main(argv=None):
     [--requests N] [--seed K]`: every registered "disagg_routing" router on the default
     scenario at each rate (req/s), `S` drained streams of `N` requests; prints the mean
     drop-inclusive E2E latency (s) over streams."""
-    import argparse
-    import time
-
-    from jaxserve.core import arrivals as A
-    from jaxserve.envs.llm_disagg_routing import make_llm_disagg_routing
-    from jaxserve import policies as P
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", type=float, nargs="+", default=[5.0])
     ap.add_argument("--streams", type=int, default=2)
