@@ -24,6 +24,9 @@ from jaxserve.policies import disagg_routing as R
 from jaxserve.reference import continuous as cref
 from jaxserve.reference.disaggregation import simulate
 
+# One pytest-xdist worker for the whole file (`--dist loadgroup`): its tests share `batch()`.
+pytestmark = pytest.mark.xdist_group("llm_disagg_routing")
+
 T = 96  # steps per lane
 POLICIES = ("dynamo_jsq", "always_jsq", "never_least_kv", "llmd_least_kv")
 # lane: (policy index or -1 for the scripted actions, arrival-rate factor, max_steps)
