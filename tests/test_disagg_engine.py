@@ -30,6 +30,7 @@ import pytest
 from jaxserve.core import disaggregation as PD
 from jaxserve.core.disagg_replay import replay_arrays, replay_sizes, result_dict, simulate_disagg
 from jaxserve.reference import continuous as cref
+from jaxserve.reference.disaggregation import _PDReplica as PDReplica
 from jaxserve.reference.disaggregation import simulate
 from jaxserve.core.replica import ReplicaProfile
 from tests.test_continuous_engine import as_dicts, dyadic_replica
@@ -122,7 +123,12 @@ def hand_cases():
             [0, 0], unshared),
            ("never fits D", [0.0], [8], [4], [rp()], [rp(kv_blocks=2)], [0], [0], HAND_LINK),
            ("P queue cap", [0.0] * 3, [8] * 3, [2] * 3, [rp(queue_cap=1)], [rp()], [0] * 3,
-            [0] * 3, HAND_LINK)]
+            [0] * 3, HAND_LINK),
+           ("D boundary after a preemption", [0.0, 0.0], [2, 24], [8, 2], [rp()],
+            [rp(kv_blocks=4, block_size=8)], [-1, 0], [0, 0],
+            dict(HAND_LINK, kv_bytes_per_token=0.0)),
+           ("D queue cap with remote", [0.0, 2.0, 3.0], [8, 4, 4], [2, 2, 2], [rp()],
+            [rp(queue_cap=1)], [0, -1, -1], [0, 0, 0], HAND_LINK)]
     out = []
     for name, arrival, prompt, output, pp, dp, p_route, d_route, link in raw:
         k = len(arrival)
@@ -180,6 +186,8 @@ def test_random_workloads_equal_reference(b):
     want = reference(case)
     atol = 1e-3 if CASES[b][0] == "saturation" else 0.0
     assert_equal(got, want, atol, npre=0 if (case[5] < 0).all() else 2)
+    # Every request not dropped finishes (no replica is left stalled: page section 8 step 3).
+    assert np.isfinite(want["finish"][~want["dropped"]]).all()
 
 
 def test_no_disaggregation_is_the_colocated_reference():
@@ -199,13 +207,21 @@ def test_no_disaggregation_is_the_colocated_reference():
         assert np.isnan(got["transfer_start"]).all() and np.isnan(got["prefill_done"]).all()
 
 
-def test_workloads_exercise_every_rule():
+def test_workloads_exercise_every_rule(monkeypatch):
     """The batch does exercise what it claims (guards against vacuous equality): drops,
     never-fit requests, preemptions on P and on D, transfers sharing the link, transfers
-    waiting for D's blocks, requests not disaggregated, zero-length transfers, and ties of
-    transfer ends with other events."""
+    waiting for D's blocks, requests not disaggregated, zero-length transfers, ties of
+    transfer ends with other events, and D boundaries that preempted and scheduled nothing
+    (followed by another at the same instant: page section 8, step 3)."""
     seen = dict(drop=0, never=0, pre_p=0, pre_d=0, overlap=0, wait_d=0, local=0, zero=0,
-                tie=0)
+                tie=0, again=0)
+    schedule = PDReplica.schedule
+
+    def counted(self, t):
+        schedule(self, t)
+        seen["again"] += self.end is None and not self.stalled
+
+    monkeypatch.setattr(PDReplica, "schedule", counted)
     for kind, seed in CASES:
         case = make_case(kind, seed)
         w = reference(case)
@@ -242,7 +258,8 @@ def test_vmap_equals_single_jitted_runs():
 def test_hand_computed_cases_equal_reference():
     """The reference's hand-computed cases (exact dyadic times: one request's life, equal
     link shares, a transfer ending at another's start, D preemption and local recompute,
-    never-fit and queue-cap drops) through the engine, request by request."""
+    never-fit and queue-cap drops, a D boundary that preempted and scheduled nothing, D's
+    queue cap counting its remote list) through the engine, request by request."""
     _, sizes = batch_results()
     for name, k, n_p, n_d, orig, case in hand_cases():
         arrival, prompt, output, pp, dp, p_route, d_route, link = orig

@@ -123,6 +123,65 @@ def test_drops_at_arrival():
     assert np.isfinite(r["finish"][0])
 
 
+def test_a_boundary_that_preempted_and_scheduled_nothing_is_followed_by_another():
+    """The D deadlock of page section 8, step 3. D: 4 blocks of 8 tokens. Request 0 runs on D
+    alone (not disaggregated), prompt 2, output 8 (blocks(10) = 2: fits); request 1 goes
+    through P, prompt 24 (3 D blocks), output 2; the link moves 0 bytes (0.25 s).
+
+    * D: 0 -> 0.640625 prefill of request 0 (0.5 + 2/16 + 4/256; C = 2, first token), then
+      decodes of 0.8125 s (0.5 + 1/16 + 1/4) from boundaries b0 = 0.640625, ..., b5 = 4.703125,
+      b6 = 5.515625; C goes 2 -> 8 by b6, all in 1 block.
+    * P: request 1's prefill ends at 4.25 (0.5 + 24/16 + 576/256); it joins D's waiting,
+      pending. At b5 (C 7 -> 8: no new block) D allocates its 3 blocks (free 3 - 3 = 0 >= 0)
+      and the transfer runs 4.703125 -> 4.953125, inside the iteration: ready by b6.
+    * b6 = 5.515625: request 0 needs a 2nd block (C 8 -> 9), free = 4 - 1 - 3 = 0: it is the
+      last of `running`, its own victim (C = 0, front of waiting). Preempted, nothing scheduled;
+      no arrival or transfer end is left to wake D (the old rule's deadlock: both requests
+      never finished). Another boundary at 5.515625: nothing running to preempt; admission
+      takes the ready request 1 (n = 1 with C = 23, no new block, free 1), then request 0
+      (L = 9: 2 blocks > 1 free) waits. Request 1: first token 5.515625 + (0.5 + 1/16 +
+      24/256) = 6.171875; its decode (C 24 -> 25: a 4th block, free 1) ends 6.984375.
+    * 6.984375: request 0 recomputes its 9 tokens (0.5 + 9/16 + 81/256 = 1.37890625), which
+      samples its 8th and last token: finish 8.36328125. D ran 7 + 2 + 1 = 10 iterations.
+    """
+    d = prof(kv_blocks=4, block_size=8)
+    r = simulate([0.0, 0.0], [2, 24], [8, 2], [prof()], [d], [-1, 0], [0, 0],
+                 dict(LINK, kv_bytes_per_token=0.0))
+    b6 = 0.640625 + 6 * DECODE_T
+    assert b6 == 5.515625
+    assert r["prefill_done"][1] == prefill_T(24) == 4.25
+    assert (r["transfer_start"][1], r["transfer_end"][1]) == (4.703125, 4.953125)
+    assert list(r["first_token"]) == [prefill_T(2), b6 + first_D_T(24)]
+    assert r["finish"][1] == b6 + first_D_T(24) + DECODE_T == 6.984375
+    assert r["finish"][0] == 6.984375 + prefill_T(9) == 8.36328125
+    assert list(r["preemptions"]) == [1, 0] and r["decode_preemptions"][0] == 1
+    assert r["decode_iterations"][0] == 10 and not r["dropped"].any()
+
+
+def test_d_queue_cap_counts_remote_requests():
+    """D's queue cap (page section 5) counts every request D holds that has not started
+    running: waiting ones never preempted and the remote list's. D has `queue_cap = 1`.
+    Request 0 goes through P (prefill 0.5 + 8/16 + 64/256 = 1.25); D allocates it at once
+    and its transfer (2 P blocks, 8192 bytes: 1 s + 0.25 s) runs 1.25 -> 2.5. Request 1,
+    not disaggregated, reaches D at 2.0: D's waiting queue is empty but request 0 is on
+    its remote list (receiving), 1 >= 1: dropped (the router's view counts it in `waiting`
+    too). Request 2 reaches D at 3.0, when request 0 runs (its first D iteration,
+    2.5 -> 2.5 + 0.59375): D holds nothing not started, so it is queued and completes."""
+    seen = []
+
+    def d_rule(i, view):
+        seen.append(view["decode"][0])
+        return 0
+
+    r = simulate([0.0, 2.0, 3.0], [8, 4, 4], [2, 2, 2], [prof()], [prof(queue_cap=1)],
+                 [0, -1, -1], d_rule, LINK)
+    assert (r["transfer_start"][0], r["transfer_end"][0]) == (1.25, 2.5)
+    assert list(r["dropped"]) == [False, True, False] and not r["never_fit"].any()
+    assert r["first_token"][0] == 2.5 + first_D_T(8)
+    assert np.isfinite(r["finish"][[0, 2]]).all()
+    assert [(v.running, v.waiting) for v in seen] == [(0, 0), (0, 1), (1, 0)]
+
+
 def test_colocated_special_case_equals_continuous():
     rng = np.random.default_rng(7)
     n = 60

@@ -57,7 +57,7 @@ from jaxserve.core.cpu_numerics import add_time, cdiv, cumsum
 from jaxserve.core.disagg_state import (LINK_DEFAULTS, Link, PDCluster, PDLog, PDTables,
                                         RemoteList, Transfers, empty_pd, empty_pd_log,
                                         make_link, pool_profile)
-from jaxserve.core.lanes import active_order, compacted_while
+from jaxserve.core.lanes import compacted_while
 from jaxserve.core.metrics import StepMetrics
 from jaxserve.core.replica import ReplicaProfile
 from jaxserve.core.replica_state import Replicas, never_fits
@@ -78,7 +78,9 @@ def route(st: PDCluster, prof: ReplicaProfile, req: Q.Request, p_idx: jax.Array,
 
     Drops (page section 5): disaggregated, when it could never fit P as `(p, 1)` or D as
     `(p, o)`, or P's waiting queue holds `queue_cap` requests never preempted; not
-    disaggregated, as the colocated engine on D (pending D requests count as waiting).
+    disaggregated, as the colocated engine on D, counting toward `queue_cap` every request D
+    holds that has not started running (waiting ones never preempted, pending included, and
+    the remote list's).
     `req.req_id` (in `[0, N)`) indexes the per-request tables and the log (the P request
     is logged as `N + req_id`); `req.output` is `o`. Where `enabled` is False nothing
     changes.
@@ -101,14 +103,20 @@ def route(st: PDCluster, prof: ReplicaProfile, req: Q.Request, p_idx: jax.Array,
     # One queueing, at P (the P request `(p, 1)`, logged as `N + id`) or at D.
     one = req.replace(output=jnp.where(dis, 1.0, req.output),
                       req_id=jnp.where(dis, req.req_id + n, req.req_id))
-    pool, dropped, never = route_replica(st.pool, prof, one, jnp.where(dis, p_row, d_row),
+    # D's queue cap counts its remote entries too (requests held, not started; a P row has
+    # none): the colocated cap test (`count < queue_cap + preempted in queue`) with the cap
+    # lowered by them.
+    cap = prof.replace(queue_cap=prof.queue_cap - st.remote.count)
+    pool, dropped, never = route_replica(st.pool, cap, one, jnp.where(dis, p_row, d_row),
                                          enabled & ~(dis & d_never))
     return st.replace(pool=pool, tables=tables), dropped, never | (dis & d_never)
 
 
 def _schedulable(st: PDCluster) -> jax.Array:
     """`(R,)` replicas that would schedule at the current instant: idle, not stalled, with
-    work (a D replica's ready remote requests are work)."""
+    work (a D replica's ready remote requests are work). A replica whose boundary preempted
+    and scheduled nothing is left so (`schedule_remote`): the next trip is at the same
+    instant (page section 8, step 3)."""
     p = st.pool
     ready = (st.remote.valid & st.remote.ready).any(-1)
     return ~p.in_iter & ~p.stalled & (((p.queues.count + p.run.count) > 0) | ready)
@@ -129,32 +137,38 @@ def _handover(st: PDCluster, pool: Replicas, run, done: jax.Array
     slots `run`, before compaction) to its D replica's waiting queue, pending, in P index
     then slot order (page section 9); wakes those D replicas."""
     n = st.tables.src.shape[0]
-    s_n = done.shape[-1]
-    order, num = active_order(done, done.size)
-    cap = pool.queues.capacity
-    limit = jnp.full(pool.queues.count.shape, cap, jnp.int32)
-
-    def push(k, c):
-        q, qgen, qpre, qpend, stalled, over = c
-        flat = order[k]
-        r, s = flat // s_n, flat % s_n
-        rid = run.req_id[r, s] - n  # the P request is logged as N + id
-        d = st.tables.dest[rid]
-        req = Q.Request(arrival=run.arrival[r, s], prompt=run.prompt[r, s].astype(jnp.float32),
-                        output=st.tables.output[rid].astype(jnp.float32),
-                        estimate=jnp.float32(0.0), size_class=jnp.int32(0), req_id=rid)
-        slot = (q.head[d] + q.count[d]) % cap
-        q, ok = Q.push(q, d, req, limit, jnp.float32(0.0))
-        at = jnp.where(ok, slot, cap)
-        return (q, qgen.at[d, at].set(0, mode="drop"), qpre.at[d, at].set(0, mode="drop"),
-                qpend.at[d, at].set(True, mode="drop"), stalled.at[d].set(False),
-                over + (~ok).astype(jnp.int32))
-
-    q, qgen, qpre, qpend, stalled, over = jax.lax.fori_loop(
-        0, num, push, (pool.queues, pool.q_gen, pool.q_pre, st.q_pending, pool.stalled,
-                       st.overflow))
-    pool = pool.replace(queues=q, q_gen=qgen, q_pre=qpre, stalled=stalled)
-    return st.replace(q_pending=qpend, overflow=over), pool
+    q = pool.queues
+    r_n, cap = q.arrival.shape
+    # In P row then slot order, each finished P request's D row and its rank among the
+    # handovers to that row: its queue position is the row's count plus that rank.
+    flat = done.ravel()
+    rid = jnp.where(flat, run.req_id.ravel() - n, 0)  # the P request is logged as N + id
+    d = jnp.where(flat, st.tables.dest[rid], r_n)
+    onehot = (d[:, None] == jnp.arange(r_n)[None, :]).astype(jnp.int32)  # (R S, R)
+    rank = ((cumsum(onehot.T) - onehot.T) * onehot.T).sum(0)
+    pushed = onehot.sum(0)
+    d_c = jnp.minimum(d, r_n - 1)
+    fits = flat & (q.count[d_c] + rank < cap)
+    slot = jnp.where(fits, (q.head[d_c] + q.count[d_c] + rank) % cap, cap)
+    row = jnp.where(fits, d_c, r_n)
+    # Rows written to are re-anchored to offset 0 first, as `queues.push` does.
+    hit = pushed > 0
+    arrival = jnp.where(hit[:, None], q.arrival + q.offset[:, None], q.arrival)
+    fl = jnp.stack([arrival, q.prompt, q.output, q.estimate], -1).at[row, slot].set(
+        jnp.stack([run.arrival.ravel(), run.prompt.ravel().astype(jnp.float32),
+                   st.tables.output[rid].astype(jnp.float32), jnp.zeros_like(rid, jnp.float32)],
+                  -1), mode="drop")
+    zeros = jnp.zeros_like(rid)
+    it = jnp.stack([q.req_id, pool.q_gen, pool.q_pre, st.q_pending.astype(jnp.int32)], -1).at[
+        row, slot].set(jnp.stack([rid, zeros, zeros, jnp.ones_like(rid)], -1), mode="drop")
+    added = jnp.zeros((r_n,), jnp.int32).at[row].add(1, mode="drop")
+    q = q.replace(arrival=fl[..., 0], prompt=fl[..., 1], output=fl[..., 2], estimate=fl[..., 3],
+                  req_id=it[..., 0], count=q.count + added,
+                  offset=jnp.where(hit, 0.0, q.offset))
+    pool = pool.replace(queues=q, q_gen=it[..., 1], q_pre=it[..., 2],
+                        stalled=pool.stalled & ~hit)
+    over = (flat & ~fits).sum().astype(jnp.int32)
+    return st.replace(q_pending=it[..., 3] > 0, overflow=st.overflow + over), pool
 
 
 def _end_transfers(st: PDCluster, pool: Replicas, t, log: PDLog):

@@ -385,9 +385,10 @@ def schedule_remote(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
     sends) gets `schedule`'s decision; a D replica the page's additions below.
 
     The running pass is `running_pass` with the blocks reserved by the remote list
-    (`remote["res"]` summed) held outside the running slots. Admission, only if nothing was
-    preempted, visits the remote list first, then the waiting queue (vLLM's
-    `skipped_waiting` before `waiting`):
+    (`remote["res"]` summed) held outside the running slots; a pass that preempted and
+    scheduled nothing leaves the replica not stalled (a second boundary follows at the same
+    instant). Admission, only if nothing was preempted, visits the remote list first, then
+    the waiting queue (vLLM's `skipped_waiting` before `waiting`):
 
     * remote list, in its (allocation) order: a receiving request is skipped; a ready one
       (`remote["ready"]`) is scheduled for its last prompt token (`C = p - 1`, `n = 1`,
@@ -502,6 +503,10 @@ def schedule_remote(rep: Replicas, prof: ReplicaProfile, go: jax.Array, t: jax.A
     rep = apply_schedule(rep, prof, go, t, t_lo, n_run, keep, admit, n_win, comp_win,
                          extra_blocks=jnp.where(go, reserved_after, reserved), window=window,
                          popped=popped, popped_estimate=popped_est)
+    # A boundary that preempted and scheduled nothing does not stall the replica: it has
+    # another boundary at the same instant (docs/disaggregation.md section 8, step 3), where
+    # its admission runs (`running` is then empty: its first request was its own victim).
+    rep = rep.replace(stalled=rep.stalled & ~(go & preempted))
     decision = {"taken": taken, "alloc": alloc, "popped": popped, "overflow": overflow,
                 "win": {"arrival": win.arrival, "prompt": w_prompt, "output": win.output,
                         "req_id": win.req_id, "need": need}}

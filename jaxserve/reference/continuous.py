@@ -13,7 +13,9 @@ Plain Python, float64, written from the contract's text (not from the JAX engine
   2. admission, only if nothing was preempted: while `|running| < S`, `k > 0` and `waiting`
      is non-empty: head `h`, `n = L_h`, capped at `k` with chunked prefill; without it a head
      with `L_h > k` waits. Stop if `free - ceil(n / b) < floor(w M)`. Else admit and schedule.
-  3. nothing scheduled: idle until the next arrival routed to the replica.
+  3. nothing scheduled: idle until the next arrival routed to the replica; but a boundary
+     that preempted and scheduled nothing is followed by another at the same instant (which
+     cannot happen here: a lone running request always fits the free blocks).
   4. the iteration lasts `T = c0 + alpha sum n + alpha2 sum_{prefill} n (C + n) + beta [any
      decode] + gamma #decode + delta sum_{decode} L` (decode: `g >= 1` and `C = L - 1` when
      scheduled). At its end `C += n`; where `C = L` a token is sampled (`g += 1`); the first
@@ -93,6 +95,14 @@ class _Replica:
     def never_fits(self, p, o):
         return self.blocks(p + o) > self.M - self.wm or (not self.chunked and p + o > self.K)
 
+    def has_work(self):
+        return bool(self.waiting or self.running)
+
+    def has_boundary(self):
+        """Whether the replica has an iteration boundary to run at the current instant: not
+        mid-iteration, not stalled, with work."""
+        return self.end is None and not self.stalled and self.has_work()
+
     def fresh_waiting(self):
         return sum(1 for r in self.waiting if r.pre == 0)
 
@@ -136,7 +146,13 @@ class _Replica:
         if not preempted:
             self.admit(sched, free, k)
         if not sched:
-            self.stalled = True
+            # A boundary that preempted and scheduled nothing (its first running request was
+            # its own victim, so `running` is now empty) is followed at once by another one at
+            # the same instant, whose admission runs (`has_boundary`: the simulation loop
+            # revisits `t`). Only one that preempted nothing leaves the replica idle. With no
+            # blocks held outside `running` (this colocated model) it cannot happen: a lone
+            # running request fits all the free blocks (else it was dropped at arrival).
+            self.stalled = not preempted
             return
         T = self.iteration_time(sched)
         if self.on_iteration is not None:
@@ -232,7 +248,7 @@ def _lockstep_wave(reps, t, idle_s):
     if any(rp.end is not None for rp in reps):
         return
     for rp in reps:
-        if not rp.stalled and (rp.waiting or rp.running):
+        if not rp.stalled and rp.has_work():
             rp.schedule(t)
     ends = [rp.end for rp in reps if rp.end is not None]
     if not ends:
@@ -288,6 +304,8 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
     while True:
         ends = [r.end for r in reps if r.end is not None]
         t_arr = reqs[nxt].a if nxt < n else math.inf
+        if any(rp.has_boundary() for rp in reps):
+            ends.append(t)  # a boundary that preempted and scheduled nothing: again at `t`
         t = min(ends + [t_arr])
         if t == math.inf:
             break
@@ -310,7 +328,7 @@ def simulate(arrival, prompt, output, replica, profiles, check=None, make_reques
             _lockstep_wave(reps, t, float(lockstep_idle_s))
         else:
             for rp in reps:
-                if rp.end is None and not rp.stalled and (rp.waiting or rp.running):
+                if rp.has_boundary():
                     rp.schedule(t)
         if check is not None:
             check(t, arrived, sum(r.finish is not None for r in reqs),

@@ -20,7 +20,12 @@ subclassing) with the page's additions:
   `jaxserve/reference/continuous.py`.
 * Event order at one instant: iteration ends (P replicas, then D replicas, in index order),
   transfer ends (in start order), arrivals (index order), scheduling (P replicas, then D
-  replicas, in index order; transfers start here).
+  replicas, in index order; transfers start here). A D boundary that preempted and
+  scheduled nothing (a running pass whose victims were all of `running`, blocks being held
+  by reservations and sends) is followed by another at the same instant: the instant is run
+  again, with no new arrival, after every boundary of the first round.
+* Queue cap of a request not disaggregated, at D: the requests D holds that have not started
+  running (waiting and never preempted, pending ones included, plus the remote list).
 """
 
 from __future__ import annotations
@@ -80,6 +85,12 @@ class _PDReplica(_Replica):
 
     def has_work(self):
         return bool(self.waiting or self.running or any(r.ready for r in self.remote))
+
+    def not_started(self):
+        """Requests held that have not started running, for the queue cap (page section 5):
+        waiting ones never preempted (fresh and pending) and the remote list's (receiving or
+        ready; never preempted either)."""
+        return self.fresh_waiting() + len(self.remote)
 
     def view(self):
         return ReplicaView(len(self.running), len(self.waiting) + len(self.remote),
@@ -221,6 +232,10 @@ def simulate(arrival, prompt, output, prefill_profiles, decode_profiles, prefill
         ends = [rp.end for rp in P + D if rp.end is not None]
         if transfers:
             ends.append(transfers[0][0])
+        if any(rp.has_boundary() for rp in P + D):
+            # A boundary that preempted and scheduled nothing (page section 8, step 3): the
+            # instant `t` is run again (no new arrival), after every boundary of this one.
+            ends.append(t)
         t = min(ends + [float(arrival[nxt]) if nxt < n else math.inf])
         if t == math.inf:
             break
@@ -263,7 +278,7 @@ def simulate(arrival, prompt, output, prefill_profiles, decode_profiles, prefill
             if pj < 0:
                 if dr.never_fits(p_i, o_i):
                     dropped[i] = never[i] = True
-                elif dr.fresh_waiting() >= dr.Q:
+                elif dr.not_started() >= dr.Q:
                     dropped[i] = True
                 else:
                     q = _PDReq(i, t, p_i, o_i)
@@ -284,7 +299,7 @@ def simulate(arrival, prompt, output, prefill_profiles, decode_profiles, prefill
                 pr.stalled = False
         # 4. Scheduling; D's allocations start transfers.
         for rp in P + D:
-            if rp.end is None and not rp.stalled and rp.has_work():
+            if rp.has_boundary():
                 rp.schedule(t)
                 for dq in rp.started:
                     i = dq.i
