@@ -9,7 +9,8 @@
   recompile. The mixin also carries the lean auto-reset `step` of the serving environments.
 * `policy_kind`: each environment class names the family of registered policies that act in
   it (one of `POLICY_KINDS`: `"routing"`, `"batching"`, `"autoscaling"`, `"prefix_routing"`
-  (LLMPrefixRouting-v0), `"llm_routing"` (LLMRouting-v0); None for an environment without
+  (LLMPrefixRouting-v0), `"llm_routing"` (LLMRouting-v0), `"disagg_routing"`
+  (LLMDisaggRouting-v0); None for an environment without
   registered heuristics). The harness, the CLIs and the policy registry (keyed by kind and
   name) read this attribute instead of switching on classes.
 * The serving engine (`ENGINE`, a class attribute: `core.engines.STATIC` or `CONTINUOUS`):
@@ -42,7 +43,8 @@ from jaxserve.envs import common
 
 # Every family of registered policies, defined here once (`policies.registry` reads it as
 # `KINDS`): an environment class's `policy_kind` is one of them or None.
-POLICY_KINDS = ("routing", "batching", "autoscaling", "prefix_routing", "llm_routing")
+POLICY_KINDS = ("routing", "batching", "autoscaling", "prefix_routing", "llm_routing",
+                "disagg_routing")
 # The families the evaluation harness and CLIs handle (`policy_kind`); the LLM environments'
 # routers ("prefix_routing", "llm_routing") are compared by `scripts/prefix_routers.py` and
 # `agents.experiments.llm_routing_study` instead.

@@ -50,6 +50,10 @@ Prefix routing (`prefix_routing.py`, LLMPrefixRouting-v0, kind "prefix_routing")
 production cache-aware routers of ../shared/ROUTERS.md at their published defaults:
 llmd_scorers, dynamo_kv, sglang_cache_aware, aibrix_prefix_cache, session_affinity; and
 the baseline most_cached (the plain cache-first rule, no production router's).
+Disaggregated routing (`disagg_routing.py`, LLMDisaggRouting-v0, kind "disagg_routing"):
+llm-d's P/D decider and Dynamo's disaggregated router at their published defaults, always
+and never disaggregate, each with JSQ or least-KV within each pool (`llmd_jsq`, ...), and
+vLLM's toy proxy (`disagg_round_robin`).
 """
 
 from jaxserve.policies.registry import (KINDS, Policy, get, kind_of, kinds_of, names, options,
@@ -60,6 +64,7 @@ from jaxserve.policies import smdp  # noqa: E402  (registers smdp_optimal)
 from jaxserve.policies import autoscaling  # noqa: E402 (registers the autoscalers)
 from jaxserve.policies import llm_routing  # noqa: E402 (registers LLMRouting-v0's routers)
 from jaxserve.policies import prefix_routing  # noqa: E402 (registers the cache-aware routers)
+from jaxserve.policies import disagg_routing  # noqa: E402 (registers LLMDisaggRouting-v0's)
 from jaxserve.policies.batching import make_static
 from jaxserve.policies.routing import SitaFit, fit_sita
 from jaxserve.policies.smdp import SMDPModel, SMDPSolution, build_model, solve_smdp
