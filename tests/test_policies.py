@@ -48,8 +48,11 @@ def test_registry_names_and_kinds():
               "session_affinity", "most_cached"}
     assert set(P.names("prefix_routing")) == prefix
     assert set(P.names("llm_routing")) == set(LLM_ROUTING)
+    disagg = {f"{d}_{r}" for d in ("llmd", "dynamo", "always", "never")
+              for r in ("jsq", "least_kv")} | {"disagg_round_robin"}
+    assert set(P.names("disagg_routing")) == disagg
     assert set(P.names()) == (set(ROUTING) | set(BATCHING) | prefix | set(LLM_ROUTING)
-                              | {"fixed", "hpa", "knative", "ray_serve", "scheduled"})
+                              | disagg | {"fixed", "hpa", "knative", "ray_serve", "scheduled"})
     assert set(P.names("autoscaling")) == {"fixed", "hpa", "knative", "ray_serve",
                                            "scheduled"}
     assert P.kind_of("jsq") == "routing" and P.kind_of("smdp_optimal") == "batching"
