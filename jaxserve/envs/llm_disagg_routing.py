@@ -26,7 +26,7 @@ from jaxserve.core.queues import Request
 from jaxserve.core.replica import ReplicaProfile, replica_profile
 from jaxserve.envs import common
 from jaxserve.envs.base import StaticConfig, as_size, clip_features, feature_box
-from jaxserve.envs.defaults import build_params, set_reward_scales
+from jaxserve.envs.defaults import build_params, fill_defaults
 from jaxserve.envs.llm_routing import REWARDS, episode_horizon, slo_attained
 
 NUM_REQUEST_FEATURES = 2
@@ -344,11 +344,14 @@ def disagg_routing_replicas() -> tuple[list, list]:
     return [r, r], [r, r]
 
 
+# LLMDisaggRouting-v0's own defaults (the shared ones, reward scales included, are
+# `ServingParams`' field defaults), applied by `defaults.fill_defaults` as every builder does.
 DEFAULTS = dict(
     arrival_rate=5.0,  # req/s; set from the measured capacity (docs/envs/llm_disagg_routing.md)
     link=dict(bandwidth=PD.LINK_DEFAULTS["bandwidth"],
               base_latency=PD.LINK_DEFAULTS["base_latency"],
               kv_bytes_per_token=float(OPT13B_KV_BYTES_PER_TOKEN), shared=True),
+    tokens=disagg_routing_tokens,
     slo_s=20.0, max_steps_in_episode=DEFAULT_NUM_REQUESTS,
 )
 
@@ -395,10 +398,7 @@ def make_llm_disagg_routing(prefill=None, decode=None, link=None, arrival_rate=N
     lk.update(link or {})
     if arrivals is None and arrival_rate is None:
         arrival_rate = DEFAULTS["arrival_rate"]
-    kw.setdefault("tokens", disagg_routing_tokens())
-    kw.setdefault("slo_s", DEFAULTS["slo_s"])
-    kw.setdefault("max_steps_in_episode", DEFAULTS["max_steps_in_episode"])
-    set_reward_scales(kw)
+    fill_defaults(kw, DEFAULTS, exclude=("arrival_rate", "link"))
     prof = PD.pool_profile(prefill, decode)
     base = build_params(prof, arrivals=arrivals, arrival_rate=arrival_rate, **kw)
     params = DisaggRoutingParams(**{f.name: getattr(base, f.name)
