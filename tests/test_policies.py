@@ -501,7 +501,10 @@ def batching_grid():
     env, params = _batching(SIM_RATE)
     opt = P.get("smdp_optimal", env=env, params=params)
     greedy8 = smdp.greedy_table(opt.info["model"], 8)
-    tuned, table = tune_static(env, params, jax.random.PRNGKey(7), GRID_B, GRID_TAU,
+    # A tuning key derived from an evaluation key, as users do: tuning keys are recorded per
+    # process and refused by evaluation, so a raw key here would poison PRNGKey(7) for any
+    # test module that later evaluates on it in the same pytest worker.
+    tuned, table = tune_static(env, params, tuning_key(jax.random.PRNGKey(7)), GRID_B, GRID_TAU,
                                  SIM_ENVS, SIM_STEPS,
                                  compare_tables={"smdp": opt.info["table"], "greedy8": greedy8})
     rows = {r["policy"] if r["policy"] != "static" else (r["max_batch"], r["timeout"]): r
