@@ -225,7 +225,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     for lab, _ in labelled:
         d = data[lab]["diff_vs_heuristic"]
         verdicts.append(f"{lab} against {heuristic}: {_interval(d)} s ("
-                        + ("loses" if d["low"] > 0 else "wins" if d["high"] < 0
+                        + ("worse" if d["low"] > 0 else "better" if d["high"] < 0
                            else "no difference resolved") + ")")
     same_streams = (": (w)'s streams" if key_salt is None and ctx.eval_seed == Context.eval_seed
                     else ": not (w)'s streams")

@@ -222,7 +222,7 @@ def routing_win(ctx: Context) -> Section:
         d_best = _boot_diff(res, ALGO, res[best]["per_env"][LATENCY])
         ref = min(oracle, key=lambda n: env_mean(res[n]["per_env"][LATENCY]))
         lat = {n: _boot_mean(res, n)["mean"] for n in [ALGO, *order, *oracle]}
-        verdict = ("wins" if d_best["high"] < 0 else "loses" if d_best["low"] > 0
+        verdict = ("better" if d_best["high"] < 0 else "worse" if d_best["low"] > 0
                    else "ties (CI includes 0)")
         summary.append([name, f"{lat[ALGO]:.3g}", f"{best} {lat[best]:.3g}",
                         _interval(d_best), verdict, f"{ref} {lat[ref]:.3g}"])
