@@ -339,7 +339,8 @@ def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, mo
     """(x) through `python -m jaxserve.scripts.ablate` at the tiny budget: two variants that share one
     training program (only a parameter differs) and an imitation warm start (its own
     program, with its clone's row), sita_tuned and least_marginal beside them, the paired
-    columns and the agreement diagnostics; bad input exits 2 without a traceback.
+    columns, the agreement diagnostics and (`--distill`) each variant's distilled rule; bad
+    input exits 2 without a traceback.
 
     The warm start runs a shorter imitation than `agents.imitation.DEFAULTS` (the same code
     path; only scan lengths and the demonstration batch shrink): the default 512
@@ -352,7 +353,7 @@ def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, mo
     out = tmp_path / "x.md"
     assert main(["--budget", "tiny", "--variants",
                  "ppo,uninformative-estimate,imitation-warm-start",
-                 "--seeds", "3", "--eval-seed", "5", "--out", str(out)]) == 0
+                 "--seeds", "3", "--eval-seed", "5", "--distill", "--out", str(out)]) == 0
     text = out.read_text()
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
             if line.startswith("| ")}
@@ -360,6 +361,11 @@ def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, mo
             "ppo, imitation warm start: the clone, before PPO", "sita_tuned",
             "least_marginal"} <= set(rows)
     assert "seeds 3 (1)" in text and "PRNGKey(5)" in text
+    # --distill: each variant's distilled rule is a row, its tree is printed, and the policy
+    # is paired against it.
+    assert "ppo: distilled (depth-2 tree of rules)" in rows
+    assert re.search(r"- `ppo` seed 3: `.+` \(\d+% of \d+ tuning decisions\)", text)
+    assert "ppo against its distilled rule: " in text
     # The variant's paired difference against ppo, and agreement shares as percentages.
     assert re.search(r"\| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\] \|",
                      rows["ppo, uninformative estimate"])

@@ -49,11 +49,13 @@ SEEDS = {"quick": tuple(range(8)), "full": tuple(range(10)), "tiny": (0,)}
 
 from jaxserve.agents.experiments.budget import BUDGETS
 from jaxserve import policies  # noqa: E402
+from jaxserve.core.sources import tuning_key  # noqa: E402
 from jaxserve.core.stats import seed_env_bootstrap  # noqa: E402
 from jaxserve.envs.registry import make  # noqa: E402
 from jaxserve.envs.routing import ROUTING_SCENARIOS  # noqa: E402
 from jaxserve.evaluation import evaluate_many  # noqa: E402
 from jaxserve.evaluation.agreement import action_agreement  # noqa: E402
+from jaxserve.evaluation.distill import distil  # noqa: E402
 from jaxserve.policies.routing import gpu_speeds  # noqa: E402
 
 SCENARIO = "short_bursts"
@@ -117,6 +119,27 @@ def _train_variants(variants, seeds, steps, ctx, scenario: str = SCENARIO,
 
 
 CLONE_TAG = ": the clone, before PPO"
+DISTILL_TAG = ": distilled (depth-2 tree of rules)"
+# The simple rules a distilled tree may use as leaves, beside the fitted heuristics and the
+# greedy policy of the shaping potential (and a fixed GPU per leaf).
+DISTILL_RULES = ("jsq", "least_work_left", "sed")
+
+
+def _distil_variants(trained: dict, rules: dict, key, tune, groups) -> tuple[dict, dict]:
+    """`({label: [distilled policy per seed]}, {label: [RuleTree per seed]})`: each seed's
+    learned policy distilled (`evaluation.distill`) on the tuning streams of `key`."""
+    pols_out, trees = {}, {}
+    t_envs, t_steps, t_warm = tune
+    for lab, (env, p, pols) in trained.items():
+        for pol in pols:
+            seed = pol.name.rsplit("-s", 1)[1]
+            d, tree = distil(env, p, pol, rules, tuning_key(key), num_envs=t_envs,
+                             num_steps=t_steps, warmup=t_warm, groups=groups,
+                             feature_names=env.feature_names,
+                             name=f"{lab}{DISTILL_TAG}-s{seed}")
+            pols_out.setdefault(lab, []).append(d)
+            trees.setdefault(lab, []).append(tree)
+    return pols_out, trees
 
 
 def _pct(x: float) -> str:
@@ -132,14 +155,16 @@ def _agreement_cell(agree: dict, names, ref: str, phase: int) -> str:
 def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = None,
                  key_salt: int | None = None, scenario: str = SCENARIO,
                  heuristic: str = HEURISTIC, experiment_key: str = "x",
-                 also: Sequence[str] = ()) -> tuple[str, dict]:
+                 also: Sequence[str] = (), distill: bool = False) -> tuple[str, dict]:
     """Trains `variants` (`ALL_VARIANTS`' rows; the first is the baseline of the paired
     column) with `seeds` (default `SEEDS[budget]`), evaluates them beside `heuristic`
     (fitted on tuning streams of the evaluation key) and `least_marginal` on `scenario`, on
     the streams of `ctx.eval_key(key_salt)` ((w)'s for the scenario by default), and returns
     the markdown body and the numbers; `experiment_key` names the experiment in the
     provenance line; `also` names more registered routing heuristics (fitted alike) shown
-    beside `heuristic`, each with its paired difference from it."""
+    beside `heuristic`, each with its paired difference from it; with `distill`, each seed's
+    learned policy is also distilled into a depth-2 tree of rules (`evaluation.distill`,
+    fitted on the tuning streams) and evaluated beside it."""
     b = ctx.budget
     seeds = SEEDS[b.name] if seeds is None else tuple(int(x) for x in seeds)
     steps = WIN_BUDGETS[b.name][1]
@@ -162,12 +187,19 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     speed = np.asarray(gpu_speeds(params))
     fast = speed >= speed.max() * (1 - 1e-6)
     tiers = np.unique(np.round(speed / speed.max(), 6), return_inverse=True)[1].astype(np.int32)
+    distilled, trees = {}, {}
+    if distill:
+        ctx.log(f"  distilling ({experiment_key}) each seed's policy on tuning streams")
+        rules = {**heur, **{n: policies.get(n, kind="routing") for n in DISTILL_RULES}}
+        distilled, trees = _distil_variants(trained, rules, key, (t_envs, t_steps, t_warm),
+                                            tiers)
     res: dict = {}
     agree: dict = {}
     by_params: dict = {}
     for lab, (_, p, pols) in trained.items():
         by_params.setdefault(float(np.asarray(p.estimate_noise)), (p, {}))[1].update(
-            {pol.name: pol for pol in [*pols, *clones.get(lab, [])]})
+            {getattr(pol, "name", None) or pol.__name__: pol
+             for pol in [*pols, *clones.get(lab, []), *distilled.get(lab, [])]})
     for noise, (p, pols) in by_params.items():
         extra = heur if noise == float(np.asarray(params.estimate_noise)) else {}
         res.update(evaluate_many(env, p, {**pols, **extra}, key, eval_envs, eval_steps,
@@ -183,6 +215,10 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     labelled = [(lab, what) for lab, what, _, _ in variants]
     labelled += [(lab + CLONE_TAG, f"the network `{lab}` starts from: fitted to {heuristic}'s "
                   "decisions") for lab in clones]
+    labelled += [(lab + DISTILL_TAG, f"`{lab}` distilled on tuning streams: reproduces "
+                  f"{np.mean([t.agreement for t in trees[lab]]):.0%} of its decisions (the "
+                  f"best single rule {np.mean([t.best_single for t in trees[lab]]):.0%})")
+                 for lab in distilled]
     for lab, what in labelled:
         names = seed_names(res, lab)
         lat = np.stack([res[k]["per_env"][LATENCY] for k in names])
@@ -227,6 +263,20 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
         verdicts.append(f"{lab} against {heuristic}: {_interval(d)} s ("
                         + ("worse" if d["low"] > 0 else "better" if d["high"] < 0
                            else "no difference resolved") + ")")
+    for lab in distilled:  # the learned policy against its own distilled rule, seed-paired
+        own = np.stack([res[k]["per_env"][LATENCY] for k in seed_names(res, lab)])
+        rule = np.stack([res[k]["per_env"][LATENCY] for k in seed_names(res, lab + DISTILL_TAG)])
+        d = seed_env_bootstrap(own - rule)
+        data[lab]["diff_vs_distilled"] = {k: d[k] for k in ("mean", "low", "high")}
+        data[lab + DISTILL_TAG]["trees"] = [t.describe() for t in trees[lab]]
+        data[lab + DISTILL_TAG]["agreement"] = [t.agreement for t in trees[lab]]
+        verdicts.append(f"{lab} against its distilled rule: {_interval(d)} s ("
+                        + ("worse" if d["low"] > 0 else "better" if d["high"] < 0
+                           else "no difference resolved") + ")")
+    tree_text = "".join(
+        f"\n- `{lab}` seed {pol.name.rsplit('-s', 1)[1]}: `{t.describe()}` ({t.agreement:.0%} "
+        f"of {t.decisions} tuning decisions)"
+        for lab in distilled for pol, t in zip(trained[lab][2], trees[lab]))
     same_streams = (": (w)'s streams" if key_salt is None and ctx.eval_seed == Context.eval_seed
                     else ": not (w)'s streams")
     body = "\n\n".join([
@@ -254,6 +304,12 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
                "short requests to fast GPUs in bursts",
                f"same GPU type as {GREEDY} (quiet / burst)",
                f"same GPU type as {heuristic} (quiet / burst)"], rows),
+        *(["The distilled rules (`evaluation.distill`: the depth-<= 2 tree over the "
+           "policy's observation features whose leaves are rules (" +
+           ", ".join(f"`{r}`" for r in (heuristic, *also, GREEDY, *DISTILL_RULES)) +
+           ") or a fixed GPU, reproducing the most of the policy's decisions on the tuning "
+           "streams, agreement by GPU speed tier; `a ? b : c` reads \"if a then b else c\"):"
+           + tree_text] if distilled else []),
         "Reading (measured above): " + "; ".join(verdicts) + "."])
     return body, data
 
@@ -293,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--also", default="",
                     help="comma-separated registered routing heuristics shown beside "
                          "--heuristic (fitted the same way), each paired against it")
+    ap.add_argument("--distill", action="store_true",
+                    help="also distil each seed's policy into a depth-2 tree of rules (fitted "
+                         "on the tuning streams) and evaluate it beside the policy")
     ap.add_argument("--out", default=None, help="write the markdown section to this file")
     args = ap.parse_args(argv)
     labels = [x.strip() for x in args.variants.split(",") if x.strip()]
@@ -316,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = Context(budget=BUDGETS[args.budget], command=command, eval_seed=args.eval_seed)
     t0 = time.perf_counter()
     body, _ = run_ablation(ctx, [known[x] for x in labels], seeds, scenario=args.scenario,
-                           heuristic=args.heuristic, also=also)
+                           heuristic=args.heuristic, also=also, distill=args.distill)
     text = f"{body}\n\n*Wall time: {time.perf_counter() - t0:.0f} s.*\n"
     print(text)
     if args.out:

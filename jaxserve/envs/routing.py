@@ -26,6 +26,10 @@ from jaxserve.envs.routing_step import route_and_advance
 
 NUM_REQUEST_FEATURES = 3
 NUM_GPU_FEATURES = 6
+# Short names of the observation's features, in its order (`Routing`, Observation).
+REQUEST_FEATURE_NAMES = ("prompt", "estimate", "size_class")
+GPU_FEATURE_NAMES = ("waiting", "running", "batch_left", "queued_work", "speed",
+                     "mean_estimate")
 DEFAULT_SHAPING_GAMMA = 0.99  # PureJaxRL's discount; see `Routing` (Reward)
 
 
@@ -156,6 +160,12 @@ class Routing(StaticConfig, environment.Environment[RoutingState, common.Serving
     def obs_layout(self) -> tuple[int, int, int]:
         """(request features, GPUs, features per GPU) of the flat observation."""
         return NUM_REQUEST_FEATURES, self.num_gpus, NUM_GPU_FEATURES
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        """A short name per flat observation feature: the request's, then `gpu{g}.<name>`."""
+        return REQUEST_FEATURE_NAMES + tuple(f"gpu{g}.{n}" for g in range(self.num_gpus)
+                                             for n in GPU_FEATURE_NAMES)
 
     def reset_env(self, key, params):
         return self._reset(key, common.request_uniforms(key), params)
