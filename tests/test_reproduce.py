@@ -265,6 +265,11 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
             and "registered rule better" in rows["loss"])
     assert "no difference resolved" in rows["tie"]
     assert all("sita, true lengths 9 | 1k: 19, 2k: 18 |" in r for r in rows.values())
+    assert all("| not measured | " in r for r in rows.values())  # no distilled rule in this data
+    data["w"]["win"]["diff_vs_distilled"] = {"mean": -0.5, "low": -0.9, "high": -0.1}
+    row = next(line for line in headline_summary(data).splitlines() if line.startswith("| win"))
+    assert "| -0.5 [-0.9, -0.1] | learned better than the registered rule and its distilled" in row
+    del data["w"]["win"]["diff_vs_distilled"]
     assert headline_summary({"a": {}}) == ""
     # (x)'s best PPO variant (lowest mean; clones and least_marginal are not candidates) gets
     # a row against (x)'s heuristic, with a note pointing to the confirmatory runs.
@@ -277,8 +282,19 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     text = headline_summary(data)
     row = next(line for line in text.splitlines() if "(x)" in line and line.startswith("| "))
     assert row.startswith("| short_bursts, (x): ppo, no shaping | ppo, no shaping 10.8 | "
-                          "sita_tuned 12 | -1.2 [-1.9, -0.6] | learned better than the registered rule | "
-                          "sita, true lengths 9 |")
+                          "sita_tuned 12 | -1.2 [-1.9, -0.6] | not measured | learned better "
+                          "than the registered rule | sita, true lengths 9 |")
+    # With its distilled rule measured, "better" needs a win over that rule too; the distilled
+    # row itself is not a candidate for the best variant.
+    data["x"]["ppo, no shaping"]["diff_vs_distilled"] = {"mean": 0.1, "low": -0.2, "high": 0.4}
+    data["x"]["ppo, no shaping: distilled (depth-2 tree of rules)"] = {
+        "mean": 10.7, "diff_vs_heuristic": diff}
+    row = next(line for line in headline_summary(data).splitlines()
+               if "(x)" in line and line.startswith("| "))
+    assert ("| -1.2 [-1.9, -0.6] | +0.1 [-0.2, +0.4] | learned better than the registered "
+            "rule, not than its distilled rule |") in row
+    del data["x"]["ppo, no shaping"]["diff_vs_distilled"]
+    del data["x"]["ppo, no shaping: distilled (depth-2 tree of rules)"]
     assert "confirmations.md" in text and "(y) row" not in text
     # (y), the confirmation of that pick on fresh seeds and streams, gets its own row, named
     # by its protocol, whichever way it falls.
@@ -291,7 +307,7 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     row = next(line for line in text.splitlines() if "(y)" in line and line.startswith("| "))
     assert row.startswith("| short_bursts, (y): ppo, no shaping confirmed on 16 seeds (x) did not "
                           "use, fresh streams | ppo, no shaping 11.5 | sita_tuned 11.8 | "
-                          "-0.3 [-0.9, +0.2] | no difference resolved |")
+                          "-0.3 [-0.9, +0.2] | not measured | no difference resolved |")
     assert "the (y) row re-measures that pick" in text
     assert "| not measured on these streams |" in row  # (w)'s bound is on other streams
     data["y"]["clairvoyant"] = {"name": "sita, true lengths", "mean": 8.5}

@@ -38,8 +38,9 @@ from jaxserve.agents.experiments.common import (LATENCY, Context, Section, made_
                                        train_scenarios)
 from jaxserve.agents.experiments.registry import experiment
 from jaxserve.agents.experiments.routing import routing_heuristics
-from jaxserve.agents.experiments.routing_win import (WIN_BUDGETS, WIN_EVAL, WIN_TUNE, _interval,
-                                            _to_fast_shares)
+from jaxserve.agents.experiments.routing_win import (DISTILL_TAG, WIN_BUDGETS, WIN_EVAL, WIN_TUNE,
+                                                     _interval, _to_fast_shares, distil_seeds,
+                                                     speed_tiers)
 
 # Training seeds per budget name (steps per seed are (w)'s). More than (w)'s 3: at 3 seeds
 # (w)'s short_bursts PPO scored 10.9 s in one training program and 12.0 s in another (same
@@ -49,13 +50,11 @@ SEEDS = {"quick": tuple(range(8)), "full": tuple(range(10)), "tiny": (0,)}
 
 from jaxserve.agents.experiments.budget import BUDGETS
 from jaxserve import policies  # noqa: E402
-from jaxserve.core.sources import tuning_key  # noqa: E402
 from jaxserve.core.stats import seed_env_bootstrap  # noqa: E402
 from jaxserve.envs.registry import make  # noqa: E402
 from jaxserve.envs.routing import ROUTING_SCENARIOS  # noqa: E402
 from jaxserve.evaluation import evaluate_many  # noqa: E402
 from jaxserve.evaluation.agreement import action_agreement  # noqa: E402
-from jaxserve.evaluation.distill import distil  # noqa: E402
 from jaxserve.policies.routing import gpu_speeds  # noqa: E402
 
 SCENARIO = "short_bursts"
@@ -119,27 +118,9 @@ def _train_variants(variants, seeds, steps, ctx, scenario: str = SCENARIO,
 
 
 CLONE_TAG = ": the clone, before PPO"
-DISTILL_TAG = ": distilled (depth-2 tree of rules)"
 # The simple rules a distilled tree may use as leaves, beside the fitted heuristics and the
 # greedy policy of the shaping potential (and a fixed GPU per leaf).
 DISTILL_RULES = ("jsq", "least_work_left", "sed")
-
-
-def _distil_variants(trained: dict, rules: dict, key, tune, groups) -> tuple[dict, dict]:
-    """`({label: [distilled policy per seed]}, {label: [RuleTree per seed]})`: each seed's
-    learned policy distilled (`evaluation.distill`) on the tuning streams of `key`."""
-    pols_out, trees = {}, {}
-    t_envs, t_steps, t_warm = tune
-    for lab, (env, p, pols) in trained.items():
-        for pol in pols:
-            seed = pol.name.rsplit("-s", 1)[1]
-            d, tree = distil(env, p, pol, rules, tuning_key(key), num_envs=t_envs,
-                             num_steps=t_steps, warmup=t_warm, groups=groups,
-                             feature_names=env.feature_names,
-                             name=f"{lab}{DISTILL_TAG}-s{seed}")
-            pols_out.setdefault(lab, []).append(d)
-            trees.setdefault(lab, []).append(tree)
-    return pols_out, trees
 
 
 def _pct(x: float) -> str:
@@ -186,13 +167,14 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
     ctx.log(f"  evaluating ({experiment_key}) {len(variants)} variant(s)")
     speed = np.asarray(gpu_speeds(params))
     fast = speed >= speed.max() * (1 - 1e-6)
-    tiers = np.unique(np.round(speed / speed.max(), 6), return_inverse=True)[1].astype(np.int32)
+    tiers = speed_tiers(params)
     distilled, trees = {}, {}
     if distill:
         ctx.log(f"  distilling ({experiment_key}) each seed's policy on tuning streams")
         rules = {**heur, **{n: policies.get(n, kind="routing") for n in DISTILL_RULES}}
-        distilled, trees = _distil_variants(trained, rules, key, (t_envs, t_steps, t_warm),
-                                            tiers)
+        for lab, (env_l, p_l, pols_l) in trained.items():
+            distilled[lab], trees[lab] = distil_seeds(env_l, p_l, pols_l, rules, key,
+                                                      (t_envs, t_steps, t_warm), lab)
     res: dict = {}
     agree: dict = {}
     by_params: dict = {}

@@ -231,15 +231,25 @@ def stale_note(blocks: dict[str, str]) -> str:
             "them.\n")
 
 
-def _verdict(diff: dict) -> str:
+def _verdict(diff: dict, distilled: dict | None = None) -> str:
     """The verdict of a paired difference learned - heuristic (s) from its 95% CI. It says
     "better than the registered rule", not "wins": the heuristics are the registered ones,
-    not every rule a person could write with the learned policy's actions."""
+    not every rule a person could write with the learned policy's actions. With `distilled`
+    (learned - its own distilled rule, `evaluation.distill`), "better" also needs the learned
+    policy to beat the rule distilled from it."""
     if diff["high"] < 0:
-        return "learned better than the registered rule"
+        if distilled is not None and distilled["high"] >= 0:
+            return "learned better than the registered rule, not than its distilled rule"
+        return ("learned better than the registered rule and its distilled rule"
+                if distilled is not None else "learned better than the registered rule")
     if diff["low"] > 0:
         return "registered rule better"
     return "no difference resolved"
+
+
+def _interval_cell(d: dict | None) -> str:
+    return ("not measured" if d is None
+            else f"{d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}]")
 
 
 def headline_summary(data: dict) -> str:
@@ -257,12 +267,12 @@ def headline_summary(data: dict) -> str:
         learned = next((k for k in lat if k in ("ppo", "reinforce")), None)
         refs = {k: v for k, v in lat.items() if "true lengths" in k}
         ref = min(refs, key=refs.get) if refs else None
-        verdict = _verdict(diff)
+        verdict = _verdict(diff, d.get("diff_vs_distilled"))
         curve = ", ".join(f"{pt['env_steps'] / 1e3:.0f}k: {pt['mean']:.3g}"
                           for pt in d.get("budget_curve", []))
         rows.append(f"| {name} | {learned} {lat[learned]:.3g} | {best} {lat[best]:.3g} | "
-                    f"{diff['mean']:+.3g} [{diff['low']:+.3g}, {diff['high']:+.3g}] | {verdict} | "
-                    + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
+                    f"{_interval_cell(diff)} | {_interval_cell(d.get('diff_vs_distilled'))} | "
+                    f"{verdict} | " + (f"{ref} {lat[ref]:.3g} |" if ref else "none |")
                     + f" {curve or 'not measured'} |")
     short = w.get("short_bursts") or {}
     x_row = _ablation_row(data.get("x") or {}, short)
@@ -293,9 +303,9 @@ def headline_summary(data: dict) -> str:
         "seed, so a gap can be read against the budget):",
         "",
         "| scenario | learned | best registered heuristic | learned - heuristic (95% CI) | "
-        "verdict | "
+        "learned - its distilled rule (95% CI) | verdict | "
         "best clairvoyant | learned along its budget curve (s) |",
-        "|---|---|---|---|---|---|---|", *rows, *[r for r in (x_row, y_row) if r], "", *note])
+        "|---|---|---|---|---|---|---|---|", *rows, *[r for r in (x_row, y_row) if r], "", *note])
 
 
 def _why_line(y: dict) -> str:
@@ -323,14 +333,15 @@ def _ablation_row(x: dict, w_short: dict, label: str | None = None) -> str:
     heuristic, with (w)'s short_bursts clairvoyant reference; "" without data. `label` names
     the row (default "short_bursts, (x): <variant>")."""
     variants = {k: v for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" in v
-                and ": the clone" not in k}
+                and ": the clone" not in k and ": distilled" not in k}
     heur = [k for k, v in x.items() if isinstance(v, dict) and "diff_vs_heuristic" not in v
             and k not in ("least_marginal", "clairvoyant") and "mean" in v]
     if not variants or len(heur) != 1:
         return ""
     best = min(variants, key=lambda k: variants[k]["mean"])
     d, h = variants[best]["diff_vs_heuristic"], heur[0]
-    verdict = _verdict(d)
+    dist = variants[best].get("diff_vs_distilled")
+    verdict = _verdict(d, dist)
     label = f"short_bursts, (x): {best}" if label is None else label
     if "protocol" in x:  # (y): its own streams, so only its own references apply
         own = x.get("clairvoyant") or {}
@@ -342,7 +353,7 @@ def _ablation_row(x: dict, w_short: dict, label: str | None = None) -> str:
         ref = min(refs, key=refs.get) if refs else None
         ref_cell = f"{ref} {lat[ref]:.3g}" if ref else "none"
     return (f"| {label} | {best} {variants[best]['mean']:.3g} | "
-            f"{h} {x[h]['mean']:.3g} | {d['mean']:+.3g} [{d['low']:+.3g}, {d['high']:+.3g}] | "
+            f"{h} {x[h]['mean']:.3g} | {_interval_cell(d)} | {_interval_cell(dist)} | "
             f"{verdict} | {ref_cell} | not measured |")
 
 

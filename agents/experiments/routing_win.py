@@ -36,6 +36,7 @@ from jaxserve.core.stats import seed_env_bootstrap
 from jaxserve.envs.registry import make
 from jaxserve.envs.routing import ROUTING_SCENARIOS
 from jaxserve.evaluation import evaluate_many
+from jaxserve.evaluation.distill import distil
 from jaxserve.evaluation.plots import axes_row
 from jaxserve.policies.routing import gpu_speeds
 
@@ -56,8 +57,34 @@ WIN_TUNE = {"quick": (8, 1024, 64), "full": (16, 2048, 128), "tiny": (2, 64, 8)}
 WIN_CHECKPOINTS = {"quick": 4, "full": 8, "tiny": 2}
 HEURISTICS = ("sita_tuned", "sita_burst_tuned", "sita", "sita_predicted", "sita_prompt", "sed",
               "least_work_left", "jsq", "power_of_two", "round_robin")
+# A learned policy's distilled rule (`evaluation.distill`) is named "<label>" + DISTILL_TAG.
+DISTILL_TAG = ": distilled (depth-2 tree of rules)"
 ORACLES = {"sita, true lengths": "sita", "sed, true lengths": "sed_oracle",
            "least_work_left, true lengths": "least_work_left_oracle"}
+
+
+def speed_tiers(params) -> np.ndarray:
+    """`(num_gpus,)` int32 speed tier per GPU (equal relative speed, one tier)."""
+    speed = np.asarray(gpu_speeds(params))
+    return np.unique(np.round(speed / speed.max(), 6), return_inverse=True)[1].astype(np.int32)
+
+
+def distil_seeds(env, params, pols, rules: dict, key, tune, label: str) -> tuple[list, list]:
+    """Each seed's learned policy in `pols` distilled (`evaluation.distill.distil`) on the
+    tuning streams of `key` (`tune` = (streams, requests, warm-up)), agreement by GPU speed
+    tier, leaves from `rules`. Returns `([policy named "<label><DISTILL_TAG>-s<seed>"],
+    [RuleTree])`, in `pols`' order."""
+    t_envs, t_steps, t_warm = tune
+    out, trees = [], []
+    for pol in pols:
+        seed = pol.name.rsplit("-s", 1)[1]
+        d, tree = distil(env, params, pol, rules, tuning_key(key), num_envs=t_envs,
+                         num_steps=t_steps, warmup=t_warm, groups=speed_tiers(params),
+                         feature_names=env.feature_names,
+                         name=f"{label}{DISTILL_TAG}-s{seed}")
+        out.append(d)
+        trees.append(tree)
+    return out, trees
 
 
 def clairvoyant(env, params, key) -> tuple:
@@ -198,6 +225,12 @@ def routing_win(ctx: Context) -> Section:
         tune = dataclasses.replace(b, tune_envs=t_envs, tune_steps=t_steps, warmup=t_warm)
         heur = routing_heuristics(env, params, key, tune, names=HEURISTICS)
         learned = learned_dict({ALGO: trained[name]})
+        # Each seed's own distilled rule, its leaves the table's rules (and the greedy policy
+        # of the shaping potential): a win must also be one over what the policy does.
+        rules = {**heur, "least_marginal": policies.get("least_marginal", kind="routing")}
+        dist, trees = distil_seeds(env, params, trained[name], rules, key,
+                                   (t_envs, t_steps, t_warm), ALGO)
+        learned.update({d.__name__: d for d in dist})
         # Earlier checkpoints of each seed, named "ppo@c/K-s<seed>" (not "ppo-s...": they are
         # not the table's policy); the last checkpoint is the table's policy itself.
         earlier = {f"{ALGO}@{c + 1}/{len(ckpt_steps)}-s{seed}": snapshots[name][j][c]
@@ -219,19 +252,44 @@ def routing_win(ctx: Context) -> Section:
                                                              res[n]["per_env"][LATENCY]))
             rows.append([label, fmt(m["mean"]), f"[{m['low']:.3g}, {m['high']:.3g}]",
                          _drops(res, n), diff])
+        dist_names = seed_names(res, ALGO + DISTILL_TAG)
+        dist_lat = np.stack([res[k]["per_env"][LATENCY] for k in dist_names])
+        m = seed_env_bootstrap(dist_lat)
+        d_dist = seed_env_bootstrap(np.stack([res[k]["per_env"][LATENCY]
+                                              for k in seed_names(res, ALGO)]) - dist_lat)
+        rows.insert(1, [f"{ALGO}'s distilled rule ({len(dist_names)} seeds)", fmt(m["mean"]),
+                        f"[{m['low']:.3g}, {m['high']:.3g}]",
+                        " / ".join(str(int(res[k]["dropped"])) for k in dist_names),
+                        _interval(d_dist)])
         d_best = _boot_diff(res, ALGO, res[best]["per_env"][LATENCY])
         ref = min(oracle, key=lambda n: env_mean(res[n]["per_env"][LATENCY]))
         lat = {n: _boot_mean(res, n)["mean"] for n in [ALGO, *order, *oracle]}
-        verdict = ("better" if d_best["high"] < 0 else "worse" if d_best["low"] > 0
-                   else "ties (CI includes 0)")
+        # "better" only where PPO beats the best fitted rule and its own distilled rule.
+        verdict = ("worse" if d_best["low"] > 0
+                   else "ties (CI includes 0)" if d_best["high"] >= 0
+                   else "better" if d_dist["high"] < 0
+                   else "better than every fitted rule, not than its distilled rule")
         summary.append([name, f"{lat[ALGO]:.3g}", f"{best} {lat[best]:.3g}",
-                        _interval(d_best), verdict, f"{ref} {lat[ref]:.3g}"])
+                        _interval(d_best), _interval(d_dist), verdict,
+                        f"{ref} {lat[ref]:.3g}"])
         parts += [f"### {name}", ROUTING_SCENARIOS[name]["reason"],
                   made_by(ctx, "w"),
                   table(["policy", "drop-incl. mean latency (s)", "95% CI (s)", "drops",
-                         f"{ALGO} - policy (s, paired, 95% CI)"], rows)]
+                         f"{ALGO} - policy (s, paired, 95% CI)"], rows),
+                  f"{ALGO}'s distilled rule (`evaluation.distill`): per seed, the depth-<= 2 "
+                  "tree over the policy's observation features whose leaves are the rules "
+                  "above (and `least_marginal`) or a fixed GPU, reproducing the most of its "
+                  "decisions (by GPU speed tier) on the tuning streams; `a ? b : c` reads "
+                  "\"if a then b else c\":" + "".join(
+                      f"\n- seed {p.name.rsplit('-s', 1)[1]}: `{t.describe()}` "
+                      f"({t.agreement:.0%} of {t.decisions} decisions)"
+                      for p, t in zip(trained[name], trees))]
         data[name] = {"latency": lat, "best_heuristic": best,
-                      "diff_vs_best": {k: d_best[k] for k in ("mean", "low", "high")}}
+                      "diff_vs_best": {k: d_best[k] for k in ("mean", "low", "high")},
+                      "diff_vs_distilled": {k: d_dist[k] for k in ("mean", "low", "high")},
+                      "distilled": {"mean": m["mean"], "low": m["low"], "high": m["high"],
+                                    "trees": [t.describe() for t in trees],
+                                    "agreement": [t.agreement for t in trees]}}
         speed = np.asarray(gpu_speeds(params))
         fast = speed >= speed.max() * (1 - 1e-6)
         why = []
@@ -275,7 +333,8 @@ def routing_win(ctx: Context) -> Section:
         parts[0], "Summary (best learned vs best heuristic vs the best clairvoyant reference, "
         "drop-inclusive mean latency, s):",
         table(["scenario", ALGO, "best heuristic", f"{ALGO} - best heuristic (95% CI)",
-               "verdict", "best clairvoyant"], summary), *parts[1:]])
+               f"{ALGO} - its distilled rule (95% CI)", "verdict", "best clairvoyant"],
+              summary), *parts[1:]])
     body += ("\n\nThe first figure shows the shares of the tables above: per scenario, where "
              f"the learned router ({ALGO}, seeds pooled) and the best heuristic send each true "
              "size class in quiet phases and in bursts. The second is each scenario's budget "
