@@ -85,6 +85,9 @@ def test_a_rule_distilled_from_itself_is_itself_on_evaluation_streams():
                        warmup=8, feature_names=env.feature_names)
     assert is_tuning_key(key)
     assert tree.agreement == 1.0 and tree.decisions == 2 * 56
+    # Chosen by tuning latency among the candidates (every one of them here reproduces jsq).
+    assert tree.chosen and len(tree.selection) >= 1
+    assert all(np.isfinite(v) for _, v in tree.selection)
     assert "jsq" in {tree.options[i] for i in tree.leaf}
     res = evaluate_many(env, params, {"jsq": rules["jsq"], "distilled": pol}, eval_key,
                         num_envs=2, num_steps=64)
@@ -109,3 +112,18 @@ def test_tree_policy_under_jit_and_vmap_and_missing_rule():
     assert {"a", "b"} <= {tree.options[i] for i in tree.leaf}  # the planted tree's leaves
     with pytest.raises(ValueError, match="not in rules"):
         tree.policy({"a": fake["a"]})
+
+
+def test_depth_and_leaf_options_restrict_the_tree():
+    x, action, rules = _planted()
+    t0 = fit_rule_tree(x, action, rules, ("a", "b"), 4, max_depth=0)
+    assert t0.feature == (-1, -1, -1) and t0.agreement == t0.best_single
+    t1 = fit_rule_tree(x, action, rules, ("a", "b"), 4, max_depth=1)
+    assert t1.feature[1:] == (-1, -1) and t0.agreement <= t1.agreement
+    t2 = fit_rule_tree(x, action, rules, ("a", "b"), 4, fixed_leaves=False)
+    assert t2.options == ("a", "b") and t2.agreement <= fit_rule_tree(
+        x, action, rules, ("a", "b"), 4).agreement
+    with pytest.raises(ValueError, match="max_depth"):
+        fit_rule_tree(x, action, rules, ("a", "b"), 4, max_depth=3)
+    with pytest.raises(ValueError, match="no leaf options"):
+        fit_rule_tree(x, action, rules[:, :0], (), 4, fixed_leaves=False)

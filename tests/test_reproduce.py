@@ -287,14 +287,14 @@ def test_headline_summary_reads_w_and_states_each_verdict(tmp_path):
     # With its distilled rule measured, "better" needs a win over that rule too; the distilled
     # row itself is not a candidate for the best variant.
     data["x"]["ppo, no shaping"]["diff_vs_distilled"] = {"mean": 0.1, "low": -0.2, "high": 0.4}
-    data["x"]["ppo, no shaping: distilled (depth-2 tree of rules)"] = {
+    data["x"]["ppo, no shaping: distilled rule (tree of depth <= 2)"] = {
         "mean": 10.7, "diff_vs_heuristic": diff}
     row = next(line for line in headline_summary(data).splitlines()
                if "(x)" in line and line.startswith("| "))
     assert ("| -1.2 [-1.9, -0.6] | +0.1 [-0.2, +0.4] | learned better than the registered "
             "rule, not than its distilled rule |") in row
     del data["x"]["ppo, no shaping"]["diff_vs_distilled"]
-    del data["x"]["ppo, no shaping: distilled (depth-2 tree of rules)"]
+    del data["x"]["ppo, no shaping: distilled rule (tree of depth <= 2)"]
     assert "confirmations.md" in text and "(y) row" not in text
     # (y), the confirmation of that pick on fresh seeds and streams, gets its own row, named
     # by its protocol, whichever way it falls.
@@ -379,7 +379,7 @@ def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, mo
     assert "seeds 3 (1)" in text and "PRNGKey(5)" in text
     # --distill: each variant's distilled rule is a row, its tree is printed, and the policy
     # is paired against it.
-    assert "ppo: distilled (depth-2 tree of rules)" in rows
+    assert "ppo: distilled rule (tree of depth <= 2)" in rows
     assert re.search(r"- `ppo` seed 3: `.+` \(\d+% of \d+ tuning decisions\)", text)
     assert "ppo against its distilled rule: " in text
     # The variant's paired difference against ppo, and agreement shares as percentages.

@@ -199,7 +199,7 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
                   "decisions") for lab in clones]
     labelled += [(lab + DISTILL_TAG, f"`{lab}` distilled on tuning streams: reproduces "
                   f"{np.mean([t.agreement for t in trees[lab]]):.0%} of its decisions (the "
-                  f"best single rule {np.mean([t.best_single for t in trees[lab]]):.0%})")
+                  f"best single option {np.mean([t.best_single for t in trees[lab]]):.0%})")
                  for lab in distilled]
     for lab, what in labelled:
         names = seed_names(res, lab)
@@ -256,8 +256,8 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
                         + ("worse" if d["low"] > 0 else "better" if d["high"] < 0
                            else "no difference resolved") + ")")
     tree_text = "".join(
-        f"\n- `{lab}` seed {pol.name.rsplit('-s', 1)[1]}: `{t.describe()}` ({t.agreement:.0%} "
-        f"of {t.decisions} tuning decisions)"
+        f"\n- `{lab}` seed {pol.name.rsplit('-s', 1)[1]}: `{t.describe()}` ({t.chosen}; "
+        f"reproduces {t.agreement:.0%} of {t.decisions} tuning decisions)"
         for lab in distilled for pol, t in zip(trained[lab][2], trees[lab]))
     same_streams = (": (w)'s streams" if key_salt is None and ctx.eval_seed == Context.eval_seed
                     else ": not (w)'s streams")
@@ -286,11 +286,13 @@ def run_ablation(ctx: Context, variants=VARIANTS, seeds: Sequence[int] | None = 
                "short requests to fast GPUs in bursts",
                f"same GPU type as {GREEDY} (quiet / burst)",
                f"same GPU type as {heuristic} (quiet / burst)"], rows),
-        *(["The distilled rules (`evaluation.distill`: the depth-<= 2 tree over the "
+        *(["The distilled rules (`evaluation.distill`: trees of depth <= 2 over the "
            "policy's observation features whose leaves are rules (" +
            ", ".join(f"`{r}`" for r in (heuristic, *also, GREEDY, *DISTILL_RULES)) +
-           ") or a fixed GPU, reproducing the most of the policy's decisions on the tuning "
-           "streams, agreement by GPU speed tier; `a ? b : c` reads \"if a then b else c\"):"
+           ") or a fixed GPU, each fitted to reproduce the most of the policy's decisions "
+           "on the tuning streams (agreement by GPU speed tier), with and without fixed-GPU "
+           "leaves, at depths 0-2; the one with the lowest latency on those tuning streams "
+           "is kept; `a ? b : c` reads \"if a then b else c\"):"
            + tree_text] if distilled else []),
         "Reading (measured above): " + "; ".join(verdicts) + "."])
     return body, data
@@ -305,7 +307,7 @@ def _seed_text(seeds) -> str:
 
 @experiment("x", "Ablations: what the learned router's win in short_bursts rests on")
 def ablation(ctx: Context) -> Section:
-    body, data = run_ablation(ctx)
+    body, data = run_ablation(ctx, distill=True)
     return Section("(x) Ablations: what the learned router's win in short_bursts rests on",
                    body, data=data)
 

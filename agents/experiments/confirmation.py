@@ -11,7 +11,9 @@ evidence for it. (y) fixes its protocol here, before it runs, and changes nothin
   - training seeds `SEEDS[budget]`, disjoint from (x)'s and (w)'s;
   - evaluation streams of `ctx.eval_key(STREAMS_SALT)`, an index no other experiment uses,
     and `sita_tuned` fitted on the tuning streams of that key (`tuning_key`);
-  - the statistic: (w)'s crossed seed x stream bootstrap of the paired difference.
+  - the statistic: (w)'s crossed seed x stream bootstrap of the paired difference;
+  - each seed's policy is also distilled (`evaluation.distill`, on the tuning streams) and
+    paired against its distilled rule.
 Skipped by the quick and tiny budgets unless named (`--only y`): 16 seeds of 393k steps take
 about 7 minutes on 2 CPU cores.
 """
@@ -51,7 +53,7 @@ def confirmation(ctx: Context) -> Section:
     variant = next(v for v in VARIANTS if v[0] == proto["variant"])
     body, data = run_ablation(ctx, [variant], proto["seeds"], key_salt=proto["streams_salt"],
                               scenario=proto["scenario"], heuristic=proto["heuristic"],
-                              experiment_key="y")
+                              experiment_key="y", distill=True)
     intro = (f"(x) picked `{proto['variant']}` after seeing its numbers on (w)'s streams; "
              "here it is trained again with seeds (x) did not use and evaluated on streams "
              "no other experiment uses, against "

@@ -14,8 +14,11 @@ what every leaf option would have done in that state. The tree maximises the num
 decisions it reproduces (agreement, optionally by replica group: the same speed tier),
 searched exhaustively over every depth-<= 2 tree whose split thresholds are per-feature
 quantiles (`bins` of them); ties keep the smaller tree, then the lower feature, threshold and
-option index. The fitted tree is then an ordinary policy (`RuleTree.policy`), evaluated on
-the evaluation streams beside the learned policy with paired intervals (the caller's table).
+option index. Agreement alone can pick a tree that fails where the policy rarely went (a
+fixed replica for a whole burst), so `distil` fits several candidates (depth 0-2, with and
+without fixed-replica leaves) and keeps the one with the lowest latency on the same tuning
+streams. The fitted tree is then an ordinary policy (`RuleTree.policy`), evaluated on the
+evaluation streams beside the learned policy with paired intervals (the caller's table).
 
 What it reads: the tree reads the observation the learned policy reads; its leaf rules read
 what they read as heuristics (estimates, never true output lengths), so the distilled rule is
@@ -34,7 +37,7 @@ import numpy as np
 
 from jaxserve.core.sources import mark_tuning_key
 from jaxserve.evaluation.episodes import as_action
-from jaxserve.evaluation.evaluate import make_streams, trace_env
+from jaxserve.evaluation.evaluate import _run_policies, make_streams, summarise, trace_env
 
 _NO_SPLIT = -1
 
@@ -57,6 +60,8 @@ class RuleTree:
       agreement: share of the fitting decisions the tree reproduces, in [0, 1].
       best_single: the best single option's share on the same decisions (a depth-0 tree).
       decisions: how many decisions it was fitted on.
+      selection: `((candidate, tuning latency s), ...)` when `distil` chose it by latency.
+      chosen: the chosen candidate's label ("" when fitted directly).
     """
 
     feature: tuple[int, int, int]
@@ -67,6 +72,8 @@ class RuleTree:
     agreement: float
     best_single: float
     decisions: int
+    selection: tuple = ()
+    chosen: str = ""
 
     def leaf_of(self, x) -> jax.Array:
         """The leaf (0-3, int32) a flat observation `x` falls in (jittable)."""
@@ -220,8 +227,9 @@ def _best_split(onehot: np.ndarray, agree: np.ndarray, width: np.ndarray):
 
 def fit_rule_tree(x: np.ndarray, action: np.ndarray, rule_actions: np.ndarray,
                   rule_names: Sequence[str], num_actions: int, *, groups=None, bins: int = 8,
-                  feature_names: Sequence[str] | None = None) -> RuleTree:
-    """The depth-<= 2 tree of rules that reproduces the most of the given decisions.
+                  feature_names: Sequence[str] | None = None, max_depth: int = 2,
+                  fixed_leaves: bool = True) -> RuleTree:
+    """The depth-<= `max_depth` tree of rules that reproduces the most of the given decisions.
 
     Args:
       x: `(N, F)` flat observations; action: `(N,)` the learned policy's actions;
@@ -231,9 +239,12 @@ def fit_rule_tree(x: np.ndarray, action: np.ndarray, rule_actions: np.ndarray,
         when it picks a replica of the same group (e.g. speed tier). Default: the same replica.
       bins: candidate thresholds per feature (quantiles of the fitting data).
       feature_names: a name per feature (default `"obs[i]"`).
+      max_depth: 0 (the single best option), 1 or 2.
+      fixed_leaves: whether a leaf may be a fixed replica (else only rules).
 
     Returns:
-      the fitted `RuleTree` (searched exhaustively over all depth-<= 2 trees on the bins).
+      the fitted `RuleTree` (searched exhaustively over all trees up to `max_depth` on the
+      bins).
     """
     x = np.asarray(x, np.float32)
     action = np.asarray(action, np.int64)
@@ -250,13 +261,18 @@ def fit_rule_tree(x: np.ndarray, action: np.ndarray, rule_actions: np.ndarray,
                          f"with N = {x.shape[0]} rows and R = {len(rule_names)} rule columns")
     if bins < 1:
         raise ValueError(f"fit_rule_tree: bins must be >= 1, got {bins}")
+    if max_depth not in (0, 1, 2):
+        raise ValueError(f"fit_rule_tree: max_depth must be 0, 1 or 2, got {max_depth}")
+    if not fixed_leaves and not len(rule_names):
+        raise ValueError("fit_rule_tree: no leaf options (no rules and fixed_leaves=False)")
     g = np.arange(num_actions) if groups is None else np.asarray(groups, np.int64)
     if g.shape != (num_actions,):
         raise ValueError(f"fit_rule_tree: groups must have one entry per replica "
                          f"({num_actions}), got shape {g.shape}")
-    options = tuple(rule_names) + tuple(f"replica {k}" for k in range(num_actions))
-    choices = np.concatenate([rule_actions, np.broadcast_to(np.arange(num_actions),
-                                                            (x.shape[0], num_actions))], 1)
+    fixed = num_actions if fixed_leaves else 0
+    options = tuple(rule_names) + tuple(f"replica {k}" for k in range(fixed))
+    choices = np.concatenate([rule_actions, np.broadcast_to(np.arange(fixed),
+                                                            (x.shape[0], fixed))], 1)
     # float32 counts are exact below 2^24 decisions.
     agree = (g[np.clip(choices, 0, num_actions - 1)] == g[action][:, None]).astype(np.float32)
     edges = _bin_edges(x, bins)
@@ -268,13 +284,14 @@ def fit_rule_tree(x: np.ndarray, action: np.ndarray, rule_actions: np.ndarray,
     onehot[np.arange(x.shape[0])[:, None], np.arange(x.shape[1]) * n_b + binned] = 1.0
     n = float(x.shape[0])
     root_alone = _best_split(onehot, agree, width)
-    best = (root_alone[0], (_NO_SPLIT, _NO_SPLIT, _NO_SPLIT), (0.0, 0.0, 0.0),
-            (root_alone[3],) * 4)
-    if root_alone[1] != _NO_SPLIT:
+    single = int(agree.sum(0).argmax())
+    best = (float(agree.sum(0).max()), (_NO_SPLIT, _NO_SPLIT, _NO_SPLIT), (0.0, 0.0, 0.0),
+            (single,) * 4)
+    if root_alone[1] != _NO_SPLIT and max_depth >= 1:
         f, b = root_alone[1], root_alone[2]
         best = (root_alone[0], (f, _NO_SPLIT, _NO_SPLIT), (float(edges[f][b]), 0.0, 0.0),
                 (root_alone[3], root_alone[3], root_alone[4], root_alone[4]))
-    for f in range(x.shape[1]):
+    for f in range(x.shape[1] if max_depth == 2 else 0):
         for b in range(width[f]):
             go_left = binned[:, f] <= b
             if go_left.all() or not go_left.any():
@@ -300,16 +317,61 @@ def fit_rule_tree(x: np.ndarray, action: np.ndarray, rule_actions: np.ndarray,
                     decisions=int(n))
 
 
+# The candidate trees `distil` compares: (max_depth, fixed_leaves). Depth 0 is the single
+# option that agrees most; rules-only trees cannot send a burst to one fixed replica, which a
+# tree fitted for agreement alone may do in a state it rarely saw.
+CANDIDATES = ((2, True), (2, False), (1, True), (1, False), (0, False))
+
+
+def _tuning_latency(env, params, pols: Sequence[Callable], key, num_envs: int, num_steps: int,
+                    warmup: int) -> list[float]:
+    """Drop-inclusive mean latency (s) of each policy on the tuning streams of `key` (one
+    program, common random numbers, as `evaluate_many` but on tuning streams)."""
+    streams, keys = make_streams(key, params, int(num_envs), int(num_steps), None)
+    env_t = trace_env(env, streams.gap.shape[1])
+    out = jax.device_get(_run_policies(env_t, tuple(pols), params, streams, keys, True))
+    return [float(summarise(jax.tree.map(lambda v, i=i: v[i], out), streams, params,
+                            warmup)["mean_latency_incl_drops"]) for i in range(len(pols))]
+
+
 def distil(env, params, policy: Callable, rules: Mapping[str, Callable], key, *,
            num_envs: int = 8, num_steps: int = 1024, warmup: int = 64, groups=None,
            bins: int = 8, feature_names: Sequence[str] | None = None,
-           name: str = "distilled") -> tuple[Callable, RuleTree]:
-    """`collect_decisions` then `fit_rule_tree`: the distilled rule as a policy, and its tree.
+           name: str = "distilled", select: str = "latency") -> tuple[Callable, RuleTree]:
+    """`collect_decisions`, then the distilled rule: fitted trees, one chosen on tuning data.
 
-    `key` is a tuning key (streams the evaluation does not use). Returns `(policy, tree)`;
-    the policy reads the observation and what its leaf rules read."""
+    Agreement is the fitting target, but a tree that agrees with 90% of the decisions may
+    still send a burst to one fixed replica in a state it rarely saw and lose badly; so with
+    `select="latency"` (default) each of `CANDIDATES` (depth 0-2, with and without fixed-replica
+    leaves) is fitted for agreement and the one with the lowest drop-inclusive mean latency on
+    the *tuning* streams (the same streams, replayed) is kept. `select="agreement"` keeps the
+    depth-2 tree with fixed leaves (the most agreeing). `key` is a tuning key (streams the
+    evaluation does not use).
+
+    Returns:
+      `(policy, tree)`: the policy reads the observation and what its leaf rules read;
+      `tree.selection` lists each candidate's tuning latency (s) when chosen by latency.
+    """
+    if select not in ("latency", "agreement"):
+        raise ValueError(f"distil: select must be 'latency' or 'agreement', got {select!r}")
     x, a, others = collect_decisions(env, params, policy, rules, key, num_envs, num_steps,
                                      warmup)
-    tree = fit_rule_tree(x, a, others, tuple(rules), env.num_actions, groups=groups,
-                         bins=bins, feature_names=feature_names)
-    return tree.policy(rules, name), tree
+    fit = partial(fit_rule_tree, x, a, others, tuple(rules), env.num_actions, groups=groups,
+                  bins=bins, feature_names=feature_names)
+    if select == "agreement":
+        tree = fit()
+        return tree.policy(rules, name), tree
+    trees, seen = [], set()
+    for depth, fixed in CANDIDATES:
+        t = fit(max_depth=depth, fixed_leaves=fixed)
+        sig = (t.feature, t.threshold, tuple(t.options[i] for i in t.leaf))
+        if sig not in seen:  # the same rule fitted twice is evaluated once
+            seen.add(sig)
+            trees.append((f"depth <= {depth}, {'fixed replicas allowed' if fixed else 'rules only'}",
+                          t))
+    pols = [t.policy(rules, name) for _, t in trees]
+    lat = _tuning_latency(env, params, pols, key, num_envs, num_steps, warmup)
+    i = int(np.argmin(lat))
+    tree = dataclasses.replace(trees[i][1], selection=tuple(
+        (label, float(v)) for (label, _), v in zip(trees, lat)), chosen=trees[i][0])
+    return pols[i], tree
