@@ -380,7 +380,8 @@ def test_ablation_cli_runs_chosen_variants_with_diagnostics(tmp_path, capsys, mo
     # --distill: each variant's distilled rule is a row, its tree is printed, and the policy
     # is paired against it.
     assert "ppo: distilled rule (tree of depth <= 2)" in rows
-    assert re.search(r"- `ppo` seed 3: `.+` \(\d+% of \d+ tuning decisions\)", text)
+    assert re.search(r"- `ppo` seed 3: `.+` \(depth <= \d, .+; reproduces \d+% of \d+ tuning "
+                     r"decisions\)", text)
     assert "ppo against its distilled rule: " in text
     # The variant's paired difference against ppo, and agreement shares as percentages.
     assert re.search(r"\| [+-][\d.]+ \[[+-][\d.]+, [+-][\d.]+\] \|",
