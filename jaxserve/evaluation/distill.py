@@ -166,15 +166,18 @@ def collect_decisions(env, params, policy: Callable, rules: Mapping[str, Callabl
     """The learned policy's decisions on its own trajectories, with every rule's answer.
 
     Args:
-      env, params: a routing environment (synthetic arrivals) and its params.
-      policy: the policy to distil, `policy(key, obs, state, params)`.
-      rules: `{name: policy}` asked at every decision, never acting.
-      key: a tuning key (recorded as one: evaluation must not reuse it).
-      num_envs, num_steps, warmup: streams, requests per stream, first decisions left out.
+      env (Environment): a routing environment (synthetic arrivals).
+      params (ServingParams): its parameters.
+      policy (Callable): the policy to distil, `policy(key, obs, state, params)`.
+      rules (Mapping[str, Callable]): `{name: policy}` asked at every decision, never acting.
+      key (jax.Array): a tuning key (recorded as one: evaluation must not reuse it).
+      num_envs (int): streams.
+      num_steps (int): requests per stream.
+      warmup (int): first decisions of each stream left out.
 
     Returns:
-      `(x, action, rule_actions)`: `(N, F)` float32 flat observations, `(N,)` int32 actions
-      taken, `(N, R)` int32 each rule's action, `N = num_envs * (num_steps - warmup)`.
+      (x, action, rule_actions): `(N, F)` float32 flat observations, `(N,)` int32 actions taken, `(N, R)` int32 each rule's action,
+        `N = num_envs * (num_steps - warmup)`.
     """
     if not 0 <= warmup < num_steps:
         raise ValueError(f"collect_decisions: need 0 <= warmup < num_steps, got {warmup}, "
@@ -235,7 +238,7 @@ def fit_rule_tree(x: np.ndarray, action: np.ndarray, rule_actions: np.ndarray,
       x: `(N, F)` flat observations; action: `(N,)` the learned policy's actions;
       rule_actions: `(N, R)` each rule's action in the same states; rule_names: the R names.
       num_actions: replicas (fixed-replica leaves `"replica 0"` ... are added).
-      groups: optional `(num_actions,)` group per replica: an option agrees with a decision
+      groups (array-like | None): optional `(num_actions,)` group per replica: an option agrees with a decision
         when it picks a replica of the same group (e.g. speed tier). Default: the same replica.
       bins: candidate thresholds per feature (quantiles of the fitting data).
       feature_names: a name per feature (default `"obs[i]"`).
