@@ -18,8 +18,8 @@ import numpy as np
 
 from jaxserve.core.sources import check_not_tuning_key
 from jaxserve.evaluation.episodes import as_action
-from jaxserve.evaluation.evaluate import (is_routing, make_streams_with_phase, switch_policy,
-                                          trace_env)
+from jaxserve.evaluation.evaluate import (asked_along_rollout, is_routing,
+                                          make_streams_with_phase, switch_policy, trace_env)
 
 
 @partial(jax.jit, static_argnames=("env_t", "policies", "references"))
@@ -36,22 +36,12 @@ def _agreements_of(env_t, policy, references, params, streams, keys, groups):
 
     def one(stream, key):
         p = params.replace(trace=stream)
-        n = stream.gap.shape[0]
-        # evaluate.rollout's key use, so the trajectory is the one evaluate scores.
-        k_reset, k_step, k_pol = jax.random.split(key, 3)
-        obs, state = env_t.reset_env(k_reset, p)
 
-        def body(carry, i):
-            obs, state = carry
-            kp, ke = jax.random.fold_in(k_pol, i), jax.random.fold_in(k_step, i)
-            a = as_action(policy(kp, obs, state, p))
-            same = jnp.stack([groups[as_action(r(kp, obs, state, p))] == groups[a]
+        def same(kp, obs, state, a):
+            return jnp.stack([groups[as_action(r(kp, obs, state, p))] == groups[a]
                               for r in references])
-            obs, state, _, _, _ = env_t.step_env(ke, state, a, p)
-            return (obs, state), same
 
-        _, same = jax.lax.scan(body, (obs, state), jnp.arange(n, dtype=jnp.int32))
-        return same
+        return asked_along_rollout(env_t, policy, p, key, same)
 
     return jax.vmap(one)(streams, keys)
 

@@ -37,7 +37,8 @@ import numpy as np
 
 from jaxserve.core.sources import mark_tuning_key
 from jaxserve.evaluation.episodes import as_action
-from jaxserve.evaluation.evaluate import _run_policies, make_streams, summarise, trace_env
+from jaxserve.evaluation.evaluate import (_run_policies, asked_along_rollout, make_streams,
+                                          summarise, trace_env)
 
 _NO_SPLIT = -1
 
@@ -141,22 +142,12 @@ def _decisions(env_t, policy, rules, params, streams, keys):
 
     def one(stream, key):
         p = params.replace(trace=stream)
-        n = stream.gap.shape[0]
-        # evaluate.rollout's key use, so the trajectory is the one evaluate would score.
-        k_reset, k_step, k_pol = jax.random.split(key, 3)
-        obs, state = env_t.reset_env(k_reset, p)
 
-        def body(carry, i):
-            obs, state = carry
-            kp, ke = jax.random.fold_in(k_pol, i), jax.random.fold_in(k_step, i)
-            a = as_action(policy(kp, obs, state, p))
+        def ask(kp, obs, state, a):
             others = jnp.stack([as_action(r(kp, obs, state, p)) for r in rules])
-            x = jnp.asarray(obs, jnp.float32).reshape(-1)
-            obs, state, _, _, _ = env_t.step_env(ke, state, a, p)
-            return (obs, state), (x, a, others)
+            return jnp.asarray(obs, jnp.float32).reshape(-1), a, others
 
-        _, out = jax.lax.scan(body, (obs, state), jnp.arange(n, dtype=jnp.int32))
-        return out
+        return asked_along_rollout(env_t, policy, p, key, ask)
 
     return jax.vmap(one)(streams, keys)
 

@@ -133,6 +133,30 @@ def rollout(env_t, policy: Callable, params: common.ServingParams, key, routing:
             "in_flight": C.in_system(state.cluster), "decisions": decisions}
 
 
+def asked_along_rollout(env_t, policy: Callable, params: common.ServingParams, key,
+                        ask: Callable):
+    """`ask(key, obs, state, action)` at every decision of `policy`'s routing rollout.
+
+    The trajectory is the one `rollout` runs for `evaluate` (the same reset, environment and
+    policy keys, one decision per request of `params.trace`); `ask` sees each decision's
+    policy key, observation, state and the action taken, before the step, and acts on
+    nothing. Not jitted. Returns `ask`'s outputs stacked over the decisions."""
+    n = params.trace.gap.shape[0]
+    k_reset, k_step, k_pol = jax.random.split(key, 3)
+    obs, state = env_t.reset_env(k_reset, params)
+
+    def body(carry, i):
+        obs, state = carry
+        kp, ke = jax.random.fold_in(k_pol, i), jax.random.fold_in(k_step, i)
+        a = as_action(policy(kp, obs, state, params))
+        y = ask(kp, obs, state, a)
+        obs, state, _, _, _ = env_t.step_env(ke, state, a, params)
+        return (obs, state), y
+
+    _, ys = jax.lax.scan(body, (obs, state), jnp.arange(n, dtype=jnp.int32))
+    return ys
+
+
 def rollout_envs(env_t, policy, params, streams: TraceArrays, keys, routing: bool):
     """`rollout` vmapped over environments: `streams` and `keys` have a leading `(E,)` axis."""
     def one(stream, key):
